@@ -1,0 +1,133 @@
+"""The `qnpu` command."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+
+from qnpu_jax.errors import QnpuError
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from e
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qnpu", description="Static integer-only quantization of small LLMs for mobile NPUs."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ev = sub.add_parser("eval", help="perplexity of a model on a text corpus")
+    ev.add_argument(
+        "--model", required=True, help="smollm2-135m, a .gguf file, an HF dir or org/name"
+    )
+    ev.add_argument(
+        "--data", required=True, help="wiki | wikitext:PATH | hf:NAME[:CONFIG]:SPLIT | a text file"
+    )
+    ev.add_argument("--split", default=None, help="wiki split: calib, eval (default) or all")
+    ev.add_argument("--seq-len", type=_positive_int, required=True)
+    ev.add_argument("--max-windows", type=_positive_int, default=None)
+    ev.add_argument("--batch-size", type=_positive_int, default=1)
+    ev.add_argument("--json", type=Path, default=None, help="write the report here")
+    ev.add_argument("--no-progress", action="store_true")
+
+    gen = sub.add_parser("generate", help="greedy continuation of a prompt")
+    gen.add_argument("--model", required=True)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    return parser
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
+    from qnpu_jax.environment import environment_info
+    from qnpu_jax.eval import perplexity
+    from qnpu_jax.files import write_json_atomic
+    from qnpu_jax.models import load_model, token_nll
+
+    split = args.split
+    if args.data == "wiki" and split is None:
+        split = "eval"
+    started = time.perf_counter()
+    model = load_model(args.model)
+    docs = load_documents(args.data, split)
+    ids = tokenize_documents(docs, model.tokenizer)
+    windows = eval_windows(ids, args.seq_len, args.max_windows)
+    print(
+        f"{args.model} on {args.data}{f' ({split})' if split else ''}: {len(docs)} documents, "
+        f"{len(ids)} tokens, {len(windows)} windows of {args.seq_len}",
+        file=sys.stderr,
+    )
+    nll_fn = partial(token_nll, model.params, cfg=model.config)
+    result = perplexity(nll_fn, windows, batch_size=args.batch_size, progress=not args.no_progress)
+    report = {
+        "model": args.model,
+        "path": "float",
+        "data": args.data,
+        "split": split,
+        "seq_len": args.seq_len,
+        "windows": result.windows,
+        "max_windows": args.max_windows,
+        "batch_size": args.batch_size,
+        "text_tokens": len(ids),
+        "tokens": result.predicted_tokens,
+        "nll_mean": result.nll_sum / result.predicted_tokens,
+        "ppl": result.ppl,
+        "seconds": result.seconds,
+        "seconds_total": time.perf_counter() - started,
+        "environment": environment_info(),
+        "command": "qnpu " + shlex.join(args.argv),
+    }
+    print(
+        f"ppl {result.ppl:.4f} over {result.predicted_tokens} predicted tokens "
+        f"({result.seconds:.1f} s)"
+    )
+    if args.json is not None:
+        write_json_atomic(args.json, report)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from qnpu_jax.models import generate, load_model
+
+    model = load_model(args.model)
+    prompt = model.tokenizer.encode(args.prompt)
+    if not prompt:
+        raise QnpuError("the prompt is empty")
+    new = generate(
+        model.params,
+        prompt,
+        cfg=model.config,
+        max_new_tokens=args.max_new_tokens,
+        eos_token_id=model.config.eos_token_id,
+    )
+    print(args.prompt + model.tokenizer.decode(new))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    commands = {"eval": cmd_eval, "generate": cmd_generate}
+    try:
+        return commands[args.command](args)
+    except QnpuError as e:
+        print(f"qnpu: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

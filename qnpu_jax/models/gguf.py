@@ -1,0 +1,154 @@
+"""GGUF loader (llama.cpp files): dequantize every tensor to float32 with the `gguf` package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.models.config import ModelConfig, RopeConfig
+from qnpu_jax.models.hf import params_from_state_dict
+from qnpu_jax.models.tokenizer import Tokenizer, tokenizer_from_gguf_vocab
+
+# GGUF tensor name (inside "blk.{i}.") -> HF name (inside "model.layers.{i}.")
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (HF rotate-half -> interleaved RoPE pairs).
+
+    convert_hf_to_gguf.py reorders each head's rows from [first half, second half] to
+    interleaved pairs; this is its inverse, for weights [out, in] and biases [out].
+    """
+    head_dim = w.shape[0] // n_heads
+    rest = w.shape[1:]
+    return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _f32(value: Any) -> float:
+    # GGUF stores floats as float32; print-and-parse recovers the config's decimal (1e-05).
+    return float(str(np.float32(value)))
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_model_config(reader: Any) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise QnpuError(f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2)")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise QnpuError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    names = {t.name for t in reader.tensors}
+    num_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise QnpuError(f"GGUF rope scaling {scaling!r} is not supported")
+    rope = RopeConfig(
+        theta=_f32(get("rope.freq_base", 10000.0)),
+        rope_type="linear" if scaling == "linear" else "default",
+        factor=_f32(_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
+    )
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(_field(reader, f"{arch}.vocab_size", len(tokens))),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon")),
+        rope=rope,
+        max_position_embeddings=int(get("context_length")),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+
+
+def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
+    """Load a LLaMA/Qwen2 GGUF file as float32 params (quantized blocks dequantized)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    if not path.is_file():
+        raise QnpuError(f"GGUF file {path} does not exist")
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise QnpuError(f"cannot read GGUF file {path}: {e}") from e
+    cfg = gguf_model_config(reader)
+    state: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        hf_name = _hf_name(t.name)
+        try:
+            w = dequantize(t.data, t.tensor_type).astype(np.float32)
+        except (NotImplementedError, ValueError) as e:
+            raise QnpuError(
+                f"{path}: cannot dequantize {t.name} ({t.tensor_type.name}): {e}"
+            ) from e
+        # GGUF lists dims fastest-first; numpy wants them slowest-first.
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_rope_rows(w, cfg.num_heads)
+        elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_rope_rows(w, cfg.num_kv_heads)
+        state[hf_name] = w
+    params = params_from_state_dict(state, cfg)
+    tokenizer = tokenizer_from_gguf_vocab(
+        model=_field(reader, "tokenizer.ggml.model", ""),
+        pre=_field(reader, "tokenizer.ggml.pre", "default"),
+        tokens=_field(reader, "tokenizer.ggml.tokens", []),
+        merges=_field(reader, "tokenizer.ggml.merges", []),
+        token_types=_field(reader, "tokenizer.ggml.token_type", []),
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=cfg.eos_token_id,
+    )
+    return cfg, params, tokenizer
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if (
+        len(parts) == 3
+        and parts[0] == "blk"
+        and parts[1].isdigit()
+        and parts[2] in _GGUF_LAYER_NAMES
+    ):
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    # Unknown names pass through, so params_from_state_dict reports them as unexpected.
+    return gguf_name

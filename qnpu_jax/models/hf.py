@@ -1,0 +1,301 @@
+"""Hugging Face checkpoints: state-dict <-> params, directory loader/saver, hub download."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.tokenizer import Tokenizer, tokenizer_from_file
+
+# (params key inside "layers", HF name inside "model.layers.{i}.")
+_LAYER_TENSORS = (
+    ("input_layernorm", "input_layernorm.weight"),
+    ("q_proj", "self_attn.q_proj.weight"),
+    ("k_proj", "self_attn.k_proj.weight"),
+    ("v_proj", "self_attn.v_proj.weight"),
+    ("o_proj", "self_attn.o_proj.weight"),
+    ("post_attention_layernorm", "post_attention_layernorm.weight"),
+    ("gate_proj", "mlp.gate_proj.weight"),
+    ("up_proj", "mlp.up_proj.weight"),
+    ("down_proj", "mlp.down_proj.weight"),
+)
+_BIAS_TENSORS = (
+    ("q_bias", "self_attn.q_proj.bias"),
+    ("k_bias", "self_attn.k_proj.bias"),
+    ("v_bias", "self_attn.v_proj.bias"),
+)
+# Buffers some exporters write that carry no parameters.
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def layer_tensor_names(cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
+    return _LAYER_TENSORS + (_BIAS_TENSORS if cfg.attention_bias else ())
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every HF tensor the checkpoint must hold."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    per_layer = {
+        "input_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (cfg.q_size, d),
+        "self_attn.k_proj.weight": (cfg.kv_size, d),
+        "self_attn.v_proj.weight": (cfg.kv_size, d),
+        "self_attn.o_proj.weight": (d, cfg.q_size),
+        "post_attention_layernorm.weight": (d,),
+        "mlp.gate_proj.weight": (f, d),
+        "mlp.up_proj.weight": (f, d),
+        "mlp.down_proj.weight": (d, f),
+    }
+    if cfg.attention_bias:
+        per_layer |= {
+            "self_attn.q_proj.bias": (cfg.q_size,),
+            "self_attn.k_proj.bias": (cfg.kv_size,),
+            "self_attn.v_proj.bias": (cfg.kv_size,),
+        }
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    for i in range(cfg.num_layers):
+        shapes |= {f"model.layers.{i}.{k}": v for k, v in per_layer.items()}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    return shapes
+
+
+def params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str, Any]:
+    """HF-named float tensors -> stacked float32 params; every name and shape is checked."""
+    shapes = expected_shapes(cfg)
+    missing = sorted(set(shapes) - set(state))
+    if missing:
+        raise QnpuError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    extra = sorted(
+        k
+        for k in set(state) - set(shapes)
+        if not _IGNORED.fullmatch(k) and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
+    )
+    if extra:
+        raise QnpuError(f"checkpoint has {len(extra)} unexpected tensors, e.g. {extra[:3]}")
+    for name, shape in shapes.items():
+        if tuple(state[name].shape) != shape:
+            raise QnpuError(
+                f"tensor {name} has shape {tuple(state[name].shape)}, config expects {shape}"
+            )
+
+    def f32(name: str) -> np.ndarray:
+        return np.asarray(state[name], dtype=np.float32)
+
+    layers = {
+        key: np.stack([f32(f"model.layers.{i}.{hf}") for i in range(cfg.num_layers)])
+        for key, hf in layer_tensor_names(cfg)
+    }
+    params: dict[str, Any] = {
+        "embed_tokens": f32("model.embed_tokens.weight"),
+        "layers": layers,
+        "norm": f32("model.norm.weight"),
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = f32("lm_head.weight")
+    for path, value in _leaves(params):
+        if not np.isfinite(value).all():
+            raise QnpuError(f"checkpoint tensor {path} contains NaN or Inf")
+    return params
+
+
+def state_dict_from_params(params: Mapping[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    state = {
+        "model.embed_tokens.weight": np.asarray(params["embed_tokens"]),
+        "model.norm.weight": np.asarray(params["norm"]),
+    }
+    for key, hf in layer_tensor_names(cfg):
+        stacked = np.asarray(params["layers"][key])
+        for i in range(cfg.num_layers):
+            state[f"model.layers.{i}.{hf}"] = np.ascontiguousarray(stacked[i])
+    if not cfg.tie_word_embeddings:
+        state["lm_head.weight"] = np.asarray(params["lm_head"])
+    return state
+
+
+def _leaves(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, np.ndarray]]:
+    out: list[tuple[str, np.ndarray]] = []
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out += _leaves(v, f"{prefix}{k}/")
+        else:
+            out.append((f"{prefix}{k}", v))
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise QnpuError(f"missing {path}") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise QnpuError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise QnpuError(f"{path} must hold a JSON object")
+    return data
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    except FileNotFoundError as e:
+        raise QnpuError(f"missing weight file {path}") from e
+    except (SafetensorError, OSError, ValueError, TypeError) as e:
+        raise QnpuError(f"cannot read weight file {path}: {e}") from e
+
+
+def load_state_dict(directory: Path) -> dict[str, np.ndarray]:
+    """All tensors of `model.safetensors` or of the shards its index lists."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise QnpuError(f"{index} has no weight_map")
+        state: dict[str, np.ndarray] = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_path = (directory / shard).resolve()
+            if directory.resolve() not in shard_path.parents:
+                raise QnpuError(f"{index} names a shard outside the checkpoint: {shard!r}")
+            state |= _read_safetensors(shard_path)
+        missing = sorted(set(weight_map) - set(state))
+        if missing:
+            raise QnpuError(f"shards listed in {index} lack tensors, e.g. {missing[:3]}")
+        return state
+    single = directory / "model.safetensors"
+    if not single.exists():
+        raise QnpuError(
+            f"{directory} has neither model.safetensors nor model.safetensors.index.json "
+            "(only safetensors checkpoints are supported)"
+        )
+    return _read_safetensors(single)
+
+
+def load_hf_dir(directory: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
+    """Load a `save_pretrained` dir: config.json, safetensors (sharded too), tokenizer.json."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise QnpuError(f"model directory {directory} does not exist")
+    hf_config = _read_json(directory / "config.json")
+    cfg = ModelConfig.from_hf(hf_config)
+    params = params_from_state_dict(load_state_dict(directory), cfg)
+    tok_file = directory / "tokenizer.json"
+    if not tok_file.exists():
+        raise QnpuError(f"{directory} has no tokenizer.json (a fast tokenizer is required)")
+    bos, eos = cfg.bos_token_id, cfg.eos_token_id
+    tok_config_path = directory / "tokenizer_config.json"
+    tokenizer = tokenizer_from_file(tok_file, bos, eos)
+    if tok_config_path.exists():
+        # The tokenizer's own special tokens win over config.json's ids when both are present.
+        tok_config = _read_json(tok_config_path)
+        for name in ("bos_token", "eos_token"):
+            token = tok_config.get(name)
+            if isinstance(token, dict):
+                token = token.get("content")
+            idx = tokenizer.token_to_id(token) if isinstance(token, str) else None
+            if idx is not None:
+                bos, eos = (idx, eos) if name == "bos_token" else (bos, idx)
+        tokenizer = Tokenizer(tokenizer.backend, bos, eos)
+    return cfg, params, tokenizer
+
+
+def save_hf_dir(
+    directory: Path,
+    cfg: ModelConfig,
+    params: Mapping[str, Any],
+    tokenizer: Tokenizer,
+    *,
+    max_shard_bytes: int | None = None,
+    dtype: Any = np.float32,
+) -> Path:
+    """Write config.json, safetensors (sharded when `max_shard_bytes` is set) and tokenizer files.
+
+    The directory appears whole or not at all: everything is written to a sibling temporary
+    directory that is renamed into place last. An existing directory is refused.
+    """
+    from safetensors.numpy import save_file
+
+    directory = Path(directory)
+    if directory.exists():
+        raise QnpuError(f"{directory} already exists; refusing to overwrite it")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        hf_config = cfg.to_hf() | {"torch_dtype": np.dtype(dtype).name}
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        state = {
+            k: np.ascontiguousarray(v, dtype=dtype)
+            for k, v in state_dict_from_params(params, cfg).items()
+        }
+        shards = _shard(state, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / name), metadata={"format": "pt"})
+                weight_map |= dict.fromkeys(shard, name)
+            total = sum(v.nbytes for v in state.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        tokenizer.save(tmp)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def _shard(state: dict[str, np.ndarray], max_bytes: int | None) -> list[dict[str, np.ndarray]]:
+    if max_bytes is None:
+        return [state]
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in state.items():
+        if shards[-1] and size + value.nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    return shards
+
+
+def is_hub_id(spec: str) -> bool:
+    return bool(_HUB_ID.fullmatch(spec))
+
+
+def download_from_hub(repo_id: str) -> Path:
+    """Snapshot the files the directory loader needs; never hangs when offline."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+    )
+
+    patterns = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer*"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, etag_timeout=10))
+    except LocalEntryNotFoundError as e:
+        raise QnpuError(
+            f"cannot download {repo_id!r} from the Hugging Face hub (offline or unreachable) and "
+            "it is not in the local cache; pass a local checkpoint directory instead"
+        ) from e
+    except HFValidationError as e:
+        raise QnpuError(f"{repo_id!r} is not a valid hub id: {e}") from e
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise QnpuError(f"cannot download {repo_id!r} from the Hugging Face hub: {e}") from e

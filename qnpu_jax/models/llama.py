@@ -1,0 +1,272 @@
+"""Pure-JAX float forward of LLaMA-family decoders (GQA, RoPE, SwiGLU, RMSNorm).
+
+Params pytree (float32, weights stored [out, in] as in Hugging Face checkpoints; decoder layers
+stacked along a leading axis so the depth is one `jax.lax.scan`):
+
+    embed_tokens [V, D]
+    layers/ input_layernorm [L, D]      q_proj [L, Hq*hd, D]   k_proj, v_proj [L, Hkv*hd, D]
+            q_bias, k_bias, v_bias      (only when config.attention_bias) [L, out]
+            o_proj [L, D, Hq*hd]        post_attention_layernorm [L, D]
+            gate_proj, up_proj [L, F, D]   down_proj [L, D, F]
+    norm [D]
+    lm_head [V, D]                      (only when embeddings are not tied)
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qnpu_jax.models.config import ModelConfig, RopeConfig
+
+Params = dict[str, Any]
+KVCache = dict[str, jax.Array]  # {"k": [L, B, Hkv, S, hd], "v": same}
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Inverse frequencies [head_dim // 2] in float32, with llama3 / linear scaling."""
+    inv = 1.0 / (
+        rope.theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim)
+    )
+    inv = inv.astype(np.float32)
+    if rope.rope_type == "linear":
+        return (inv / rope.factor).astype(np.float32)
+    if rope.rope_type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def rope_cos_sin(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [..., head_dim] for integer positions (HF's rotate-half layout)."""
+    inv = jnp.asarray(rope_inv_freq(cfg.rope, cfg.head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, H, hd]; cos/sin [B, T, hd]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(var + eps) * weight
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x [..., in] @ w[out, in]^T (+ b)."""
+    y = jnp.einsum("...i,oi->...o", x, w)
+    return y if b is None else y + b
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def _attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, query_pos: jax.Array, valid_len: jax.Array
+) -> jax.Array:
+    """Causal GQA attention over a cache.
+
+    q [B, T, Hq, hd]; k, v [B, Hkv, S, hd]; query_pos [B, T]; keys at index >= valid_len or
+    after the query's position are masked.
+    """
+    b, t, hq, hd = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    q = q.reshape(b, t, hkv, hq // hkv, hd)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k) / math.sqrt(hd)
+    key_pos = jnp.arange(s)
+    allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos < valid_len)
+    scores = jnp.where(allowed[:, None, None, :, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
+    return out.reshape(b, t, hq * hd)
+
+
+def _decoder_layer(
+    cfg: ModelConfig,
+    x: jax.Array,
+    layer: Params,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    start: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    b, t, _ = x.shape
+    h = rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps)
+    q = linear(h, layer["q_proj"], layer.get("q_bias")).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = linear(h, layer["k_proj"], layer.get("k_bias")).reshape(
+        b, t, cfg.num_kv_heads, cfg.head_dim
+    )
+    v = linear(h, layer["v_proj"], layer.get("v_bias")).reshape(
+        b, t, cfg.num_kv_heads, cfg.head_dim
+    )
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+    k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.transpose(0, 2, 1, 3), start, axis=2)
+    v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.transpose(0, 2, 1, 3), start, axis=2)
+    query_pos = start + jnp.broadcast_to(jnp.arange(t), (b, t))
+    attn = _attention(q, k_cache, v_cache, query_pos, start + t)
+    x = x + linear(attn, layer["o_proj"])
+    h = rms_norm(x, layer["post_attention_layernorm"], cfg.rms_norm_eps)
+    gated = jax.nn.silu(linear(h, layer["gate_proj"])) * linear(h, layer["up_proj"])
+    x = x + linear(gated, layer["down_proj"])
+    return x, k_cache, v_cache
+
+
+def lm_head_weight(params: Params) -> jax.Array:
+    return params["lm_head"] if "lm_head" in params else params["embed_tokens"]
+
+
+def forward_cached(
+    params: Params, tokens: jax.Array, cache: KVCache, start: jax.Array, *, cfg: ModelConfig
+) -> tuple[jax.Array, KVCache]:
+    """Run `tokens` [B, T] at positions start..start+T-1, writing K/V into `cache`.
+
+    Returns float32 logits [B, T, V] and the updated cache. Prefill, decode and plain
+    full-sequence forward are all this one function.
+    """
+    b, t = tokens.shape
+    start = jnp.asarray(start, jnp.int32)
+    x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(jnp.float32)
+    cos, sin = rope_cos_sin(start + jnp.broadcast_to(jnp.arange(t), (b, t)), cfg)
+
+    def body(x: jax.Array, xs: tuple[Params, jax.Array, jax.Array]) -> tuple[jax.Array, Any]:
+        layer, k_cache, v_cache = xs
+        x, k_cache, v_cache = _decoder_layer(cfg, x, layer, k_cache, v_cache, start, cos, sin)
+        return x, (k_cache, v_cache)
+
+    x, (k_new, v_new) = jax.lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
+    x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    logits = linear(x, lm_head_weight(params))
+    return logits, {"k": k_new, "v": v_new}
+
+
+@partial(jax.jit, static_argnames="cfg")
+def forward(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+    """Float32 logits [B, T, V] of a full causal forward over `tokens` [B, T]."""
+    cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
+    logits, _ = forward_cached(params, tokens, cache, jnp.int32(0), cfg=cfg)
+    return logits
+
+
+def next_token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Negative log-likelihood [B, T-1] of tokens[:, 1:] under logits[:, :-1]."""
+    logits = logits[:, :-1].astype(jnp.float32)
+    target = tokens[:, 1:]
+    picked = jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+@partial(jax.jit, static_argnames="cfg")
+def token_nll(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+    """Per-position next-token NLL [B, T-1] of the float model (logits never leave the jit)."""
+    return next_token_nll(forward(params, tokens, cfg=cfg), tokens)
+
+
+@partial(jax.jit, static_argnames="cfg", donate_argnames="cache")
+def _prefill(
+    params: Params, tokens: jax.Array, cache: KVCache, length: jax.Array, *, cfg: ModelConfig
+) -> tuple[jax.Array, KVCache]:
+    logits, cache = forward_cached(params, tokens, cache, jnp.int32(0), cfg=cfg)
+    last = jnp.take_along_axis(logits, (length - 1)[:, None, None], axis=1)[:, 0]
+    return jnp.argmax(last, axis=-1).astype(jnp.int32), cache
+
+
+@partial(jax.jit, static_argnames="cfg", donate_argnames="cache")
+def _decode_step(
+    params: Params, token: jax.Array, cache: KVCache, pos: jax.Array, *, cfg: ModelConfig
+) -> tuple[jax.Array, KVCache]:
+    logits, cache = forward_cached(params, token[:, None], cache, pos, cfg=cfg)
+    return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+
+
+def _bucket(n: int, multiple: int = 32) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def generate(
+    params: Params,
+    prompt: list[int],
+    *,
+    cfg: ModelConfig,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+) -> list[int]:
+    """Greedy decoding with a KV cache; returns the new token ids (stops after EOS).
+
+    The prompt is padded to a multiple of 32 so prompts of similar length share one compiled
+    prefill; padded cache slots are overwritten by decode before any query can see them.
+    Ties in argmax go to the lowest token id.
+    """
+    if not prompt:
+        raise ValueError("generate needs a non-empty prompt")
+    if max_new_tokens <= 0:
+        return []
+    padded = _bucket(len(prompt))
+    cache = init_cache(cfg, 1, _bucket(padded + max_new_tokens))
+    tokens = jnp.asarray([prompt + [0] * (padded - len(prompt))], jnp.int32)
+    token, cache = _prefill(params, tokens, cache, jnp.asarray([len(prompt)]), cfg=cfg)
+    out = [int(token[0])]
+    pos = len(prompt)
+    while len(out) < max_new_tokens and out[-1] != eos_token_id:
+        token, cache = _decode_step(params, token, cache, jnp.int32(pos), cfg=cfg)
+        out.append(int(token[0]))
+        pos += 1
+    return out
+
+
+def init_random_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
+    """Random float32 params of the layout above (for tests and experiments on tiny models)."""
+    d, f, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    shapes: dict[str, tuple[int, ...]] = {
+        "q_proj": (n, cfg.q_size, d),
+        "k_proj": (n, cfg.kv_size, d),
+        "v_proj": (n, cfg.kv_size, d),
+        "o_proj": (n, d, cfg.q_size),
+        "gate_proj": (n, f, d),
+        "up_proj": (n, f, d),
+        "down_proj": (n, d, f),
+    }
+    if cfg.attention_bias:
+        shapes |= {
+            "q_bias": (n, cfg.q_size),
+            "k_bias": (n, cfg.kv_size),
+            "v_bias": (n, cfg.kv_size),
+        }
+    keys = jax.random.split(key, len(shapes) + 4)
+    norm_keys = keys[len(shapes) :]
+    layers = {
+        name: scale * jax.random.normal(k, shape)
+        for (name, shape), k in zip(shapes.items(), keys[: len(shapes)], strict=True)
+    }
+    layers["input_layernorm"] = 1.0 + 0.1 * jax.random.normal(norm_keys[0], (n, d))
+    layers["post_attention_layernorm"] = 1.0 + 0.1 * jax.random.normal(norm_keys[1], (n, d))
+    params: Params = {
+        "embed_tokens": jax.random.normal(norm_keys[2], (cfg.vocab_size, d)),
+        "layers": layers,
+        "norm": jnp.ones((d,)),
+    }
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = scale * jax.random.normal(norm_keys[3], (cfg.vocab_size, d))
+    return params
