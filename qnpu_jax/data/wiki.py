@@ -6,8 +6,8 @@ installed and nothing here needs its code.
 
 `clean_wiki_markup` is a small, linear-time approximation of MediaWiki rendering: brace and bracket
 nesting is matched with explicit stacks rather than regexes (regexes cannot count nesting and
-backtrack badly on 100+ KB pages), and every regex used is anchored on a literal so it stays
-linear.
+backtrack badly on 100+ KB pages), and every regex's character classes stop at the next
+delimiter, so a failed match never rescans the rest of the page.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from qnpu_jax.errors import QnpuError
 
@@ -238,7 +239,7 @@ _MONTHS = (
 _NDASH, _MDASH = "\u2013", "\u2014"
 _CONVERT_RANGE_WORDS = frozenset({"to", "-", _NDASH, "and", "or", "by", "x", "\u00d7", "+"})
 _CONVERT_UNITS = {"C": "°C", "F": "°F", "K": "K", "sqmi": "sq mi", "sqkm": "km²", "km2": "km²"}
-_NAMED_ARG_RE = re.compile(r"^\s*([\w -]+?)\s*=(.*)$", re.DOTALL)
+_ARG_NAME_RE = re.compile(r"[\w -]+")
 
 
 def _split_args(inner: str) -> list[str]:
@@ -357,27 +358,32 @@ _INLINE_TEMPLATES["small caps"] = _INLINE_TEMPLATES["sc"]
 
 
 def _render_template(inner: str) -> str:
-    args = _split_args(inner)
-    name = " ".join(args[0].replace("_", " ").split()).lower()
+    head, has_args, arg_text = inner.partition("|")
+    head = head.strip()
     for prefix in ("subst:", "safesubst:", "msgnw:"):
-        name = name.removeprefix(prefix)
-    rest = args[1:]
-    if ":" in name:  # parser function or magic word: {{formatnum:1,234}}, {{#if:...}}
-        head, _, first_arg = args[0].partition(":")
-        name = head.strip().lower()
-        rest = [first_arg, *rest]
+        if head.lower().startswith(prefix):
+            head = head[len(prefix) :]
+    args: list[str] = []
+    if ":" in head:  # parser function or magic word: {{formatnum:1,234}}, {{#if:...}}
+        head, _, first_arg = head.partition(":")
+        args.append(first_arg)
+    name = " ".join(head.replace("_", " ").split()).lower()
+    # Most templates (citations, infoboxes) render as nothing: skip splitting their arguments.
+    if not (name.startswith("lang-") or name in _INLINE_TEMPLATES):
+        return ""
+    if has_args:
+        args.extend(_split_args(arg_text))
     pos: list[str] = []
     named: dict[str, str] = {}
-    for arg in rest:
-        m = _NAMED_ARG_RE.match(arg)
-        if m and "[[" not in m.group(1):
-            named[m.group(1).strip().lower()] = m.group(2).strip()
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if eq and key.strip() and _ARG_NAME_RE.fullmatch(key):
+            named[key.strip().lower()] = value.strip()
         else:
             pos.append(arg.strip())
     if name.startswith("lang-"):  # {{lang-fr|texte}}
         return _first(pos)
-    renderer = _INLINE_TEMPLATES.get(name)
-    return renderer(pos, named) if renderer else ""
+    return _INLINE_TEMPLATES[name](pos, named)
 
 
 _BRACE_RUN_RE = re.compile(r"\{\{+|\}\}+")
@@ -451,7 +457,8 @@ def _drop_tables(text: str) -> str:
 
 _EXT_LINK_RE = re.compile(
     r"\[(?:(?:https?|ftps?|irc|ircs|news|mailto|gopher|nntp|telnet|svn|git|sftp|ssh):|//)"
-    r"[^\s\[\]<>\"]+(?:[ \t]+([^\]\n]*))?\]",
+    # The label excludes '[' so that an unclosed link's scan stops at the next link (linear).
+    r"[^\s\[\]<>\"]+(?:[ \t]+([^\[\]\n]*))?\]",
     re.IGNORECASE,
 )
 _LINK_RUN_RE = re.compile(r"\[\[+|\]\]+")
@@ -501,12 +508,11 @@ def _render_links(text: str) -> str:
             emit("[" * extra)
             stack.extend([] for _ in range(pairs))
             continue
-        emit("]" * extra)
         for _ in range(pairs):
             if not stack:
                 break  # an unmatched ']]' is dropped
-            rendered = _render_link("".join(stack.pop()))
-            emit(rendered)
+            emit(_render_link("".join(stack.pop())))
+        emit("]" * extra)
     emit(text[pos:])
     for pieces in stack:  # unclosed links are literal text (see _expand_templates)
         top.append("[[")
@@ -679,7 +685,7 @@ def _local(tag: str) -> str:
     return tag.rsplit("}", 1)[-1]
 
 
-def _open_dump(path: Path):
+def _open_dump(path: Path) -> IO[bytes]:
     with open(path, "rb") as f:
         magic = f.read(3)
     # bz2 by content, not by name, so a plain .xml export works too.

@@ -14,7 +14,7 @@ from tqdm import tqdm
 from qnpu_jax.errors import QnpuError
 
 # tokens [B, T] int32 -> NLL of tokens[:, 1:] [B, T-1]
-NllFn = Callable[[jax.Array], jax.Array]
+NllFn = Callable[[np.ndarray], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -244,7 +244,7 @@ def save_hf_dir(
         if len(shards) == 1:
             save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
         else:
-            weight_map = {}
+            weight_map: dict[str, str] = {}
             for i, shard in enumerate(shards):
                 name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                 save_file(shard, str(tmp / name), metadata={"format": "pt"})

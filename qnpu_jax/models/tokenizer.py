@@ -86,6 +86,7 @@ def tokenizer_from_gguf_vocab(
         )
     # ByteLevel's own regex is GPT-2's split, which llama.cpp applies for both of these.
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    pre_tok: pre_tokenizers.PreTokenizer
     if pre == "smollm":
         # llama.cpp splits every digit on its own before the GPT-2 regex.
         pre_tok = pre_tokenizers.Sequence(
@@ -99,7 +100,7 @@ def tokenizer_from_gguf_vocab(
             "load the model's Hugging Face directory instead"
         )
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [(a, b) for a, _, b in (m.partition(" ") for m in merges)]
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
     backend.pre_tokenizer = pre_tok
     backend.decoder = decoders.ByteLevel()
