@@ -54,15 +54,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
     from qnpu_jax.environment import environment_info
     from qnpu_jax.eval import perplexity
-    from qnpu_jax.files import write_json_atomic
+    from qnpu_jax.files import check_writable, write_json_atomic
     from qnpu_jax.models import load_model, token_nll
 
     split = args.split
     if args.data == "wiki" and split is None:
         split = "eval"
     started = time.perf_counter()
+    if args.json is not None:
+        check_writable(args.json)  # fail before the run, not after it
+    docs = load_documents(args.data, split)  # cheap checks first
     model = load_model(args.model)
-    docs = load_documents(args.data, split)
+    if args.seq_len > model.config.max_position_embeddings:
+        raise QnpuError(
+            f"--seq-len {args.seq_len} exceeds the model's context "
+            f"({model.config.max_position_embeddings} positions)"
+        )
     ids = tokenize_documents(docs, model.tokenizer)
     windows = eval_windows(ids, args.seq_len, args.max_windows)
     print(
@@ -103,7 +110,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from qnpu_jax.models import generate, load_model
 
     model = load_model(args.model)
-    prompt = model.tokenizer.encode(args.prompt)
+    prompt = model.tokenizer.encode(args.prompt, add_bos=model.tokenizer.add_bos)
     if not prompt:
         raise QnpuError("the prompt is empty")
     new = generate(
@@ -111,7 +118,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt,
         cfg=model.config,
         max_new_tokens=args.max_new_tokens,
-        eos_token_id=model.config.eos_token_id,
+        eos_token_id=model.tokenizer.eos_token_id,
     )
     print(args.prompt + model.tokenizer.decode(new))
     return 0
@@ -124,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = {"eval": cmd_eval, "generate": cmd_generate}
     try:
         return commands[args.command](args)
-    except QnpuError as e:
+    except (QnpuError, OSError) as e:  # OSError: an unwritable or vanished path
         print(f"qnpu: error: {e}", file=sys.stderr)
         return 2
 

@@ -8,6 +8,26 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from qnpu_jax.errors import QnpuError
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def check_writable(path: Path) -> None:
+    """Raise QnpuError now if `path` could not be written later (a directory, or under a file)."""
+    path = Path(path)
+    if path.is_dir():
+        raise QnpuError(f"{path} is a directory, not a file path")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise QnpuError(f"cannot write {path}: {parent} is not a writable directory")
+
 
 def write_bytes_atomic(path: Path, data: bytes) -> Path:
     path = Path(path)
@@ -16,6 +36,7 @@ def write_bytes_atomic(path: Path, data: bytes) -> Path:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp makes it private (0600)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -54,7 +55,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--shapes", type=_shape, nargs="+", default=[(1, 512), (4, 512)])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, choices=range(1, 101), metavar="1..100")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="reports/bench_forward.json")
     args = parser.parse_args()
@@ -77,6 +78,7 @@ def main() -> int:
         "path": "float",
         "results": results,
         "environment": environment_info(),
+        "command": "python scripts/bench_forward.py " + shlex.join(sys.argv[1:]),
     }
     write_json_atomic(args.json, report)
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -21,8 +22,10 @@ import numpy as np
 
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.environment import environment_info
+from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models import forward, load_model, save_hf_dir
+from qnpu_jax.models.llama import next_token_nll
 
 
 def main() -> int:
@@ -38,8 +41,12 @@ def main() -> int:
     import transformers
 
     split = args.split or ("eval" if args.data == "wiki" else None)
-    model = load_model(args.model)
-    ids = tokenize_documents(load_documents(args.data, split), model.tokenizer)
+    try:
+        model = load_model(args.model)
+        ids = tokenize_documents(load_documents(args.data, split), model.tokenizer)
+    except QnpuError as e:
+        print(f"crosscheck_hf: error: {e}", file=sys.stderr)
+        return 2
     windows = eval_windows(ids, args.seq_len, args.windows)
     with tempfile.TemporaryDirectory() as tmp:
         directory = save_hf_dir(Path(tmp) / "model", model.config, model.params, model.tokenizer)
@@ -48,16 +55,15 @@ def main() -> int:
     ours_nll, ref_nll, max_diff, max_abs = [], [], 0.0, 0.0
     argmax_agree = 0
     for w in windows:
+        tokens = jnp.asarray(w[None])
         with torch.no_grad():
-            r = ref(torch.tensor(w[None], dtype=torch.long)).logits[0].double().numpy()
-        o = np.asarray(forward(model.params, jnp.asarray(w[None]), cfg=model.config)[0], np.float64)
+            r = ref(torch.tensor(w[None], dtype=torch.long)).logits.numpy()
+        o = np.asarray(forward(model.params, tokens, cfg=model.config))
         max_diff = max(max_diff, float(np.abs(o - r).max()))
         max_abs = max(max_abs, float(np.abs(r).max()))
         argmax_agree += int((o.argmax(-1) == r.argmax(-1)).sum())
-        for logits, out in ((o, ours_nll), (r, ref_nll)):
-            lse = np.log(np.exp(logits[:-1] - logits[:-1].max(-1, keepdims=True)).sum(-1))
-            lse += logits[:-1].max(-1)
-            out.append(lse - logits[np.arange(len(w) - 1), w[1:]])
+        ours_nll.append(np.asarray(next_token_nll(jnp.asarray(o), tokens)))
+        ref_nll.append(np.asarray(next_token_nll(jnp.asarray(r), tokens)))
     ppl_ours = math.exp(float(np.mean(ours_nll)))
     ppl_ref = math.exp(float(np.mean(ref_nll)))
     report = {
@@ -75,7 +81,7 @@ def main() -> int:
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "environment": environment_info(),
-        "command": "python scripts/crosscheck_hf.py " + " ".join(sys.argv[1:]),
+        "command": "python scripts/crosscheck_hf.py " + shlex.join(sys.argv[1:]),
     }
     print(
         f"ppl jax {ppl_ours:.4f} vs transformers {ppl_ref:.4f} "

@@ -82,6 +82,16 @@ def test_to_hf_round_trip(hf):
         ({"num_key_value_heads": 7}, "multiple of num_kv_heads"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope type 'yarn'"),
         ({"num_hidden_layers": 0}, "num_layers must be a positive integer"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be positive"),
+        ({"num_key_value_heads": 0}, "num_kv_heads must be a positive integer"),
+        ({"vocab_size": None}, "missing vocab_size"),
+        ({"vocab_size": "many"}, "vocab_size must be an integer, got 'many'"),
+        ({"hidden_size": 2048.5}, "hidden_size must be an integer"),
+        ({"tie_word_embeddings": True, "bos_token_id": [1, 2]}, "bos_token_id must be"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number"),
+        ({"rope_scaling": LLAMA32_1B["rope_scaling"] | {"factor": float("nan")}}, "factor"),
+        ({"rope_scaling": LLAMA32_1B["rope_scaling"] | {"low_freq_factor": 0.0}}, "llama3 rope"),
+        ({"attention_bias": True}, "LLaMA attention_bias=true"),
     ],
 )
 def test_bad_configs_are_clear_errors(change, message):

@@ -44,7 +44,6 @@ def test_wikitext_rows_follow_hf_convention(wikitext_test_path):
 
 
 def test_hf_dataset_from_local_folder(tmp_path):
-    pytest.importorskip("datasets", reason="hf: specs need the datasets package")
     folder = tmp_path / "corpus"
     folder.mkdir()
     rows = [{"text": "alpha beta"}, {"text": "gamma"}]
@@ -63,7 +62,7 @@ def test_bad_data_specs(tmp_path):
         load_documents(str(tmp_path / "missing.txt"))
     with pytest.raises(QnpuError, match="does not exist"):
         load_documents(f"wikitext:{tmp_path / 'missing.raw'}")
-    with pytest.raises(QnpuError, match="unknown wiki split 'test'"):
+    with pytest.raises(QnpuError, match="unknown Wikipedia split 'test'"):
         load_documents("wiki", "test")
     with pytest.raises(QnpuError, match="--split applies to the 'wiki' corpus only"):
         load_documents(str(empty), "eval")

@@ -1,9 +1,10 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from qnpu_jax.models import forward, generate, token_nll
-from qnpu_jax.models.llama import forward_cached, init_cache, next_token_nll
+from qnpu_jax.models import RopeConfig, forward, generate, token_nll
+from qnpu_jax.models.llama import forward_cached, init_cache, next_token_nll, rope_inv_freq
 
 
 def test_prefill_then_decode_matches_full_forward(tiny_cfg, tiny_params):
@@ -54,3 +55,20 @@ def test_token_nll_is_cross_entropy(tiny_cfg, tiny_params):
     expected = -np.take_along_axis(logp[:, :-1], t[:, 1:, None], -1)[..., 0]
     np.testing.assert_allclose(token_nll(tiny_params, tokens, cfg=tiny_cfg), expected, atol=1e-5)
     np.testing.assert_allclose(next_token_nll(jnp.asarray(logits), tokens), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize(("prompt_len", "max_new"), [(31, 1), (32, 3), (33, 3)])
+def test_generate_at_padding_bucket_edges(tiny_cfg, tiny_params, prompt_len, max_new):
+    prompt = [int(t) for t in jax.random.randint(jax.random.key(prompt_len), (prompt_len,), 0, 96)]
+    new = generate(tiny_params, prompt, cfg=tiny_cfg, max_new_tokens=max_new)
+    seq = list(prompt)
+    for _ in range(max_new):
+        logits = forward(tiny_params, jnp.asarray([seq]), cfg=tiny_cfg)
+        seq.append(int(jnp.argmax(logits[0, -1])))
+    assert new == seq[prompt_len:]
+
+
+def test_linear_rope_scaling_divides_frequencies():
+    base = RopeConfig(theta=10000.0)
+    scaled = RopeConfig(theta=10000.0, rope_type="linear", factor=4.0)
+    np.testing.assert_allclose(rope_inv_freq(scaled, 64), rope_inv_freq(base, 64) / 4.0)

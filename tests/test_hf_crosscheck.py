@@ -7,13 +7,12 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch  # the test extras install torch==2.13.0 (CPU) for this cross-check
+import transformers
 
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.models import forward, load_model, save_hf_dir, token_nll
 from qnpu_jax.models.load import builtin_model_path
-
-torch = pytest.importorskip("torch", reason="the cross-check needs torch==2.13.0 (CI installs it)")
-transformers = pytest.importorskip("transformers")
 
 
 def _word_level_tokenizer(directory, vocab_size):

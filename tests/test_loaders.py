@@ -64,11 +64,11 @@ def test_corrupt_safetensors(tiny_dir):
 
 
 def test_missing_files(tiny_dir):
-    (tiny_dir / "tokenizer.json").unlink()
-    with pytest.raises(QnpuError, match=r"no tokenizer.json"):
-        load_hf_dir(tiny_dir)
     (tiny_dir / "model.safetensors").unlink()
     with pytest.raises(QnpuError, match=r"neither model.safetensors"):
+        load_hf_dir(tiny_dir)
+    (tiny_dir / "tokenizer.json").unlink()
+    with pytest.raises(QnpuError, match=r"no tokenizer.json"):
         load_hf_dir(tiny_dir)
     (tiny_dir / "config.json").unlink()
     with pytest.raises(QnpuError, match=r"missing .*config.json"):
@@ -130,3 +130,16 @@ def test_unpermute_inverts_llama_cpp_permutation():
     bias = np.arange(heads * head_dim, dtype=np.float32)
     permuted_bias = bias.reshape(heads, 2, head_dim // 2).swapaxes(1, 2).reshape(-1)
     np.testing.assert_array_equal(unpermute_rope_rows(permuted_bias, heads), bias)
+
+
+def test_tied_checkpoint_with_stray_lm_head_is_accepted(tmp_path, tiny_cfg, tiny_params):
+    import dataclasses
+
+    tied_cfg = dataclasses.replace(tiny_cfg, tie_word_embeddings=True)
+    tied = {k: v for k, v in tiny_params.items() if k != "lm_head"}
+    vocab = {f"t{i}": i for i in range(tiny_cfg.vocab_size)}
+    tok = Tokenizer(HFTokenizer(models.WordLevel(vocab=vocab, unk_token="t0")), 1, 2)
+    directory = save_hf_dir(tmp_path / "tied", tied_cfg, tied, tok)
+    _edit_weights(directory, lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"]}))
+    cfg, params, _ = load_hf_dir(directory)
+    assert cfg.tie_word_embeddings and "lm_head" not in params

@@ -20,8 +20,6 @@ from qnpu_jax.data.wiki import load_wiki
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.models.tokenizer import Tokenizer
 
-WIKI_SPLITS = ("calib", "eval", "all")
-
 
 def _read_text(path: Path) -> str:
     try:
@@ -53,16 +51,13 @@ def _hf_documents(spec: str) -> list[str]:
         raise QnpuError(f"cannot load dataset hf:{spec}: {type(e).__name__}: {e}") from e
     if "text" not in ds.column_names:
         raise QnpuError(f"dataset hf:{spec} has no 'text' column (columns: {ds.column_names})")
-    return [str(t) for t in ds["text"]]
+    return [t or "" for t in ds["text"]]
 
 
 def load_documents(spec: str, split: str | None = None) -> list[str]:
     """Documents of a data spec; `split` applies to `wiki` only (default: all)."""
     if spec == "wiki":
-        split = split or "all"
-        if split not in WIKI_SPLITS:
-            raise QnpuError(f"unknown wiki split {split!r}; valid: {', '.join(WIKI_SPLITS)}")
-        docs = load_wiki(split)
+        docs = load_wiki(split or "all")
     else:
         if split is not None:
             raise QnpuError(f"--split applies to the 'wiki' corpus only, not to {spec!r}")
@@ -104,7 +99,9 @@ def eval_windows(ids: np.ndarray, seq_len: int, max_windows: int | None = None) 
 
 def sample_windows(ids: np.ndarray, seq_len: int, count: int, key: jax.Array) -> np.ndarray:
     """`count` calibration windows [count, seq_len] at random starts drawn from `key`."""
-    if len(ids) < seq_len + 1:
+    if count < 1:
+        raise QnpuError(f"the number of calibration windows must be positive, got {count}")
+    if len(ids) < seq_len:
         raise QnpuError(f"the text has {len(ids)} tokens, too few for windows of {seq_len}")
     starts = np.asarray(jax.random.randint(key, (count,), 0, len(ids) - seq_len + 1))
     return np.stack([ids[s : s + seq_len] for s in starts]).astype(np.int32)

@@ -32,10 +32,17 @@ class RopeConfig:
             )
         if not (self.theta > 0 and math.isfinite(self.theta)):
             raise QnpuError(f"rope theta must be a positive number, got {self.theta}")
-        if self.factor <= 0:
+        if not (self.factor > 0 and math.isfinite(self.factor)):
             raise QnpuError(f"rope scaling factor must be positive, got {self.factor}")
-        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
-            raise QnpuError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+        if self.rope_type == "llama3" and not (
+            0 < self.low_freq_factor < self.high_freq_factor
+            and math.isfinite(self.high_freq_factor)
+            and self.original_max_position_embeddings > 0
+        ):
+            raise QnpuError(
+                "llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor and a positive "
+                "original_max_position_embeddings"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,47 +114,43 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r} in config.json; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        missing = [
-            k
-            for k in (
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-            )
-            if k not in hf
-        ]
-        if missing:
-            raise QnpuError(f"config.json is missing {', '.join(missing)}")
         if hf.get("mlp_bias"):
             raise QnpuError("config.json: mlp_bias=true is not supported")
         if model_type == "qwen2" and hf.get("use_sliding_window"):
             raise QnpuError("config.json: Qwen2 sliding-window attention is not supported")
         if hf.get("hidden_act", "silu") != "silu":
             raise QnpuError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported")
-        num_heads = int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // num_heads
-        attention_bias = bool(hf.get("attention_bias", model_type == "qwen2"))
+        if model_type == "llama" and hf.get("attention_bias"):
+            raise QnpuError(
+                "config.json: LLaMA attention_bias=true (q/k/v/o biases) is not supported"
+            )
+        num_heads = _hf_int(hf, "num_attention_heads")
+        hidden = _hf_int(hf, "hidden_size")
+        if num_heads <= 0:
+            raise QnpuError(f"config.json: num_attention_heads must be positive, got {num_heads}")
+        if "head_dim" not in hf and hidden % num_heads:
+            raise QnpuError(
+                f"config.json: num_attention_heads {num_heads} does not divide hidden_size {hidden}"
+            )
         eos = hf.get("eos_token_id")
-        if isinstance(eos, list):
+        if isinstance(eos, list):  # several stop tokens: the first is the tokenizer's EOS
             eos = eos[0] if eos else None
         return cls(
             architecture=model_type,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            vocab_size=_hf_int(hf, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_hf_int(hf, "intermediate_size"),
+            num_layers=_hf_int(hf, "num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=_hf_int(hf, "num_key_value_heads", num_heads),
+            head_dim=_hf_int(hf, "head_dim", hidden // num_heads),
+            rms_norm_eps=_hf_float(hf, "rms_norm_eps", 1e-6),
             rope=_rope_from_hf(hf),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_hf_int(hf, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=eos,
+            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            bos_token_id=_token_id(hf.get("bos_token_id"), "bos_token_id"),
+            eos_token_id=_token_id(eos, "eos_token_id"),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -203,15 +206,49 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> RopeConfig:
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default"))
-    kwargs: dict[str, Any] = {"theta": float(theta), "rope_type": rope_type}
+    kwargs: dict[str, Any] = {"theta": _hf_float({"rope_theta": theta}, "rope_theta")}
+    kwargs["rope_type"] = rope_type
     if rope_type in ("llama3", "linear"):
-        kwargs["factor"] = float(merged.get("factor", 1.0))
+        kwargs["factor"] = _hf_float(merged, "factor", 1.0)
     if rope_type == "llama3":
         for key in ("low_freq_factor", "high_freq_factor"):
             if key in merged:
-                kwargs[key] = float(merged[key])
+                kwargs[key] = _hf_float(merged, key)
         if "original_max_position_embeddings" in merged:
-            kwargs["original_max_position_embeddings"] = int(
-                merged["original_max_position_embeddings"]
+            kwargs["original_max_position_embeddings"] = _hf_int(
+                merged, "original_max_position_embeddings"
             )
     return RopeConfig(**kwargs)
+
+
+_REQUIRED: Any = object()
+
+
+def _hf_int(hf: Mapping[str, Any], key: str, default: Any = _REQUIRED) -> int:
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise QnpuError(f"config.json is missing {key}")
+        return int(default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise QnpuError(f"config.json: {key} must be an integer, got {value!r}")
+    return value
+
+
+def _hf_float(hf: Mapping[str, Any], key: str, default: Any = _REQUIRED) -> float:
+    value = hf.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise QnpuError(f"config.json is missing {key}")
+        return float(default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise QnpuError(f"config.json: {key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _token_id(value: Any, key: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise QnpuError(f"config.json: {key} must be a non-negative integer, got {value!r}")
+    return value

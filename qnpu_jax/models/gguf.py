@@ -70,6 +70,13 @@ def gguf_model_config(reader: Any) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     num_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
+    if num_heads <= 0:
+        raise QnpuError(f"GGUF metadata: {arch}.attention.head_count must be positive")
+    if "rope_freqs.weight" in names:
+        raise QnpuError(
+            "GGUF rope frequency factors (rope_freqs, LLaMA 3.1+ scaling) are not supported; "
+            "load the model's Hugging Face directory instead"
+        )
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise QnpuError(f"GGUF rope scaling {scaling!r} is not supported")
@@ -86,7 +93,7 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         num_layers=int(get("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length") or hidden // num_heads),
         rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon")),
         rope=rope,
         max_position_embeddings=int(get("context_length")),
@@ -110,6 +117,17 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
     except (ValueError, OSError, IndexError, KeyError) as e:
         raise QnpuError(f"cannot read GGUF file {path}: {e}") from e
     cfg = gguf_model_config(reader)
+    # The tokenizer first: a file we cannot use fails before the slow dequantization.
+    tokenizer = tokenizer_from_gguf_vocab(
+        model=_field(reader, "tokenizer.ggml.model", ""),
+        pre=_field(reader, "tokenizer.ggml.pre", "default"),
+        tokens=_field(reader, "tokenizer.ggml.tokens", []),
+        merges=_field(reader, "tokenizer.ggml.merges", []),
+        token_types=_field(reader, "tokenizer.ggml.token_type", []),
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=cfg.eos_token_id,
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+    )
     state: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         hf_name = _hf_name(t.name)
@@ -121,22 +139,14 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
             ) from e
         # GGUF lists dims fastest-first; numpy wants them slowest-first.
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
-        if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_rope_rows(w, cfg.num_heads)
-        elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_rope_rows(w, cfg.num_kv_heads)
+        # llama.cpp permutes q/k rows for LLaMA only (Qwen2 keeps HF's layout).
+        if cfg.architecture == "llama":
+            if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+                w = unpermute_rope_rows(w, cfg.num_heads)
+            elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+                w = unpermute_rope_rows(w, cfg.num_kv_heads)
         state[hf_name] = w
-    params = params_from_state_dict(state, cfg)
-    tokenizer = tokenizer_from_gguf_vocab(
-        model=_field(reader, "tokenizer.ggml.model", ""),
-        pre=_field(reader, "tokenizer.ggml.pre", "default"),
-        tokens=_field(reader, "tokenizer.ggml.tokens", []),
-        merges=_field(reader, "tokenizer.ggml.merges", []),
-        token_types=_field(reader, "tokenizer.ggml.token_type", []),
-        bos_token_id=cfg.bos_token_id,
-        eos_token_id=cfg.eos_token_id,
-    )
-    return cfg, params, tokenizer
+    return cfg, params_from_state_dict(state, cfg), tokenizer
 
 
 def _hf_name(gguf_name: str) -> str:

@@ -11,61 +11,49 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.files import current_umask
 from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import layer_param_shapes
 from qnpu_jax.models.tokenizer import Tokenizer, tokenizer_from_file
 
-# (params key inside "layers", HF name inside "model.layers.{i}.")
-_LAYER_TENSORS = (
-    ("input_layernorm", "input_layernorm.weight"),
-    ("q_proj", "self_attn.q_proj.weight"),
-    ("k_proj", "self_attn.k_proj.weight"),
-    ("v_proj", "self_attn.v_proj.weight"),
-    ("o_proj", "self_attn.o_proj.weight"),
-    ("post_attention_layernorm", "post_attention_layernorm.weight"),
-    ("gate_proj", "mlp.gate_proj.weight"),
-    ("up_proj", "mlp.up_proj.weight"),
-    ("down_proj", "mlp.down_proj.weight"),
-)
-_BIAS_TENSORS = (
-    ("q_bias", "self_attn.q_proj.bias"),
-    ("k_bias", "self_attn.k_proj.bias"),
-    ("v_bias", "self_attn.v_proj.bias"),
-)
+# params key inside "layers" -> HF name inside "model.layers.{i}."
+HF_LAYER_NAMES = {
+    "input_layernorm": "input_layernorm.weight",
+    "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight",
+    "o_proj": "self_attn.o_proj.weight",
+    "post_attention_layernorm": "post_attention_layernorm.weight",
+    "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
+}
 # Buffers some exporters write that carry no parameters.
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def layer_tensor_names(cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
-    return _LAYER_TENSORS + (_BIAS_TENSORS if cfg.attention_bias else ())
+def layer_tensor_names(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(params key, HF name) of every per-layer tensor this config has."""
+    return [(key, HF_LAYER_NAMES[key]) for key in layer_param_shapes(cfg)]
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every HF tensor the checkpoint must hold."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    per_layer = {
-        "input_layernorm.weight": (d,),
-        "self_attn.q_proj.weight": (cfg.q_size, d),
-        "self_attn.k_proj.weight": (cfg.kv_size, d),
-        "self_attn.v_proj.weight": (cfg.kv_size, d),
-        "self_attn.o_proj.weight": (d, cfg.q_size),
-        "post_attention_layernorm.weight": (d,),
-        "mlp.gate_proj.weight": (f, d),
-        "mlp.up_proj.weight": (f, d),
-        "mlp.down_proj.weight": (d, f),
-    }
-    if cfg.attention_bias:
-        per_layer |= {
-            "self_attn.q_proj.bias": (cfg.q_size,),
-            "self_attn.k_proj.bias": (cfg.kv_size,),
-            "self_attn.v_proj.bias": (cfg.kv_size,),
-        }
+    d = cfg.hidden_size
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
     for i in range(cfg.num_layers):
-        shapes |= {f"model.layers.{i}.{k}": v for k, v in per_layer.items()}
+        shapes |= {
+            f"model.layers.{i}.{HF_LAYER_NAMES[key]}": shape
+            for key, shape in layer_param_shapes(cfg).items()
+        }
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
     return shapes
@@ -104,9 +92,10 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig) ->
     }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = f32("lm_head.weight")
-    for path, value in _leaves(params):
+    for path, value in jax.tree_util.tree_flatten_with_path(params)[0]:
         if not np.isfinite(value).all():
-            raise QnpuError(f"checkpoint tensor {path} contains NaN or Inf")
+            name = "/".join(str(k.key) for k in path)  # type: ignore[attr-defined]
+            raise QnpuError(f"checkpoint tensor {name} contains NaN or Inf")
     return params
 
 
@@ -122,16 +111,6 @@ def state_dict_from_params(params: Mapping[str, Any], cfg: ModelConfig) -> dict[
     if not cfg.tie_word_embeddings:
         state["lm_head.weight"] = np.asarray(params["lm_head"])
     return state
-
-
-def _leaves(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, np.ndarray]]:
-    out: list[tuple[str, np.ndarray]] = []
-    for k, v in tree.items():
-        if isinstance(v, Mapping):
-            out += _leaves(v, f"{prefix}{k}/")
-        else:
-            out.append((f"{prefix}{k}", v))
-    return out
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -191,25 +170,32 @@ def load_hf_dir(directory: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer
         raise QnpuError(f"model directory {directory} does not exist")
     hf_config = _read_json(directory / "config.json")
     cfg = ModelConfig.from_hf(hf_config)
-    params = params_from_state_dict(load_state_dict(directory), cfg)
+    tokenizer = _load_tokenizer(directory, cfg)  # before the weights: fail fast
+    return cfg, params_from_state_dict(load_state_dict(directory), cfg), tokenizer
+
+
+def _load_tokenizer(directory: Path, cfg: ModelConfig) -> Tokenizer:
     tok_file = directory / "tokenizer.json"
     if not tok_file.exists():
         raise QnpuError(f"{directory} has no tokenizer.json (a fast tokenizer is required)")
-    bos, eos = cfg.bos_token_id, cfg.eos_token_id
+    tokenizer = tokenizer_from_file(tok_file, cfg.bos_token_id, cfg.eos_token_id)
     tok_config_path = directory / "tokenizer_config.json"
-    tokenizer = tokenizer_from_file(tok_file, bos, eos)
-    if tok_config_path.exists():
-        # The tokenizer's own special tokens win over config.json's ids when both are present.
-        tok_config = _read_json(tok_config_path)
-        for name in ("bos_token", "eos_token"):
-            token = tok_config.get(name)
-            if isinstance(token, dict):
-                token = token.get("content")
-            idx = tokenizer.token_to_id(token) if isinstance(token, str) else None
-            if idx is not None:
-                bos, eos = (idx, eos) if name == "bos_token" else (bos, idx)
-        tokenizer = Tokenizer(tokenizer.backend, bos, eos)
-    return cfg, params, tokenizer
+    tok_config = _read_json(tok_config_path) if tok_config_path.exists() else {}
+    # The tokenizer's own special tokens win over config.json's ids when both are present.
+    ids = {"bos_token": tokenizer.bos_token_id, "eos_token": tokenizer.eos_token_id}
+    for name in ids:
+        token = tok_config.get(name)
+        if isinstance(token, dict):
+            token = token.get("content")
+        idx = tokenizer.token_to_id(token) if isinstance(token, str) else None
+        if idx is not None:
+            ids[name] = idx
+    add_bos = tok_config.get("add_bos_token")
+    if not isinstance(add_bos, bool):
+        # LLaMA 3 style: the post-processor template prepends BOS.
+        probe = tokenizer.backend.encode("a", add_special_tokens=True).ids
+        add_bos = bool(probe) and ids["bos_token"] is not None and probe[0] == ids["bos_token"]
+    return Tokenizer(tokenizer.backend, ids["bos_token"], ids["eos_token"], add_bos)
 
 
 def save_hf_dir(
@@ -253,6 +239,7 @@ def save_hf_dir(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         tokenizer.save(tmp)
+        tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes it private (0700)
         os.replace(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

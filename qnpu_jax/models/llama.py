@@ -236,37 +236,40 @@ def generate(
     return out
 
 
-def init_random_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
-    """Random float32 params of the layout above (for tests and experiments on tiny models)."""
-    d, f, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of each per-layer param, without the leading layer axis."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
-        "q_proj": (n, cfg.q_size, d),
-        "k_proj": (n, cfg.kv_size, d),
-        "v_proj": (n, cfg.kv_size, d),
-        "o_proj": (n, d, cfg.q_size),
-        "gate_proj": (n, f, d),
-        "up_proj": (n, f, d),
-        "down_proj": (n, d, f),
+        "input_layernorm": (d,),
+        "q_proj": (cfg.q_size, d),
+        "k_proj": (cfg.kv_size, d),
+        "v_proj": (cfg.kv_size, d),
+        "o_proj": (d, cfg.q_size),
+        "post_attention_layernorm": (d,),
+        "gate_proj": (f, d),
+        "up_proj": (f, d),
+        "down_proj": (d, f),
     }
     if cfg.attention_bias:
-        shapes |= {
-            "q_bias": (n, cfg.q_size),
-            "k_bias": (n, cfg.kv_size),
-            "v_bias": (n, cfg.kv_size),
-        }
-    keys = jax.random.split(key, len(shapes) + 4)
-    norm_keys = keys[len(shapes) :]
-    layers = {
-        name: scale * jax.random.normal(k, shape)
-        for (name, shape), k in zip(shapes.items(), keys[: len(shapes)], strict=True)
-    }
-    layers["input_layernorm"] = 1.0 + 0.1 * jax.random.normal(norm_keys[0], (n, d))
-    layers["post_attention_layernorm"] = 1.0 + 0.1 * jax.random.normal(norm_keys[1], (n, d))
+        shapes |= {"q_bias": (cfg.q_size,), "k_bias": (cfg.kv_size,), "v_bias": (cfg.kv_size,)}
+    return shapes
+
+
+def init_random_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
+    """Random float32 params of the layout above (for tests and experiments on tiny models)."""
+    shapes = layer_param_shapes(cfg)
+    layer_key, embed_key, head_key = jax.random.split(key, 3)
+    layers = {}
+    for (name, shape), k in zip(
+        shapes.items(), jax.random.split(layer_key, len(shapes)), strict=True
+    ):
+        noise = jax.random.normal(k, (cfg.num_layers, *shape))
+        layers[name] = 1.0 + 0.1 * noise if name.endswith("layernorm") else scale * noise
     params: Params = {
-        "embed_tokens": jax.random.normal(norm_keys[2], (cfg.vocab_size, d)),
+        "embed_tokens": jax.random.normal(embed_key, (cfg.vocab_size, cfg.hidden_size)),
         "layers": layers,
-        "norm": jnp.ones((d,)),
+        "norm": jnp.ones((cfg.hidden_size,)),
     }
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = scale * jax.random.normal(norm_keys[3], (cfg.vocab_size, d))
+        params["lm_head"] = scale * jax.random.normal(head_key, (cfg.vocab_size, cfg.hidden_size))
     return params

@@ -70,7 +70,11 @@ def load_model(spec: str) -> LoadedModel:
     elif kind == "hf_dir":
         cfg, params, tok = load_hf_dir(Path(where))
     else:
-        cfg, params, tok = load_hf_dir(download_from_hub(str(where)))
+        try:
+            directory = download_from_hub(str(where))
+        except QnpuError as e:
+            raise QnpuError(f"{e} (no local directory {spec!r} exists either)") from e
+        cfg, params, tok = load_hf_dir(directory)
     if tok.vocab_size > cfg.vocab_size:
         raise QnpuError(
             f"tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}"

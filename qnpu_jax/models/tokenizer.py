@@ -22,6 +22,7 @@ class Tokenizer:
     backend: HFTokenizer
     bos_token_id: int | None
     eos_token_id: int | None
+    add_bos: bool = False  # whether the model expects BOS before a prompt (generation)
 
     @property
     def vocab_size(self) -> int:
@@ -50,7 +51,7 @@ class Tokenizer:
         config: dict[str, Any] = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "clean_up_tokenization_spaces": False,
-            "add_bos_token": False,
+            "add_bos_token": self.add_bos,
         }
         for name, idx in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id)):
             if idx is not None:
@@ -77,6 +78,7 @@ def tokenizer_from_gguf_vocab(
     token_types: Sequence[int],
     bos_token_id: int | None,
     eos_token_id: int | None,
+    add_bos: bool = False,
 ) -> Tokenizer:
     """Rebuild a byte-level BPE tokenizer from the `tokenizer.ggml.*` fields of a GGUF file."""
     if model != "gpt2":
@@ -101,7 +103,10 @@ def tokenizer_from_gguf_vocab(
         )
     vocab = {tok: i for i, tok in enumerate(tokens)}
     pairs = [(a, b) for a, _, b in (m.partition(" ") for m in merges)]
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    try:
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    except Exception as e:  # tokenizers raises a bare Exception for an inconsistent vocab
+        raise QnpuError(f"invalid GGUF tokenizer vocabulary: {e}") from e
     backend.pre_tokenizer = pre_tok
     backend.decoder = decoders.ByteLevel()
     special = [
@@ -110,4 +115,4 @@ def tokenizer_from_gguf_vocab(
         if kind in _GGUF_SPECIAL_TYPES
     ]
     backend.add_special_tokens(special)
-    return Tokenizer(backend, bos_token_id, eos_token_id)
+    return Tokenizer(backend, bos_token_id, eos_token_id, add_bos)
