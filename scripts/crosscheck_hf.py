@@ -64,8 +64,8 @@ def main() -> int:
         argmax_agree += int((o.argmax(-1) == r.argmax(-1)).sum())
         ours_nll.append(np.asarray(next_token_nll(jnp.asarray(o), tokens)))
         ref_nll.append(np.asarray(next_token_nll(jnp.asarray(r), tokens)))
-    ppl_ours = math.exp(float(np.mean(ours_nll)))
-    ppl_ref = math.exp(float(np.mean(ref_nll)))
+    ppl_ours = math.exp(float(np.mean(np.asarray(ours_nll, np.float64))))
+    ppl_ref = math.exp(float(np.mean(np.asarray(ref_nll, np.float64))))
     report = {
         "model": args.model,
         "data": args.data,

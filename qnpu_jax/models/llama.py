@@ -15,8 +15,9 @@ stacked along a leading axis so the depth is one `jax.lax.scan`):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +84,12 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.floa
 
 
 def _attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, query_pos: jax.Array, valid_len: jax.Array
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    query_pos: jax.Array,
+    valid_len: jax.Array,
+    tap: Tap = lambda name, x: x,
 ) -> jax.Array:
     """Causal GQA attention over a cache.
 
@@ -93,13 +99,45 @@ def _attention(
     b, t, hq, hd = q.shape
     hkv, s = k.shape[1], k.shape[2]
     q = q.reshape(b, t, hkv, hq // hkv, hd)
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k) / math.sqrt(hd)
     key_pos = jnp.arange(s)
     allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos < valid_len)
-    scores = jnp.where(allowed[:, None, None, :, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    allowed = allowed[:, None, None, :, :]
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k) / math.sqrt(hd)
+    # Masked entries are zeroed before the tap so calibration sees visible scores only.
+    scores = tap("scores", jnp.where(allowed, scores, 0.0))
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    probs = tap("probs", jax.nn.softmax(scores, axis=-1))
     out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
     return out.reshape(b, t, hq * hd)
+
+
+class Tap(Protocol):
+    """Sees (and may replace) a named tensor of the graph: weights and activations alike."""
+
+    def __call__(self, name: str, x: jax.Array) -> jax.Array: ...
+
+
+class Taps(Protocol):
+    """A static (hashable) description of what happens at every tensor of the graph.
+
+    `layer` is called inside the scan over decoder layers with that layer's slice of the tap
+    state; `outer` with the rest. Each returns the tap and a function giving the auxiliary
+    output (e.g. observed statistics) once the tensors have passed.
+    """
+
+    def layer(self, state: Any) -> tuple[Tap, Callable[[], Any]]: ...
+
+    def outer(self, state: Any) -> tuple[Tap, Callable[[], Any]]: ...
+
+    def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array: ...
+
+
+def _no_tap(name: str, x: jax.Array) -> jax.Array:
+    return x
+
+
+def _no_aux() -> dict[str, Any]:
+    return {}
 
 
 def _decoder_layer(
@@ -111,26 +149,31 @@ def _decoder_layer(
     start: jax.Array,
     cos: jax.Array,
     sin: jax.Array,
+    tap: Tap = _no_tap,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One decoder layer; `tap` marks every tensor of the integer graph (plan paths)."""
     b, t, _ = x.shape
-    h = rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps)
-    q = linear(h, layer["q_proj"], layer.get("q_bias")).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = linear(h, layer["k_proj"], layer.get("k_bias")).reshape(
-        b, t, cfg.num_kv_heads, cfg.head_dim
-    )
-    v = linear(h, layer["v_proj"], layer.get("v_bias")).reshape(
-        b, t, cfg.num_kv_heads, cfg.head_dim
-    )
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
+    hd = cfg.head_dim
+
+    def w(name: str) -> jax.Array:
+        return tap(name, layer[name])
+
+    h = tap("attn_in", rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps))
+    q = tap("q_out", linear(h, w("q_proj"), layer.get("q_bias")))
+    k = tap("k_out", linear(h, w("k_proj"), layer.get("k_bias")))
+    v = tap("v_out", linear(h, w("v_proj"), layer.get("v_bias")))
+    q = tap("q_rope", apply_rope(q.reshape(b, t, cfg.num_heads, hd), cos, sin))
+    k = tap("k_rope", apply_rope(k.reshape(b, t, cfg.num_kv_heads, hd), cos, sin))
+    v = v.reshape(b, t, cfg.num_kv_heads, hd)
     k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.transpose(0, 2, 1, 3), start, axis=2)
     v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.transpose(0, 2, 1, 3), start, axis=2)
     query_pos = start + jnp.broadcast_to(jnp.arange(t), (b, t))
-    attn = _attention(q, k_cache, v_cache, query_pos, start + t)
-    x = x + linear(attn, layer["o_proj"])
-    h = rms_norm(x, layer["post_attention_layernorm"], cfg.rms_norm_eps)
-    gated = jax.nn.silu(linear(h, layer["gate_proj"])) * linear(h, layer["up_proj"])
-    x = x + linear(gated, layer["down_proj"])
+    attn = tap("attn_out", _attention(q, k_cache, v_cache, query_pos, start + t, tap))
+    x = tap("resid_attn", x + tap("o_out", linear(attn, w("o_proj"))))
+    h = tap("mlp_in", rms_norm(x, layer["post_attention_layernorm"], cfg.rms_norm_eps))
+    gate = tap("silu_out", jax.nn.silu(tap("gate_out", linear(h, w("gate_proj")))))
+    gated = tap("down_in", gate * tap("up_out", linear(h, w("up_proj"))))
+    x = tap("resid_mlp", x + tap("down_out", linear(gated, w("down_proj"))))
     return x, k_cache, v_cache
 
 
@@ -138,28 +181,52 @@ def lm_head_weight(params: Params) -> jax.Array:
     return params["lm_head"] if "lm_head" in params else params["embed_tokens"]
 
 
-def forward_cached(
-    params: Params, tokens: jax.Array, cache: KVCache, start: jax.Array, *, cfg: ModelConfig
-) -> tuple[jax.Array, KVCache]:
+def forward_tapped(
+    params: Params,
+    tokens: jax.Array,
+    cache: KVCache,
+    start: jax.Array,
+    tap_state: Any = None,
+    *,
+    cfg: ModelConfig,
+    taps: Taps | None = None,
+) -> tuple[jax.Array, KVCache, Any]:
     """Run `tokens` [B, T] at positions start..start+T-1, writing K/V into `cache`.
 
-    Returns float32 logits [B, T, V] and the updated cache. Prefill, decode and plain
-    full-sequence forward are all this one function.
+    Returns float32 logits [B, T, V], the updated cache and the taps' auxiliary output
+    ({"layers": stacked per-layer aux, **outer aux}). Prefill, decode, full-sequence forward,
+    fake quantization and calibration statistics are all this one function.
     """
     b, t = tokens.shape
     start = jnp.asarray(start, jnp.int32)
-    x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(jnp.float32)
+    state = tap_state if tap_state is not None else {"layers": None, "outer": None}
+    outer_tap, outer_aux = taps.outer(state["outer"]) if taps else (_no_tap, _no_aux)
+    if taps:
+        x = taps.embed(state["outer"], params["embed_tokens"], tokens)
+    else:
+        x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(jnp.float32)
+    x = outer_tap("embed_out", x)
     cos, sin = rope_cos_sin(start + jnp.broadcast_to(jnp.arange(t), (b, t)), cfg)
 
-    def body(x: jax.Array, xs: tuple[Params, jax.Array, jax.Array]) -> tuple[jax.Array, Any]:
-        layer, k_cache, v_cache = xs
-        x, k_cache, v_cache = _decoder_layer(cfg, x, layer, k_cache, v_cache, start, cos, sin)
-        return x, (k_cache, v_cache)
+    def body(x: jax.Array, xs: tuple[Params, jax.Array, jax.Array, Any]) -> tuple[jax.Array, Any]:
+        layer, k_cache, v_cache, layer_state = xs
+        tap, aux = taps.layer(layer_state) if taps else (_no_tap, _no_aux)
+        x, k_cache, v_cache = _decoder_layer(cfg, x, layer, k_cache, v_cache, start, cos, sin, tap)
+        return x, (k_cache, v_cache, aux())
 
-    x, (k_new, v_new) = jax.lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
-    x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    logits = linear(x, lm_head_weight(params))
-    return logits, {"k": k_new, "v": v_new}
+    xs = (params["layers"], cache["k"], cache["v"], state["layers"])
+    x, (k_new, v_new, layer_aux) = jax.lax.scan(body, x, xs)
+    x = outer_tap("final_norm_out", rms_norm(x, params["norm"], cfg.rms_norm_eps))
+    logits = linear(x, outer_tap("lm_head", lm_head_weight(params)))
+    return logits, {"k": k_new, "v": v_new}, {"layers": layer_aux, **outer_aux()}
+
+
+def forward_cached(
+    params: Params, tokens: jax.Array, cache: KVCache, start: jax.Array, *, cfg: ModelConfig
+) -> tuple[jax.Array, KVCache]:
+    """The float forward over a KV cache: float32 logits [B, T, V] and the updated cache."""
+    logits, cache, _ = forward_tapped(params, tokens, cache, start, cfg=cfg)
+    return logits, cache
 
 
 @partial(jax.jit, static_argnames="cfg")

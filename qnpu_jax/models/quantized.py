@@ -1,0 +1,200 @@
+"""The forward under a quantization plan: fake-quant (static or dynamic) and calibration taps.
+
+Quantizer state is a pytree shaped like the plan:
+    {"layers": {name: {"scale", "zero_point", "qmin", "qmax"}},   # leading layer axis
+     "outer":  {name: {"scale", "zero_point", "qmin", "qmax"}}}
+Per-channel weight scales keep their broadcast shape ([L, out, 1] for a layer weight [L, out,
+in]); qmin/qmax are arrays ([L] per layer) so per-layer bit-widths share one compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import (
+    Params,
+    Tap,
+    forward_tapped,
+    init_cache,
+    layer_param_shapes,
+    next_token_nll,
+)
+from qnpu_jax.quant.fake_quant import dynamic_fake_quant, fake_quant, lsq_grad_scale
+from qnpu_jax.quant.init import update_range_stats
+from qnpu_jax.quant.plan import QuantPlan, TensorQuant, is_weight
+
+MODES = ("static", "dynamic")
+QuantState = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeQuantTaps:
+    """Fake-quantize every tensor of `plan`.
+
+    mode "static": every tensor at its stored static encoding (what the NPU runs).
+    mode "dynamic": activations per token with on-the-fly scales (the SpinQuant-style
+    baseline), weights still at their static per-channel encodings.
+    `lsq_grad_scaling` multiplies scale/zero-point gradients by 1/sqrt(N·Qmax).
+    """
+
+    plan: QuantPlan
+    mode: str = "static"
+    lsq_grad_scaling: bool = False
+    cfg: ModelConfig | None = None  # needed only for lsq_grad_scaling (elements per scale)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown fake-quant mode {self.mode!r}; known: {MODES}")
+        if self.lsq_grad_scaling and self.cfg is None:
+            raise ValueError("lsq_grad_scaling needs the model config")
+
+    def _grad_scale(self, name: str, tq: TensorQuant) -> float:
+        if not self.lsq_grad_scaling or self.cfg is None:
+            return 1.0
+        qmax = tq.qrange(tq.bits)[1]
+        return lsq_grad_scale(_elements_per_scale(name, tq, self.cfg), qmax)
+
+    def _tap(self, prefix: str, state: dict[str, Any]) -> Tap:
+        def tap(name: str, x: jax.Array) -> jax.Array:
+            path = prefix + name
+            tq = self.plan.get(path)
+            if tq is None:
+                return x
+            if self.mode == "dynamic" and not is_weight(path) and name != "probs":
+                return dynamic_fake_quant(x, tq.bits, axis=-1)
+            s = state[name]
+            return fake_quant(
+                x,
+                s["scale"],
+                s["zero_point"],
+                s["qmin"],
+                s["qmax"],
+                grad_scale=self._grad_scale(name, tq),
+            )
+
+        return tap
+
+    def layer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
+        return self._tap("layers/", state), dict
+
+    def outer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
+        return self._tap("", state), dict
+
+    def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        rows = jnp.take(table, tokens, axis=0).astype(jnp.float32)
+        tq = self.plan.get("embed_tokens")
+        if tq is None:
+            return rows
+        s = state["embed_tokens"]  # per-row scales [V, 1]: gather the rows' own encodings
+        return fake_quant(
+            rows,
+            jnp.take(s["scale"], tokens, axis=0),
+            jnp.take(s["zero_point"], tokens, axis=0),
+            s["qmin"],
+            s["qmax"],
+        )
+
+
+def _elements_per_scale(name: str, tq: TensorQuant, cfg: ModelConfig) -> int:
+    """N of the LSQ gradient scale: elements sharing one scale within one sample (token)."""
+    if tq.axis is not None:  # per-channel weight: one scale per output row of `in` elements
+        if name in ("embed_tokens", "lm_head"):
+            return cfg.hidden_size
+        return layer_param_shapes(cfg)[name][1]
+    if name in ("scores", "probs"):
+        return cfg.num_heads * cfg.max_position_embeddings
+    widths = {
+        "q_out": cfg.q_size,
+        "q_rope": cfg.q_size,
+        "attn_out": cfg.q_size,
+        "k_out": cfg.kv_size,
+        "k_rope": cfg.kv_size,
+        "v_out": cfg.kv_size,
+        "gate_out": cfg.intermediate_size,
+        "silu_out": cfg.intermediate_size,
+        "up_out": cfg.intermediate_size,
+        "down_in": cfg.intermediate_size,
+    }
+    return widths.get(name, cfg.hidden_size)
+
+
+def state_entry(
+    tq: TensorQuant, scale: np.ndarray, zero_point: np.ndarray, layers: int | None
+) -> dict[str, jax.Array]:
+    """One tensor's state; `layers` set for a `layers/` tensor (qmin/qmax become [L])."""
+    bounds: tuple[Any, Any]
+    if layers is None:
+        qmin, qmax = tq.qrange(tq.bits)
+        bounds = (np.float32(qmin), np.float32(qmax))
+    else:
+        ranges = [tq.qrange(tq.bits_for_layer(i)) for i in range(layers)]
+        bounds = (
+            np.array([r[0] for r in ranges], np.float32),
+            np.array([r[1] for r in ranges], np.float32),
+        )
+    return {
+        "scale": jnp.asarray(scale, jnp.float32),
+        "zero_point": jnp.asarray(zero_point, jnp.float32),
+        "qmin": jnp.asarray(bounds[0]),
+        "qmax": jnp.asarray(bounds[1]),
+    }
+
+
+@partial(jax.jit, static_argnames=("cfg", "taps"))
+def tapped_forward(
+    params: Params, tap_state: Any, tokens: jax.Array, *, cfg: ModelConfig, taps: Any
+) -> tuple[jax.Array, Any]:
+    """Full-sequence forward under `taps`: logits [B, T, V] and the taps' auxiliary output."""
+    cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
+    logits, _, aux = forward_tapped(
+        params, tokens, cache, jnp.int32(0), tap_state, cfg=cfg, taps=taps
+    )
+    return logits, aux
+
+
+@partial(jax.jit, static_argnames=("cfg", "taps"))
+def tapped_token_nll(
+    params: Params, tap_state: Any, tokens: jax.Array, *, cfg: ModelConfig, taps: Any
+) -> jax.Array:
+    """Next-token NLL [B, T-1] of the model under `taps` (logits never leave the jit)."""
+    logits, _ = tapped_forward(params, tap_state, tokens, cfg=cfg, taps=taps)
+    return next_token_nll(logits, tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObserveTaps:
+    """Accumulate calibration statistics (RangeStats) of the activations `paths` name.
+
+    The tap state is the running statistics ({"layers": {name: stacked stats}, "outer": ...});
+    the auxiliary output is the updated statistics in the same layout. Tensors pass unchanged.
+    """
+
+    paths: frozenset[str]
+
+    def _tap(self, prefix: str, state: dict[str, Any]) -> tuple[Tap, Callable[[], Any]]:
+        updated: dict[str, Any] = {}
+
+        def tap(name: str, x: jax.Array) -> jax.Array:
+            if prefix + name in self.paths:
+                updated[name] = update_range_stats(state[name], x)
+            return x
+
+        return tap, lambda: updated
+
+    def layer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
+        return self._tap("layers/", state)
+
+    def outer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
+        tap, updated = self._tap("", state)
+        return tap, lambda: {"outer": updated()}
+
+    def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        return jnp.take(table, tokens, axis=0).astype(jnp.float32)

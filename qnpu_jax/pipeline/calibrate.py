@@ -1,0 +1,198 @@
+"""Static calibration: encodings of every tensor of a plan from weights and calibration text.
+
+Activations are observed on the float model (the params given, e.g. already fused and
+rotated) over calibration windows, their statistics accumulated in float32 across batches;
+weights get their per-channel encodings from the weights themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import Params
+from qnpu_jax.models.quantized import ObserveTaps, QuantState, state_entry, tapped_forward
+from qnpu_jax.quant.init import (
+    RangeStats,
+    init_range_stats,
+    mse_scale,
+    scale_from_stats,
+    update_range_stats,
+)
+from qnpu_jax.quant.plan import PROBS_SCALE_DENOMINATOR, QuantPlan, TensorQuant, is_weight
+
+Encoding = tuple[np.ndarray, np.ndarray]  # (scale, zero_point)
+
+
+def _observed_paths(plan: QuantPlan) -> frozenset[str]:
+    return frozenset(p for p, tq in plan.entries if not is_weight(p) and tq.init != "fixed")
+
+
+def _empty_stats(plan: QuantPlan, paths: frozenset[str], num_layers: int) -> dict[str, Any]:
+    layers: dict[str, RangeStats] = {}
+    outer: dict[str, RangeStats] = {}
+    for path in paths:
+        tq = plan.get(path)
+        assert tq is not None
+        if tq.init == "mse":
+            raise QnpuError(
+                f"{path}: 'mse' initialization needs sample data and is supported for "
+                "weights only; use max_min, mean_std or percentile for activations"
+            )
+        stats = init_range_stats((1,), num_bins=2048 if tq.init == "percentile" else 0)
+        if path.startswith("layers/"):
+            name = path.removeprefix("layers/")
+            layers[name] = jax.tree.map(lambda a: jnp.stack([a] * num_layers), stats)
+        else:
+            outer[path] = stats
+    return {"layers": layers, "outer": outer}
+
+
+@partial(jax.jit, static_argnames=("cfg", "taps"))
+def _observe_step(
+    params: Params, stats: Any, tokens: jax.Array, *, cfg: ModelConfig, taps: ObserveTaps
+) -> Any:
+    _, aux = tapped_forward(params, stats, tokens, cfg=cfg, taps=taps)
+    return aux
+
+
+def collect_activation_stats(
+    params: Params,
+    cfg: ModelConfig,
+    plan: QuantPlan,
+    windows: np.ndarray,
+    *,
+    batch_size: int = 1,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """RangeStats of every calibrated activation of `plan` over `windows` [N, T]."""
+    paths = _observed_paths(plan)
+    taps = ObserveTaps(paths)
+    stats = _empty_stats(plan, paths, cfg.num_layers)
+    n = len(windows) - len(windows) % batch_size
+    if n == 0:
+        raise QnpuError(f"need at least batch_size={batch_size} calibration windows")
+    for i in tqdm(range(0, n, batch_size), desc="calibrate", disable=not progress):
+        stats = _observe_step(
+            params, stats, jnp.asarray(windows[i : i + batch_size]), cfg=cfg, taps=taps
+        )
+    return stats
+
+
+def _encoding_from_stats(
+    path: str, stats: RangeStats, tq: TensorQuant, layer: int | None
+) -> Encoding:
+    try:
+        scale, zero_point = scale_from_stats(stats, tq.init, tq.spec(layer))
+    except QnpuError as e:
+        raise QnpuError(f"{path}{'' if layer is None else f' (layer {layer})'}: {e}") from e
+    return np.asarray(scale, np.float32), np.asarray(zero_point, np.float32)
+
+
+def _weight_encoding(path: str, w: jax.Array, tq: TensorQuant, layer: int | None) -> Encoding:
+    spec = tq.spec(layer)
+    try:
+        if tq.init == "mse":
+            scale, zero_point = mse_scale(w, spec)
+        else:
+            bins = 2048 if tq.init == "percentile" else 0
+            stats = update_range_stats(
+                init_range_stats(w.shape, axis=spec.axis, num_bins=bins), w, axis=spec.axis
+            )
+            scale, zero_point = scale_from_stats(stats, tq.init, spec)
+    except QnpuError as e:
+        raise QnpuError(f"{path}{'' if layer is None else f' (layer {layer})'}: {e}") from e
+    return np.asarray(scale, np.float32), np.asarray(zero_point, np.float32)
+
+
+def weight_encodings(params: Params, cfg: ModelConfig, plan: QuantPlan) -> dict[str, Encoding]:
+    """Encodings of every weight in `plan` (stacked over layers for `layers/` weights)."""
+    out: dict[str, Encoding] = {}
+    for path, tq in plan.entries:
+        if not is_weight(path):
+            continue
+        if path.startswith("layers/"):
+            stacked = params["layers"][path.removeprefix("layers/")]
+            per_layer = [_weight_encoding(path, stacked[i], tq, i) for i in range(cfg.num_layers)]
+            out[path] = (
+                np.stack([e[0] for e in per_layer]),
+                np.stack([e[1] for e in per_layer]),
+            )
+        else:
+            w = params["embed_tokens"] if path == "embed_tokens" else _lm_head(params)
+            out[path] = _weight_encoding(path, w, tq, None)
+    return out
+
+
+def _lm_head(params: Params) -> jax.Array:
+    return params["lm_head"] if "lm_head" in params else params["embed_tokens"]
+
+
+def activation_encodings(
+    stats: Mapping[str, Any], plan: QuantPlan, num_layers: int
+) -> dict[str, Encoding]:
+    out: dict[str, Encoding] = {}
+    for name, layer_stats in stats["layers"].items():
+        path = f"layers/{name}"
+        tq = plan.get(path)
+        assert tq is not None
+        per_layer = [
+            _encoding_from_stats(path, jax.tree.map(lambda a, i=i: a[i], layer_stats), tq, i)
+            for i in range(num_layers)
+        ]
+        out[path] = (np.stack([e[0] for e in per_layer]), np.stack([e[1] for e in per_layer]))
+    for path, outer_stats in stats["outer"].items():
+        tq = plan.get(path)
+        assert tq is not None
+        out[path] = _encoding_from_stats(path, outer_stats, tq, None)
+    return out
+
+
+def build_state(plan: QuantPlan, cfg: ModelConfig, encodings: Mapping[str, Encoding]) -> QuantState:
+    """Assemble the quantizer state of `plan` from (scale, zero_point) of every tensor."""
+    state: QuantState = {"layers": {}, "outer": {}}
+    for path, tq in plan.entries:
+        if tq.init == "fixed":  # softmax probabilities: p / (2^16 − 1)
+            shape = (cfg.num_layers,) if path.startswith("layers/") else ()
+            enc = (
+                np.full(shape, 1.0 / PROBS_SCALE_DENOMINATOR, np.float32),
+                np.zeros(shape, np.float32),
+            )
+        elif path in encodings:
+            enc = encodings[path]
+        else:
+            raise QnpuError(f"no encoding for {path}")
+        if path.startswith("layers/"):
+            name = path.removeprefix("layers/")
+            state["layers"][name] = state_entry(tq, *enc, layers=cfg.num_layers)
+        else:
+            state["outer"][path] = state_entry(tq, *enc, layers=None)
+    return state
+
+
+def calibrate(
+    params: Params,
+    cfg: ModelConfig,
+    plan: QuantPlan,
+    windows: np.ndarray,
+    *,
+    batch_size: int = 1,
+    progress: bool = False,
+) -> QuantState:
+    """Static encodings of every tensor in `plan`: weights from the weights, activations from
+    statistics of the float model over calibration `windows`."""
+    stats = collect_activation_stats(
+        params, cfg, plan, windows, batch_size=batch_size, progress=progress
+    )
+    encodings = weight_encodings(params, cfg, plan) | activation_encodings(
+        stats, plan, cfg.num_layers
+    )
+    return build_state(plan, cfg, encodings)

@@ -1,0 +1,268 @@
+"""Quantization plans: for every quantizable tensor of the integer graph, how it is quantized.
+
+Tensor paths are `layers/NAME` for tensors inside each decoder layer (stacked along the layer
+axis) and a bare `NAME` for the rest. One encoding per tensor, not per consumer: q/k/v share
+their input quantizer (`layers/attn_in`), gate/up share theirs (`layers/mlp_in`), the K cache
+is `layers/k_rope` and the V cache is `layers/v_out`.
+
+A plan is built from the default table of DESIGN.md §3 and rules matched on the path
+(`QuantRule`), in the style of Qwix's regex-selected rules. Per-layer bit-widths (mixed
+precision) live in `TensorQuant.layer_bits`, which becomes qmin/qmax arrays, so one compiled
+program serves every layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Sequence
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.quant.spec import QuantSpec, qrange
+
+INIT_METHODS = ("max_min", "mean_std", "percentile", "mse", "fixed")
+
+# (path, kind, role) in graph order; role picks the default precision.
+WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LAYER_ACTIVATIONS = (
+    "attn_in",  # input_layernorm output = q/k/v input (rotated by R1)
+    "q_out",
+    "k_out",
+    "v_out",  # = V cache
+    "q_rope",
+    "k_rope",  # = K cache
+    "scores",
+    "probs",
+    "attn_out",  # o_proj input (rotated by R2)
+    "o_out",
+    "resid_attn",
+    "mlp_in",  # post_attention_layernorm output = gate/up input (rotated by R1)
+    "gate_out",  # SiLU input
+    "silu_out",
+    "up_out",
+    "down_in",  # gate·up product (unrotated)
+    "down_out",
+    "resid_mlp",
+)
+GLOBAL_TENSORS = ("embed_tokens", "embed_out", "final_norm_out", "lm_head")
+ROTATED_INPUTS = ("attn_in", "attn_out", "mlp_in")
+# A probability code p means p / (2^16 − 1): the integer softmax's fixed output encoding.
+PROBS_SCALE_DENOMINATOR = 2**16 - 1
+
+
+def all_paths() -> tuple[str, ...]:
+    return (
+        *(f"layers/{n}" for n in WEIGHTS),
+        *(f"layers/{n}" for n in LAYER_ACTIVATIONS),
+        *GLOBAL_TENSORS,
+    )
+
+
+def is_weight(path: str) -> bool:
+    return path.removeprefix("layers/") in WEIGHTS or path in ("embed_tokens", "lm_head")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorQuant:
+    """How one tensor is quantized.
+
+    `axis` is the per-channel axis of a weight stored [out, in] (0: one scale per output row),
+    None for per-tensor. `layer_bits`, for a `layers/` tensor, overrides `bits` layer by layer.
+    """
+
+    bits: int
+    symmetric: bool = True
+    signed: bool = True
+    axis: int | None = None
+    init: str = "max_min"
+    learnable: bool = False
+    layer_bits: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for b in (self.bits, *(self.layer_bits or ())):
+            if isinstance(b, bool) or not isinstance(b, int) or not 2 <= b <= 16:
+                raise QnpuError(f"bit-width must be an integer in 2..16, got {b!r}")
+        if self.init not in INIT_METHODS:
+            raise QnpuError(f"unknown initializer {self.init!r}; known: {', '.join(INIT_METHODS)}")
+        if self.init == "fixed" and self.learnable:
+            raise QnpuError("a tensor with a fixed encoding cannot be learnable")
+        if self.axis not in (None, 0):
+            raise QnpuError(f"per-channel axis must be 0 (output channels), got {self.axis}")
+
+    def bits_for_layer(self, layer: int) -> int:
+        return self.layer_bits[layer] if self.layer_bits is not None else self.bits
+
+    def qrange(self, bits: int) -> tuple[int, int]:
+        return qrange(bits, self.signed)
+
+    def spec(self, layer: int | None = None) -> QuantSpec:
+        """The QuantSpec of this tensor (of one layer, when bits differ by layer)."""
+        bits = self.bits if layer is None else self.bits_for_layer(layer)
+        return QuantSpec(bits=bits, symmetric=self.symmetric, signed=self.signed, axis=self.axis)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantRule:
+    """Override fields of every tensor whose path fully matches `pattern` (a regex)."""
+
+    pattern: str
+    bits: int | None = None
+    symmetric: bool | None = None
+    axis: int | None = -1  # -1: leave unchanged (None is a meaningful value: per-tensor)
+    init: str | None = None
+    learnable: bool | None = None
+    layer_bits: tuple[int, ...] | None = None
+    quantize: bool | None = None  # False removes the tensor from the plan (kept in float)
+
+    def __post_init__(self) -> None:
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise QnpuError(f"bad rule pattern {self.pattern!r}: {e}") from e
+        if self.layer_bits is not None and not isinstance(self.layer_bits, tuple):
+            object.__setattr__(self, "layer_bits", tuple(self.layer_bits))
+
+    def matches(self, path: str) -> bool:
+        return re.fullmatch(self.pattern, path) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantPlan:
+    """Path -> TensorQuant for every tensor that is quantized (absent = kept in float).
+
+    Stored as a sorted tuple of pairs so the plan is hashable (a static jit argument).
+    """
+
+    entries: tuple[tuple[str, TensorQuant], ...]
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        known = set(all_paths())
+        for path, tq in self.entries:
+            if path not in known:
+                raise QnpuError(f"unknown tensor path {path!r} in plan")
+            _check_combination(path, tq, self.num_layers)
+
+    def get(self, path: str) -> TensorQuant | None:
+        return dict(self.entries).get(path)
+
+    def __contains__(self, path: object) -> bool:
+        return any(p == path for p, _ in self.entries)
+
+    def paths(self) -> tuple[str, ...]:
+        return tuple(p for p, _ in self.entries)
+
+    def apply(self, rules: Iterable[QuantRule]) -> QuantPlan:
+        """A new plan with `rules` applied in order; a rule matching nothing is an error."""
+        table = dict(self.entries)
+        defaults = dict(_default_table(8, 8, 8, 8))
+        for rule in rules:
+            matched = [p for p in all_paths() if rule.matches(p)]
+            if not matched:
+                raise QnpuError(
+                    f"rule pattern {rule.pattern!r} matches no tensor; paths look like "
+                    "'layers/down_in', 'layers/q_proj', 'lm_head'"
+                )
+            for path in matched:
+                if rule.quantize is False:
+                    table.pop(path, None)
+                    continue
+                base = table.get(path) or defaults[path]
+                changes = {
+                    f: getattr(rule, f)
+                    for f in ("bits", "symmetric", "init", "learnable", "layer_bits")
+                    if getattr(rule, f) is not None
+                }
+                if rule.axis != -1:
+                    changes["axis"] = rule.axis
+                table[path] = dataclasses.replace(base, **changes)
+        return QuantPlan(tuple(sorted(table.items())), self.num_layers)
+
+
+def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
+    name = path.removeprefix("layers/")
+    if tq.layer_bits is not None:
+        if not path.startswith("layers/"):
+            raise QnpuError(f"{path}: per-layer bits apply to layers/ tensors only")
+        if len(tq.layer_bits) != num_layers:
+            raise QnpuError(
+                f"{path}: layer_bits has {len(tq.layer_bits)} entries for {num_layers} layers"
+            )
+    if not is_weight(path) and tq.axis is not None:
+        raise QnpuError(f"{path}: static activations are per-tensor (axis must be None)")
+    if name == "probs":
+        if tq.signed or tq.init != "fixed" or tq.learnable:
+            raise QnpuError(
+                f"{path}: softmax probabilities use the fixed unsigned encoding of the "
+                "integer softmax"
+            )
+    elif not tq.signed:
+        raise QnpuError(f"{path}: only softmax probabilities are unsigned")
+    elif tq.init == "fixed":
+        raise QnpuError(f"{path}: only softmax probabilities have a fixed encoding")
+    if name == "down_in" and min(tq.layer_bits or (tq.bits,)) < 8:
+        raise QnpuError(f"{path}: the unrotated down_proj input is never below 8 bits")
+    if is_weight(path) and not tq.symmetric:
+        raise QnpuError(f"{path}: weights are symmetric (integer matmul without weight zero point)")
+
+
+def _default_table(
+    w_bits: int, a_bits: int, kv_bits: int, down_in_bits: int
+) -> list[tuple[str, TensorQuant]]:
+    sixteen = TensorQuant(bits=16)
+    eight = TensorQuant(bits=8)
+    table: list[tuple[str, TensorQuant]] = [
+        (f"layers/{w}", TensorQuant(bits=w_bits, axis=0)) for w in WEIGHTS
+    ]
+    per_name = {
+        "attn_in": TensorQuant(bits=a_bits),
+        "attn_out": TensorQuant(bits=a_bits),
+        "mlp_in": TensorQuant(bits=a_bits),
+        "q_out": eight,
+        "k_out": eight,
+        "v_out": TensorQuant(bits=kv_bits),
+        "q_rope": eight,
+        "k_rope": TensorQuant(bits=kv_bits),
+        "scores": sixteen,
+        "probs": TensorQuant(bits=16, signed=False, init="fixed"),
+        "o_out": eight,
+        "resid_attn": sixteen,
+        "gate_out": sixteen,  # D.2: SiLU input has a non-zero mean; keep it wide
+        "silu_out": sixteen,
+        "up_out": eight,
+        "down_in": TensorQuant(bits=down_in_bits),
+        "down_out": eight,
+        "resid_mlp": sixteen,
+    }
+    table += [(f"layers/{n}", per_name[n]) for n in LAYER_ACTIVATIONS]
+    table += [
+        ("embed_tokens", TensorQuant(bits=8, axis=0)),  # per row
+        ("embed_out", sixteen),
+        ("final_norm_out", sixteen),
+        ("lm_head", TensorQuant(bits=8, axis=0)),
+    ]
+    return table
+
+
+def default_plan(
+    num_layers: int,
+    *,
+    w_bits: int = 8,
+    a_bits: int = 8,
+    kv_bits: int = 8,
+    down_in_bits: int = 8,
+    rules: Sequence[QuantRule] = (),
+) -> QuantPlan:
+    """DESIGN.md §3's table at W`w_bits` A`a_bits` KV`kv_bits`, then `rules`."""
+    table = _default_table(w_bits, a_bits, kv_bits, down_in_bits)
+    return QuantPlan(tuple(sorted(table)), num_layers).apply(rules)
+
+
+def uniform_plan(num_layers: int, bits: int) -> QuantPlan:
+    """Every tensor (but the fixed-encoding probabilities) at `bits` — e.g. the 16-bit check."""
+    plan = default_plan(num_layers)
+    entries = tuple(
+        (p, tq if p == "layers/probs" else dataclasses.replace(tq, bits=bits))
+        for p, tq in plan.entries
+    )
+    return QuantPlan(entries, num_layers)

@@ -1,0 +1,104 @@
+"""Fold RMSNorm weights into linears, then rotate the residual stream (R1) and heads (R2).
+
+Row-vector convention: activations are rows x, a linear is y = x Wᵀ with W stored [out, in].
+With the residual stream rotated as x R1 (R1 orthogonal):
+  - a linear reading the stream keeps its output if W ← W R1;
+  - a linear writing the stream produces y R1 if W ← R1ᵀ W;
+  - RMSNorm commutes with R1 once its weight is folded away (‖x R1‖ = ‖x‖).
+R2 rotates each attention head's value vectors: v_h ← v_h R2 (rows of v_proj), and since
+attention output is linear in V, o_proj's input slice of every head is rotated the same way,
+undone by W_o[:, head] ← W_o[:, head] R2. One R2 per layer, shared by all heads (GQA too).
+
+All functions are pure and differentiable, so stage 1 can learn R1/R2 through them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.models.config import ModelConfig
+
+Params = dict[str, Any]
+
+_READS_RESIDUAL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_WRITES_RESIDUAL = ("o_proj", "down_proj")
+
+
+def fuse_norms(params: Params, cfg: ModelConfig) -> Params:
+    """Fold every RMSNorm weight into the linears that read its output; norms become ones.
+
+    The final norm folds into lm_head, so tied embeddings are untied (lm_head = E·diag(g)).
+    """
+    layers = dict(params["layers"])
+    g_attn = layers["input_layernorm"][:, None, :]  # [L, 1, D]: scales the `in` axis
+    g_mlp = layers["post_attention_layernorm"][:, None, :]
+    for name in ("q_proj", "k_proj", "v_proj"):
+        layers[name] = layers[name] * g_attn
+    for name in ("gate_proj", "up_proj"):
+        layers[name] = layers[name] * g_mlp
+    layers["input_layernorm"] = jnp.ones_like(layers["input_layernorm"])
+    layers["post_attention_layernorm"] = jnp.ones_like(layers["post_attention_layernorm"])
+    head = params["lm_head"] if "lm_head" in params else params["embed_tokens"]
+    out = dict(params)
+    out["layers"] = layers
+    out["lm_head"] = head * params["norm"][None, :]
+    out["norm"] = jnp.ones_like(params["norm"])
+    return out
+
+
+def norms_are_fused(params: Params) -> bool:
+    """True when every norm weight is exactly one (eager check, not for use under jit)."""
+    leaves = [
+        params["norm"],
+        params["layers"]["input_layernorm"],
+        params["layers"]["post_attention_layernorm"],
+    ]
+    return all(bool(jnp.all(leaf == 1.0)) for leaf in leaves)
+
+
+def _check_rotation(r: jax.Array, shape: tuple[int, ...], what: str) -> None:
+    if tuple(r.shape) != shape:
+        raise QnpuError(f"{what} must have shape {shape}, got {tuple(r.shape)}")
+
+
+def apply_rotations(
+    params: Params,
+    cfg: ModelConfig,
+    r1: jax.Array | None = None,
+    r2: jax.Array | None = None,
+) -> Params:
+    """Rotate fused params: R1 [D, D] on the residual stream, R2 [L, hd, hd] per layer.
+
+    `params` must come from `fuse_norms` (checked by the caller with `norms_are_fused` outside
+    jit; here only shapes are checked so the function stays traceable). The result has an
+    explicit lm_head.
+    """
+    if "lm_head" not in params:
+        raise QnpuError("apply_rotations needs fused params with an explicit lm_head: fuse_norms")
+    layers = dict(params["layers"])
+    out = dict(params)
+    if r1 is not None:
+        _check_rotation(r1, (cfg.hidden_size, cfg.hidden_size), "R1")
+        for name in _READS_RESIDUAL:
+            layers[name] = layers[name] @ r1
+        for name in _WRITES_RESIDUAL:
+            layers[name] = jnp.einsum("ji,ljk->lik", r1, layers[name])
+        out["embed_tokens"] = params["embed_tokens"] @ r1
+        out["lm_head"] = params["lm_head"] @ r1
+    if r2 is not None:
+        hd = cfg.head_dim
+        _check_rotation(r2, (cfg.num_layers, hd, hd), "R2")
+        n, d = cfg.num_layers, cfg.hidden_size
+        v = layers["v_proj"].reshape(n, cfg.num_kv_heads, hd, d)
+        layers["v_proj"] = jnp.einsum("lji,lhjd->lhid", r2, v).reshape(n, cfg.kv_size, d)
+        if "v_bias" in layers:
+            vb = layers["v_bias"].reshape(n, cfg.num_kv_heads, hd)
+            layers["v_bias"] = jnp.einsum("lhj,lji->lhi", vb, r2).reshape(n, cfg.kv_size)
+        o = layers["o_proj"].reshape(n, d, cfg.num_heads, hd)
+        layers["o_proj"] = jnp.einsum("ldhj,lji->ldhi", o, r2).reshape(n, d, cfg.q_size)
+    out["layers"] = layers
+    return out

@@ -1,0 +1,80 @@
+import dataclasses
+
+import pytest
+
+from qnpu_jax import QnpuError
+from qnpu_jax.quant.plan import (
+    QuantPlan,
+    QuantRule,
+    TensorQuant,
+    all_paths,
+    default_plan,
+    uniform_plan,
+)
+
+
+def test_default_plan_is_the_design_table():
+    plan = default_plan(30, w_bits=4, a_bits=8)
+    assert set(plan.paths()) == set(all_paths())
+    assert plan.get("layers/q_proj") == TensorQuant(bits=4, axis=0)
+    assert plan.get("layers/attn_in").bits == 8 and plan.get("layers/attn_in").axis is None
+    assert plan.get("layers/gate_out").bits == 16  # SiLU input stays wide (D.2)
+    assert plan.get("layers/k_rope").bits == 8 and plan.get("layers/v_out").bits == 8
+    assert plan.get("layers/scores").bits == 16
+    probs = plan.get("layers/probs")
+    assert (probs.bits, probs.signed, probs.init) == (16, False, "fixed")
+    assert plan.get("embed_tokens") == TensorQuant(bits=8, axis=0)
+    assert plan.get("lm_head").bits == 8 and plan.get("final_norm_out").bits == 16
+    assert hash(plan) == hash(default_plan(30, w_bits=4, a_bits=8))  # static jit argument
+
+
+def test_rules_override_in_order_and_per_layer_bits():
+    bits = (8,) * 27 + (16,) * 3
+    plan = default_plan(
+        30,
+        w_bits=4,
+        a_bits=4,
+        rules=[
+            QuantRule(pattern=r"layers/(attn_in|mlp_in)", init="mean_std", learnable=True),
+            QuantRule(pattern="layers/down_in", layer_bits=bits),
+            QuantRule(pattern="lm_head", quantize=False),
+        ],
+    )
+    assert plan.get("layers/mlp_in") == TensorQuant(bits=4, init="mean_std", learnable=True)
+    assert plan.get("layers/down_in").bits_for_layer(29) == 16
+    assert plan.get("layers/down_in").bits_for_layer(0) == 8
+    assert "lm_head" not in plan and "embed_tokens" in plan
+
+
+@pytest.mark.parametrize(
+    ("rule", "message"),
+    [
+        (QuantRule(pattern="layers/qproj"), "matches no tensor"),
+        (QuantRule(pattern="layers/down_in", bits=4), "never below 8 bits"),
+        (QuantRule(pattern="layers/attn_in", axis=0), "per-tensor"),
+        (QuantRule(pattern="layers/q_proj", symmetric=False), "weights are symmetric"),
+        (QuantRule(pattern="layers/probs", init="max_min"), "fixed unsigned encoding"),
+        (QuantRule(pattern="layers/o_out", init="fixed"), "only softmax probabilities"),
+        (QuantRule(pattern="layers/o_out", bits=17), "2..16"),
+        (QuantRule(pattern="layers/o_out", init="magic"), "unknown initializer 'magic'"),
+        (QuantRule(pattern="layers/down_in", layer_bits=(8, 16)), "2 entries for 30 layers"),
+        (QuantRule(pattern="lm_head", layer_bits=(8,) * 30), "layers/ tensors only"),
+    ],
+)
+def test_impossible_rules_are_clear_errors(rule, message):
+    with pytest.raises(QnpuError, match=message):
+        default_plan(30, rules=[rule])
+
+
+def test_bad_pattern_and_unknown_path():
+    with pytest.raises(QnpuError, match="bad rule pattern"):
+        QuantRule(pattern="layers/(")
+    with pytest.raises(QnpuError, match="unknown tensor path 'layers/nope'"):
+        QuantPlan((("layers/nope", TensorQuant(bits=8)),), 2)
+
+
+def test_uniform_plan_keeps_probs_fixed():
+    plan = uniform_plan(2, 16)
+    assert {tq.bits for _, tq in plan.entries} == {16}
+    assert plan.get("layers/probs").init == "fixed"
+    assert dataclasses.replace(plan.get("layers/q_proj"), bits=8) == TensorQuant(bits=8, axis=0)
