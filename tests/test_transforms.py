@@ -7,7 +7,12 @@ import pytest
 
 from qnpu_jax import QnpuError
 from qnpu_jax.models import forward
-from qnpu_jax.transforms import apply_rotations, fuse_norms, norms_are_fused
+from qnpu_jax.transforms import (
+    apply_rotations,
+    fuse_norms,
+    norms_are_fused,
+    randomized_hadamard_rotations,
+)
 
 
 def _orthogonal(key, n, batch=()):
@@ -88,3 +93,19 @@ def test_real_model_fused_and_rotated_matches_original(smollm):
     tokens = jnp.asarray([smollm.tokenizer.encode("The capital of France is Paris, and the river")])
     diff = jnp.abs(forward(rotated, tokens, cfg=cfg) - forward(smollm.params, tokens, cfg=cfg))
     assert float(diff.max()) < 1e-3
+
+
+def test_randomized_hadamard_rotations_are_orthogonal_and_equivalent(
+    tiny_cfg, tiny_params, tiny_tokens
+):
+    r1, r2 = randomized_hadamard_rotations(tiny_cfg, jax.random.key(2))
+    assert r1.shape == (32, 32) and r2.shape == (tiny_cfg.num_layers, 8, 8)
+    np.testing.assert_allclose(r1 @ r1.T, np.eye(32), atol=1e-6)
+    np.testing.assert_allclose(np.abs(np.asarray(r1)) * np.sqrt(32), 1.0, atol=1e-6)  # ±1/√n
+    assert not np.allclose(r2[0], r2[1])  # each layer draws its own signs
+    rotated = apply_rotations(fuse_norms(tiny_params, tiny_cfg), tiny_cfg, r1, r2)
+    np.testing.assert_allclose(
+        forward(rotated, tiny_tokens, cfg=tiny_cfg),
+        forward(tiny_params, tiny_tokens, cfg=tiny_cfg),
+        atol=1e-4,
+    )

@@ -175,6 +175,10 @@ def build_state(plan: QuantPlan, cfg: ModelConfig, encodings: Mapping[str, Encod
             state["layers"][name] = state_entry(tq, *enc, layers=cfg.num_layers)
         else:
             state["outer"][path] = state_entry(tq, *enc, layers=None)
+    check_scales(
+        {g: {name: entry["scale"] for name, entry in state[g].items()} for g in state},
+        "calibrated scale",
+    )
     return state
 
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.rotation import random_hadamard
 
 Params = dict[str, Any]
 
@@ -102,3 +103,11 @@ def apply_rotations(
         layers["o_proj"] = jnp.einsum("ldhj,lji->ldhi", o, r2).reshape(n, d, cfg.q_size)
     out["layers"] = layers
     return out
+
+
+def randomized_hadamard_rotations(cfg: ModelConfig, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """QuaRot's fixed rotations: R1 [D, D] and R2 [L, hd, hd], randomized Hadamards from `key`."""
+    r1_key, r2_key = jax.random.split(key)
+    r2_keys = jax.random.split(r2_key, cfg.num_layers)
+    r1 = random_hadamard(cfg.hidden_size, r1_key)
+    return r1, jnp.stack([random_hadamard(cfg.head_dim, k) for k in r2_keys])

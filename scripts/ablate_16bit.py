@@ -1,0 +1,105 @@
+"""Which tensors cost accuracy even at 16 bits? One tensor at a time -> JSON report.
+
+Every tensor of the 16-bit plan is fake-quantized alone (all others float), on the original
+and on the randomized-Hadamard-rotated model, and its perplexity change against float on the
+`wiki` eval split is recorded with the calibrated range (max |x| over layers) of activations.
+
+    python scripts/ablate_16bit.py --seq-len 256 --calib-windows 8 --eval-windows 8 \
+        --json reports/ablate_16bit.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
+from qnpu_jax.environment import environment_info
+from qnpu_jax.files import write_json_atomic
+from qnpu_jax.models import load_model, token_nll
+from qnpu_jax.models.quantized import FakeQuantTaps, tapped_token_nll
+from qnpu_jax.pipeline import calibrate
+from qnpu_jax.quant import QuantPlan, uniform_plan
+from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
+
+
+def _mean_nll(values: list[Any]) -> float:
+    return float(np.mean(np.concatenate([np.asarray(v, np.float64).ravel() for v in values])))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--calib-windows", type=int, default=8)
+    parser.add_argument("--eval-windows", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="reports/ablate_16bit.json")
+    args = parser.parse_args()
+    model = load_model(args.model)
+    cfg = model.config
+    calib_key, rotation_key = jax.random.split(jax.random.key(args.seed))
+    calib = sample_windows(
+        tokenize_documents(load_documents("wiki", "calib"), model.tokenizer),
+        args.seq_len,
+        args.calib_windows,
+        calib_key,
+    )
+    windows = eval_windows(
+        tokenize_documents(load_documents("wiki", "eval"), model.tokenizer),
+        args.seq_len,
+        args.eval_windows,
+    )
+    batches = [jnp.asarray(windows[i : i + 1]) for i in range(len(windows))]
+    float_nll = _mean_nll([token_nll(model.params, b, cfg=cfg) for b in batches])
+    rotations = randomized_hadamard_rotations(cfg, rotation_key)
+    rotated = apply_rotations(fuse_norms(model.params, cfg), cfg, *rotations)
+    full = uniform_plan(cfg.num_layers, 16)
+    results: dict[str, Any] = {}
+    for label, params in (("none", model.params), ("randomized Hadamard R1+R2", rotated)):
+        state = calibrate(params, cfg, full, calib)
+        rows = []
+        for path, tq in full.entries:
+            plan = QuantPlan(((path, tq),), cfg.num_layers)
+            taps = FakeQuantTaps(plan)
+            nll = _mean_nll(
+                [tapped_token_nll(params, state, b, cfg=cfg, taps=taps) for b in batches]
+            )
+            group = state["layers"] if path.startswith("layers/") else state["outer"]
+            entry = group[path.removeprefix("layers/")]
+            max_abs = float(np.max(np.asarray(entry["scale"]) * np.asarray(entry["qmax"])))
+            rows.append(
+                {
+                    "tensor": path,
+                    "ppl_change": math.exp(nll - float_nll) - 1,
+                    "max_abs_range": max_abs,
+                }
+            )
+            print(f"{label} {path}: {100 * rows[-1]['ppl_change']:+.3f}%", flush=True)
+        results[label] = sorted(rows, key=lambda r: -r["ppl_change"])
+    write_json_atomic(
+        args.json,
+        {
+            "model": args.model,
+            "data": "wiki eval split; calibration on the calib split",
+            "seq_len": args.seq_len,
+            "eval_windows": len(windows),
+            "calibration_windows": len(calib),
+            "float_ppl": math.exp(float_nll),
+            "rows_by_rotation": results,
+            "environment": environment_info(),
+            "command": "python scripts/ablate_16bit.py " + shlex.join(sys.argv[1:]),
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
