@@ -20,6 +20,7 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
 from qnpu_jax.models.quantized import ObserveTaps, QuantState, state_entry, tapped_forward
+from qnpu_jax.quant.fake_quant import check_scales
 from qnpu_jax.quant.init import (
     RangeStats,
     init_range_stats,
