@@ -25,7 +25,9 @@ def test_default_plan_is_the_design_table():
     assert (probs.bits, probs.signed, probs.init) == (16, False, "fixed")
     assert plan.get("embed_tokens") == TensorQuant(bits=8, axis=0)
     assert plan.get("lm_head").bits == 8 and plan.get("final_norm_out").bits == 16
-    assert hash(plan) == hash(default_plan(30, w_bits=4, a_bits=8))  # static jit argument
+    same = default_plan(30, w_bits=4, a_bits=8)
+    assert plan == same and hash(plan) == hash(same)  # a static jit argument: one compilation
+    assert QuantPlan(tuple(reversed(plan.entries)), 30) == plan  # order does not matter
 
 
 def test_rules_override_in_order_and_per_layer_bits():
@@ -53,7 +55,10 @@ def test_rules_override_in_order_and_per_layer_bits():
         (QuantRule(pattern="layers/down_in", bits=4), "never below 8 bits"),
         (QuantRule(pattern="layers/attn_in", axis=0), "per-tensor"),
         (QuantRule(pattern="layers/q_proj", symmetric=False), "weights are symmetric"),
-        (QuantRule(pattern="layers/probs", init="max_min"), "fixed unsigned encoding"),
+        (QuantRule(pattern="layers/probs", init="max_min"), "fixed unsigned 16-bit encoding"),
+        (QuantRule(pattern="layers/(o_out|probs)", bits=8), "fixed unsigned 16-bit encoding"),
+        (QuantRule(pattern="layers/o_out", init="mse"), "weights only"),
+        (QuantRule(pattern="embed_tokens", axis=None), "per row"),
         (QuantRule(pattern="layers/o_out", init="fixed"), "only softmax probabilities"),
         (QuantRule(pattern="layers/o_out", bits=17), "2..16"),
         (QuantRule(pattern="layers/o_out", init="magic"), "unknown initializer 'magic'"),
@@ -66,11 +71,22 @@ def test_impossible_rules_are_clear_errors(rule, message):
         default_plan(30, rules=[rule])
 
 
+def test_layer_bits_given_as_a_list_stay_hashable():
+    tq = TensorQuant(bits=8, layer_bits=[8, 16])
+    assert tq.layer_bits == (8, 16) and hash(tq)
+
+
 def test_bad_pattern_and_unknown_path():
     with pytest.raises(QnpuError, match="bad rule pattern"):
         QuantRule(pattern="layers/(")
     with pytest.raises(QnpuError, match="unknown tensor path 'layers/nope'"):
         QuantPlan((("layers/nope", TensorQuant(bits=8)),), 2)
+    with pytest.raises(QnpuError, match="must be a string"):
+        QuantRule(pattern=None)  # type: ignore[arg-type]
+    with pytest.raises(QnpuError, match="twice"):
+        QuantPlan((("lm_head", TensorQuant(bits=8)), ("lm_head", TensorQuant(bits=4))), 2)
+    with pytest.raises(QnpuError, match="num_layers must be positive"):
+        default_plan(0)
 
 
 def test_uniform_plan_keeps_probs_fixed():

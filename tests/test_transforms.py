@@ -77,6 +77,9 @@ def test_rotation_shape_errors(tiny_cfg, tiny_params):
     unfused = {k: v for k, v in tiny_params.items() if k != "lm_head"}
     with pytest.raises(QnpuError, match="fuse_norms"):
         apply_rotations(unfused, tiny_cfg, jnp.eye(32))
+    assert "lm_head" in tiny_params  # untied, but its norms are not folded yet
+    with pytest.raises(QnpuError, match="norm weights of one"):
+        apply_rotations(tiny_params, tiny_cfg, jnp.eye(32))
 
 
 def test_real_model_fused_and_rotated_matches_original(smollm):

@@ -83,13 +83,25 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.floa
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
+class Tap(Protocol):
+    """Sees (and may replace) a named tensor of the graph: weights and activations alike."""
+
+    def __call__(self, name: str, x: jax.Array, where: jax.Array | None = None) -> jax.Array:
+        """`where` marks the elements that exist (attention scores: the unmasked ones)."""
+        ...
+
+
+def _no_tap(name: str, x: jax.Array, where: jax.Array | None = None) -> jax.Array:
+    return x
+
+
 def _attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     query_pos: jax.Array,
     valid_len: jax.Array,
-    tap: Tap = lambda name, x: x,
+    tap: Tap = _no_tap,
 ) -> jax.Array:
     """Causal GQA attention over a cache.
 
@@ -103,18 +115,11 @@ def _attention(
     allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos < valid_len)
     allowed = allowed[:, None, None, :, :]
     scores = jnp.einsum("btkgd,bksd->bkgts", q, k) / math.sqrt(hd)
-    # Masked entries are zeroed before the tap so calibration sees visible scores only.
-    scores = tap("scores", jnp.where(allowed, scores, 0.0))
-    scores = jnp.where(allowed, scores, -jnp.inf)
+    # Masked entries are no data: calibration statistics skip them.
+    scores = jnp.where(allowed, tap("scores", scores, where=allowed), -jnp.inf)
     probs = tap("probs", jax.nn.softmax(scores, axis=-1))
     out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
     return out.reshape(b, t, hq * hd)
-
-
-class Tap(Protocol):
-    """Sees (and may replace) a named tensor of the graph: weights and activations alike."""
-
-    def __call__(self, name: str, x: jax.Array) -> jax.Array: ...
 
 
 class Taps(Protocol):
@@ -130,10 +135,6 @@ class Taps(Protocol):
     def outer(self, state: Any) -> tuple[Tap, Callable[[], Any]]: ...
 
     def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array: ...
-
-
-def _no_tap(name: str, x: jax.Array) -> jax.Array:
-    return x
 
 
 def _no_aux() -> dict[str, Any]:

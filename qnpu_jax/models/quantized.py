@@ -18,18 +18,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qnpu_jax.errors import QnpuError
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import (
     Params,
     Tap,
     forward_tapped,
     init_cache,
-    layer_param_shapes,
     next_token_nll,
 )
-from qnpu_jax.quant.fake_quant import dynamic_fake_quant, fake_quant, lsq_grad_scale
+from qnpu_jax.quant.fake_quant import dynamic_fake_quant, fake_quant
 from qnpu_jax.quant.init import update_range_stats
-from qnpu_jax.quant.plan import QuantPlan, TensorQuant, is_weight
+from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, TensorQuant, is_weight
 
 MODES = ("static", "dynamic")
 QuantState = dict[str, Any]
@@ -52,33 +52,29 @@ class FakeQuantTaps:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"unknown fake-quant mode {self.mode!r}; known: {MODES}")
+            raise QnpuError(f"unknown fake-quant mode {self.mode!r}; known: {MODES}")
         if self.lsq_grad_scaling and self.cfg is None:
-            raise ValueError("lsq_grad_scaling needs the model config")
-
-    def _grad_scale(self, name: str, tq: TensorQuant) -> float:
-        if not self.lsq_grad_scaling or self.cfg is None:
-            return 1.0
-        qmax = tq.qrange(tq.bits)[1]
-        return lsq_grad_scale(_elements_per_scale(name, tq, self.cfg), qmax)
+            raise QnpuError("lsq_grad_scaling needs the model config")
 
     def _tap(self, prefix: str, state: dict[str, Any]) -> Tap:
-        def tap(name: str, x: jax.Array) -> jax.Array:
+        def tap(name: str, x: jax.Array, where: jax.Array | None = None) -> jax.Array:
             path = prefix + name
             tq = self.plan.get(path)
             if tq is None:
                 return x
-            if self.mode == "dynamic" and not is_weight(path) and name != "probs":
-                return dynamic_fake_quant(x, tq.bits, axis=-1)
             s = state[name]
-            return fake_quant(
-                x,
-                s["scale"],
-                s["zero_point"],
-                s["qmin"],
-                s["qmax"],
-                grad_scale=self._grad_scale(name, tq),
-            )
+            # qmin/qmax are traced per-layer arrays: per-layer bit-widths apply in every mode.
+            if self.mode == "dynamic" and not is_weight(path) and name != "probs":
+                bits = jnp.log2(s["qmax"] - s["qmin"] + 1.0)
+                return dynamic_fake_quant(x, bits, axis=-1)
+            scale, zero_point = s["scale"], s["zero_point"]
+            if not tq.learnable:
+                scale, zero_point = jax.lax.stop_gradient((scale, zero_point))
+            grad_scale: Any = 1.0
+            if self.lsq_grad_scaling and self.cfg is not None:
+                n = _elements_per_scale(name, tq, self.cfg, x)
+                grad_scale = jax.lax.rsqrt(n * jnp.maximum(s["qmax"], 1.0))  # LSQ 1/√(N·Qmax)
+            return fake_quant(x, scale, zero_point, s["qmin"], s["qmax"], grad_scale=grad_scale)
 
         return tap
 
@@ -103,14 +99,13 @@ class FakeQuantTaps:
         )
 
 
-def _elements_per_scale(name: str, tq: TensorQuant, cfg: ModelConfig) -> int:
+def _elements_per_scale(name: str, tq: TensorQuant, cfg: ModelConfig, x: jax.Array) -> int:
     """N of the LSQ gradient scale: elements sharing one scale within one sample (token)."""
-    if tq.axis is not None:  # per-channel weight: one scale per output row of `in` elements
-        if name in ("embed_tokens", "lm_head"):
-            return cfg.hidden_size
-        return layer_param_shapes(cfg)[name][1]
-    if name in ("scores", "probs"):
-        return cfg.num_heads * cfg.max_position_embeddings
+    if name in WEIGHTS or name in ("embed_tokens", "lm_head"):
+        # per channel: one output row of `in` elements; per tensor: the whole weight
+        return int(x.shape[-1]) if tq.axis is not None else int(x.size)
+    if name in ("scores", "probs"):  # [B, Hkv, G, T, S]: all heads' scores of one query
+        return cfg.num_heads * int(x.shape[-1])
     widths = {
         "q_out": cfg.q_size,
         "q_rope": cfg.q_size,
@@ -182,9 +177,9 @@ class ObserveTaps:
     def _tap(self, prefix: str, state: dict[str, Any]) -> tuple[Tap, Callable[[], Any]]:
         updated: dict[str, Any] = {}
 
-        def tap(name: str, x: jax.Array) -> jax.Array:
+        def tap(name: str, x: jax.Array, where: jax.Array | None = None) -> jax.Array:
             if prefix + name in self.paths:
-                updated[name] = update_range_stats(state[name], x)
+                updated[name] = update_range_stats(state[name], x, where=where)
             return x
 
         return tap, lambda: updated

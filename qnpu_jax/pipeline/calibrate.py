@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import Params
+from qnpu_jax.models.llama import Params, lm_head_weight
 from qnpu_jax.models.quantized import ObserveTaps, QuantState, state_entry, tapped_forward
 from qnpu_jax.quant.fake_quant import check_scales
 from qnpu_jax.quant.init import (
@@ -43,11 +43,6 @@ def _empty_stats(plan: QuantPlan, paths: frozenset[str], num_layers: int) -> dic
     for path in paths:
         tq = plan.get(path)
         assert tq is not None
-        if tq.init == "mse":
-            raise QnpuError(
-                f"{path}: 'mse' initialization needs sample data and is supported for "
-                "weights only; use max_min, mean_std or percentile for activations"
-            )
         stats = init_range_stats((1,), num_bins=2048 if tq.init == "percentile" else 0)
         if path.startswith("layers/"):
             name = path.removeprefix("layers/")
@@ -78,10 +73,10 @@ def collect_activation_stats(
     paths = _observed_paths(plan)
     taps = ObserveTaps(paths)
     stats = _empty_stats(plan, paths, cfg.num_layers)
-    n = len(windows) - len(windows) % batch_size
-    if n == 0:
-        raise QnpuError(f"need at least batch_size={batch_size} calibration windows")
-    for i in tqdm(range(0, n, batch_size), desc="calibrate", disable=not progress):
+    if len(windows) == 0:
+        raise QnpuError("no calibration windows")
+    # The last batch may be smaller (one more compilation): every window counts once.
+    for i in tqdm(range(0, len(windows), batch_size), desc="calibrate", disable=not progress):
         stats = _observe_step(
             params, stats, jnp.asarray(windows[i : i + batch_size]), cfg=cfg, taps=taps
         )
@@ -128,13 +123,9 @@ def weight_encodings(params: Params, cfg: ModelConfig, plan: QuantPlan) -> dict[
                 np.stack([e[1] for e in per_layer]),
             )
         else:
-            w = params["embed_tokens"] if path == "embed_tokens" else _lm_head(params)
+            w = params["embed_tokens"] if path == "embed_tokens" else lm_head_weight(params)
             out[path] = _weight_encoding(path, w, tq, None)
     return out
-
-
-def _lm_head(params: Params) -> jax.Array:
-    return params["lm_head"] if "lm_head" in params else params["embed_tokens"]
 
 
 def activation_encodings(

@@ -133,13 +133,17 @@ def _merge_bins(hist: jax.Array, k: jax.Array) -> jax.Array:
     return take(jnp.broadcast_to(hi, full)) - take(jnp.broadcast_to(lo, full))
 
 
-def update_range_stats(stats: RangeStats, x: ArrayLike, *, axis: int | None = None) -> RangeStats:
+def update_range_stats(
+    stats: RangeStats, x: ArrayLike, *, axis: int | None = None, where: ArrayLike | None = None
+) -> RangeStats:
     """Fold one batch into `stats` (jittable; `axis` must match `init_range_stats`).
 
     Non-finite values are counted (so `scale_from_stats` can refuse them) and excluded from
-    every other statistic.
+    every other statistic. `where` (broadcastable to x) excludes elements entirely, e.g.
+    masked attention scores.
     """
     x = jnp.asarray(x).astype(jnp.float32)
+    keep = jnp.ones(x.shape, bool) if where is None else jnp.broadcast_to(where, x.shape)
     stat_shape = reduced_shape(x.shape, axis)
     if stat_shape != stats.min.shape:
         raise QnpuError(
@@ -152,7 +156,7 @@ def update_range_stats(stats: RangeStats, x: ArrayLike, *, axis: int | None = No
     def red(fn: Any, a: jax.Array) -> jax.Array:
         return fn(a, axis=axes, keepdims=True).reshape(stat_shape)
 
-    finite = jnp.isfinite(x)
+    finite = jnp.isfinite(x) & keep
     xz = jnp.where(finite, x, 0.0)
     n_b = red(jnp.sum, finite.astype(jnp.float32))
     mean_b = red(jnp.sum, xz) / jnp.maximum(n_b, 1.0)
@@ -196,8 +200,8 @@ def update_range_stats(stats: RangeStats, x: ArrayLike, *, axis: int | None = No
         m2=m2,
         min=jnp.minimum(stats.min, red(jnp.min, jnp.where(finite, x, jnp.inf))),
         max=jnp.maximum(stats.max, red(jnp.max, jnp.where(finite, x, -jnp.inf))),
-        nan_count=stats.nan_count + jnp.sum(jnp.isnan(x)).astype(jnp.int32),
-        inf_count=stats.inf_count + jnp.sum(jnp.isinf(x)).astype(jnp.int32),
+        nan_count=stats.nan_count + jnp.sum(jnp.isnan(x) & keep).astype(jnp.int32),
+        inf_count=stats.inf_count + jnp.sum(jnp.isinf(x) & keep).astype(jnp.int32),
         hist=hist,
         hist_exp=hist_exp,
     )

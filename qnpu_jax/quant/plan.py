@@ -79,6 +79,8 @@ class TensorQuant:
     layer_bits: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.layer_bits is not None:  # a list would make the plan unhashable under jit
+            object.__setattr__(self, "layer_bits", tuple(self.layer_bits))
         for b in (self.bits, *(self.layer_bits or ())):
             if isinstance(b, bool) or not isinstance(b, int) or not 2 <= b <= 16:
                 raise QnpuError(f"bit-width must be an integer in 2..16, got {b!r}")
@@ -86,8 +88,8 @@ class TensorQuant:
             raise QnpuError(f"unknown initializer {self.init!r}; known: {', '.join(INIT_METHODS)}")
         if self.init == "fixed" and self.learnable:
             raise QnpuError("a tensor with a fixed encoding cannot be learnable")
-        if self.axis not in (None, 0):
-            raise QnpuError(f"per-channel axis must be 0 (output channels), got {self.axis}")
+        if self.axis is not None and (isinstance(self.axis, bool) or self.axis != 0):
+            raise QnpuError(f"per-channel axis must be 0 (output channels), got {self.axis!r}")
 
     def bits_for_layer(self, layer: int) -> int:
         return self.layer_bits[layer] if self.layer_bits is not None else self.bits
@@ -103,7 +105,11 @@ class TensorQuant:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantRule:
-    """Override fields of every tensor whose path fully matches `pattern` (a regex)."""
+    """Override fields of every tensor whose path fully matches `pattern` (a regex).
+
+    A tensor removed by an earlier rule (`quantize=False`) and re-added by a later one starts
+    from the W8A8 default table.
+    """
 
     pattern: str
     bits: int | None = None
@@ -115,6 +121,8 @@ class QuantRule:
     quantize: bool | None = None  # False removes the tensor from the plan (kept in float)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.pattern, str):
+            raise QnpuError(f"rule pattern must be a string, got {self.pattern!r}")
         try:
             re.compile(self.pattern)
         except re.error as e:
@@ -137,6 +145,15 @@ class QuantPlan:
     num_layers: int
 
     def __post_init__(self) -> None:
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int):
+            raise QnpuError(f"num_layers must be an integer, got {self.num_layers!r}")
+        if self.num_layers < 1:
+            raise QnpuError(f"num_layers must be positive, got {self.num_layers}")
+        paths = [p for p, _ in self.entries]
+        if len(set(paths)) != len(paths):
+            raise QnpuError("a plan lists some tensor path twice")
+        # Canonical order: equal plans compare and hash equal (one jit compilation).
+        object.__setattr__(self, "entries", tuple(sorted(self.entries, key=lambda e: e[0])))
         known = set(all_paths())
         for path, tq in self.entries:
             if path not in known:
@@ -191,9 +208,9 @@ def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
     if not is_weight(path) and tq.axis is not None:
         raise QnpuError(f"{path}: static activations are per-tensor (axis must be None)")
     if name == "probs":
-        if tq.signed or tq.init != "fixed" or tq.learnable:
+        if tq.signed or tq.init != "fixed" or tq.bits != 16 or tq.layer_bits is not None:
             raise QnpuError(
-                f"{path}: softmax probabilities use the fixed unsigned encoding of the "
+                f"{path}: softmax probabilities use the fixed unsigned 16-bit encoding of the "
                 "integer softmax"
             )
     elif not tq.signed:
@@ -204,6 +221,14 @@ def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
         raise QnpuError(f"{path}: the unrotated down_proj input is never below 8 bits")
     if is_weight(path) and not tq.symmetric:
         raise QnpuError(f"{path}: weights are symmetric (integer matmul without weight zero point)")
+    if not is_weight(path) and tq.init == "mse":
+        raise QnpuError(
+            f"{path}: 'mse' initialization needs sample data and is supported for weights only"
+        )
+    if path == "embed_tokens" and tq.axis is None:
+        raise QnpuError("embed_tokens: the embedding table is quantized per row (axis 0)")
+    if tq.init == "percentile" and path in ("embed_tokens", "lm_head"):
+        raise QnpuError(f"{path}: per-row percentile histograms of the vocabulary are too large")
 
 
 def _default_table(

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import lm_head_weight
 from qnpu_jax.rotation import random_hadamard
 
 Params = dict[str, Any]
@@ -43,7 +44,7 @@ def fuse_norms(params: Params, cfg: ModelConfig) -> Params:
         layers[name] = layers[name] * g_mlp
     layers["input_layernorm"] = jnp.ones_like(layers["input_layernorm"])
     layers["post_attention_layernorm"] = jnp.ones_like(layers["post_attention_layernorm"])
-    head = params["lm_head"] if "lm_head" in params else params["embed_tokens"]
+    head = lm_head_weight(params)
     out = dict(params)
     out["layers"] = layers
     out["lm_head"] = head * params["norm"][None, :]
@@ -74,12 +75,13 @@ def apply_rotations(
 ) -> Params:
     """Rotate fused params: R1 [D, D] on the residual stream, R2 [L, hd, hd] per layer.
 
-    `params` must come from `fuse_norms` (checked by the caller with `norms_are_fused` outside
-    jit; here only shapes are checked so the function stays traceable). The result has an
-    explicit lm_head.
+    `params` must come from `fuse_norms` (checked when the params are concrete; under a trace,
+    e.g. learning R1/R2 in stage 1, only shapes are). The result has an explicit lm_head.
     """
     if "lm_head" not in params:
         raise QnpuError("apply_rotations needs fused params with an explicit lm_head: fuse_norms")
+    if not isinstance(params["norm"], jax.core.Tracer) and not norms_are_fused(params):
+        raise QnpuError("apply_rotations needs fused params (norm weights of one): fuse_norms")
     layers = dict(params["layers"])
     out = dict(params)
     if r1 is not None:
