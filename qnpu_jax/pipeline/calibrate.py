@@ -7,7 +7,7 @@ weights get their per-channel encodings from the weights themselves.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -83,30 +83,38 @@ def collect_activation_stats(
     return stats
 
 
-def _encoding_from_stats(
-    path: str, stats: RangeStats, tq: TensorQuant, layer: int | None
-) -> Encoding:
+def _encoding(path: str, layer: int | None, compute: Callable[[], Any]) -> Encoding:
+    """Run one initializer; its errors name the tensor (and layer) they are about."""
     try:
-        scale, zero_point = scale_from_stats(stats, tq.init, tq.spec(layer))
+        scale, zero_point = compute()
     except QnpuError as e:
         raise QnpuError(f"{path}{'' if layer is None else f' (layer {layer})'}: {e}") from e
     return np.asarray(scale, np.float32), np.asarray(zero_point, np.float32)
+
+
+def _stack(per_layer: list[Encoding]) -> Encoding:
+    return np.stack([e[0] for e in per_layer]), np.stack([e[1] for e in per_layer])
+
+
+def _encoding_from_stats(
+    path: str, stats: RangeStats, tq: TensorQuant, layer: int | None
+) -> Encoding:
+    return _encoding(path, layer, lambda: scale_from_stats(stats, tq.init, tq.spec(layer)))
 
 
 def _weight_encoding(path: str, w: jax.Array, tq: TensorQuant, layer: int | None) -> Encoding:
     spec = tq.spec(layer)
-    try:
+
+    def compute() -> Any:
         if tq.init == "mse":
-            scale, zero_point = mse_scale(w, spec)
-        else:
-            bins = 2048 if tq.init == "percentile" else 0
-            stats = update_range_stats(
-                init_range_stats(w.shape, axis=spec.axis, num_bins=bins), w, axis=spec.axis
-            )
-            scale, zero_point = scale_from_stats(stats, tq.init, spec)
-    except QnpuError as e:
-        raise QnpuError(f"{path}{'' if layer is None else f' (layer {layer})'}: {e}") from e
-    return np.asarray(scale, np.float32), np.asarray(zero_point, np.float32)
+            return mse_scale(w, spec)
+        bins = 2048 if tq.init == "percentile" else 0
+        stats = update_range_stats(
+            init_range_stats(w.shape, axis=spec.axis, num_bins=bins), w, axis=spec.axis
+        )
+        return scale_from_stats(stats, tq.init, spec)
+
+    return _encoding(path, layer, compute)
 
 
 def weight_encodings(params: Params, cfg: ModelConfig, plan: QuantPlan) -> dict[str, Encoding]:
@@ -117,10 +125,8 @@ def weight_encodings(params: Params, cfg: ModelConfig, plan: QuantPlan) -> dict[
             continue
         if path.startswith("layers/"):
             stacked = params["layers"][path.removeprefix("layers/")]
-            per_layer = [_weight_encoding(path, stacked[i], tq, i) for i in range(cfg.num_layers)]
-            out[path] = (
-                np.stack([e[0] for e in per_layer]),
-                np.stack([e[1] for e in per_layer]),
+            out[path] = _stack(
+                [_weight_encoding(path, stacked[i], tq, i) for i in range(cfg.num_layers)]
             )
         else:
             w = params["embed_tokens"] if path == "embed_tokens" else lm_head_weight(params)
@@ -136,11 +142,12 @@ def activation_encodings(
         path = f"layers/{name}"
         tq = plan.get(path)
         assert tq is not None
-        per_layer = [
-            _encoding_from_stats(path, jax.tree.map(lambda a, i=i: a[i], layer_stats), tq, i)
-            for i in range(num_layers)
-        ]
-        out[path] = (np.stack([e[0] for e in per_layer]), np.stack([e[1] for e in per_layer]))
+        out[path] = _stack(
+            [
+                _encoding_from_stats(path, jax.tree.map(lambda a, i=i: a[i], layer_stats), tq, i)
+                for i in range(num_layers)
+            ]
+        )
     for path, outer_stats in stats["outer"].items():
         tq = plan.get(path)
         assert tq is not None

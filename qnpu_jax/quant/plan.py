@@ -45,7 +45,6 @@ LAYER_ACTIVATIONS = (
     "resid_mlp",
 )
 GLOBAL_TENSORS = ("embed_tokens", "embed_out", "final_norm_out", "lm_head")
-ROTATED_INPUTS = ("attn_in", "attn_out", "mlp_in")
 # A probability code p means p / (2^16 − 1): the integer softmax's fixed output encoding.
 PROBS_SCALE_DENOMINATOR = 2**16 - 1
 
