@@ -30,9 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     ev = sub.add_parser("eval", help="perplexity of a model on a text corpus")
-    ev.add_argument(
-        "--model", required=True, help="smollm2-135m, a .gguf file, an HF dir or org/name"
-    )
+    source = ev.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="smollm2-135m, a .gguf file, an HF dir or org/name")
+    source.add_argument("--run", type=Path, help="a `qnpu quantize` run: its fake-quant model")
     ev.add_argument(
         "--data", required=True, help="wiki | wikitext:PATH | hf:NAME[:CONFIG]:SPLIT | a text file"
     )
@@ -42,6 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=_positive_int, default=1)
     ev.add_argument("--json", type=Path, default=None, help="write the report here")
     ev.add_argument("--no-progress", action="store_true")
+    ev.add_argument(
+        "--prefix",
+        choices=("none", "bos"),
+        default=None,
+        help="sink prefix before every window (default: none; a run's own prefix with --run)",
+    )
+
+    qz = sub.add_parser("quantize", help="quantize a model with a method config into a run dir")
+    qz.add_argument("--config", required=True, type=Path, help="configs/NAME.yaml")
+    qz.add_argument("--out", required=True, type=Path, help="the run directory")
+    qz.add_argument("--resume", action="store_true", help="continue the run in --out")
+    qz.add_argument("--no-progress", action="store_true")
 
     gen = sub.add_parser("generate", help="greedy continuation of a prompt")
     gen.add_argument("--model", required=True)
@@ -55,7 +67,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from qnpu_jax.environment import environment_info
     from qnpu_jax.eval import perplexity
     from qnpu_jax.files import check_writable, write_json_atomic
-    from qnpu_jax.models import load_model, token_nll
+    from qnpu_jax.models import load_model
+    from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix, tapped_token_nll
 
     split = args.split
     if args.data == "wiki" and split is None:
@@ -64,7 +77,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json is not None:
         check_writable(args.json)  # fail before the run, not after it
     docs = load_documents(args.data, split)  # cheap checks first
-    model = load_model(args.model)
+    if args.run is not None:
+        from qnpu_jax.pipeline.run import load_run
+
+        config, plan, params, state, model = load_run(args.run)
+        taps = FakeQuantTaps(plan)
+        prefix_name = args.prefix or config.prefix
+        label = f"run {args.run} ({config.method} W{config.w_bits}A{config.a_bits})"
+    else:
+        model = load_model(args.model)
+        params, state, taps = model.params, None, None
+        prefix_name = args.prefix or "none"
+        label = args.model
+    prefix = sink_prefix(prefix_name, model.tokenizer)
     if args.seq_len > model.config.max_position_embeddings:
         raise QnpuError(
             f"--seq-len {args.seq_len} exceeds the model's context "
@@ -73,15 +98,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     ids = tokenize_documents(docs, model.tokenizer)
     windows = eval_windows(ids, args.seq_len, args.max_windows)
     print(
-        f"{args.model} on {args.data}{f' ({split})' if split else ''}: {len(docs)} documents, "
+        f"{label} on {args.data}{f' ({split})' if split else ''}: {len(docs)} documents, "
         f"{len(ids)} tokens, {len(windows)} windows of {args.seq_len}",
         file=sys.stderr,
     )
-    nll_fn = partial(token_nll, model.params, cfg=model.config)
+    nll_fn = partial(tapped_token_nll, params, state, cfg=model.config, taps=taps, prefix=prefix)
     result = perplexity(nll_fn, windows, batch_size=args.batch_size, progress=not args.no_progress)
     report = {
-        "model": args.model,
-        "path": "float",
+        "model": args.model if args.run is None else None,
+        "run": str(args.run) if args.run is not None else None,
+        "path": "float" if args.run is None else "fake-quant (static)",
+        "prefix": prefix_name,
         "data": args.data,
         "split": split,
         "seq_len": args.seq_len,
@@ -103,6 +130,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     if args.json is not None:
         write_json_atomic(args.json, report)
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from qnpu_jax.pipeline.config import load_config
+    from qnpu_jax.pipeline.run import quantize
+
+    config = load_config(args.config)
+    report = quantize(
+        config,
+        args.out,
+        resume=args.resume,
+        progress=not args.no_progress,
+        command="qnpu " + shlex.join(args.argv),
+    )
+    for spec, r in report["perplexity"].items():
+        print(
+            f"{spec}: float ppl {r['float_ppl']:.3f}, {report['method']} {report['bits']} "
+            f"ppl {r['quantized_ppl']:.3f} ({r['ratio']:.3f}x) over {r['windows']} windows"
+        )
+    print(f"run written to {args.out}")
     return 0
 
 
@@ -128,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
-    commands = {"eval": cmd_eval, "generate": cmd_generate}
+    commands = {"eval": cmd_eval, "generate": cmd_generate, "quantize": cmd_quantize}
     try:
         return commands[args.command](args)
     except (QnpuError, OSError) as e:  # OSError: an unwritable or vanished path

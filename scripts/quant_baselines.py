@@ -6,8 +6,13 @@ Max-Min weights, per-tensor Max-Min activations, the rest of DESIGN.md §3's tab
 and without randomized-Hadamard R1/R2 rotations (QuaRot-style, fused offline). Calibration
 windows come from the `wiki` calib split only.
 
+`--prefixes none,bos` repeats every row without and with the BOS sink prefix (PrefixQuant:
+the model's first position carries massive "attention sink" activations; computing it offline
+in float and keeping only its quantized K/V takes the sink out of every static range). Each
+row is compared with the float model under the same prefix.
+
     python scripts/quant_baselines.py --seq-len 512 --calib-windows 16 --eval-windows 32 \
-        --json reports/quant_baselines.json
+        --prefixes none,bos --json reports/quant_baselines.json
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize
 from qnpu_jax.environment import environment_info
 from qnpu_jax.eval import perplexity
 from qnpu_jax.files import write_json_atomic
-from qnpu_jax.models import load_model, token_nll
-from qnpu_jax.models.quantized import FakeQuantTaps, tapped_token_nll
+from qnpu_jax.models import load_model
+from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.quant import QuantPlan, default_plan, uniform_plan
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
@@ -40,6 +45,7 @@ def main() -> int:
     parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefixes", default="none,bos", help="comma list of none | bos")
     parser.add_argument("--json", default="reports/quant_baselines.json")
     args = parser.parse_args()
 
@@ -67,30 +73,42 @@ def main() -> int:
 
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
-    float_row = run(lambda t: token_nll(model.params, t, cfg=cfg))
-    rows.append({"method": "float", "rotation": None, **float_row})
-    print(f"float: {float_row['ppl']:.3f}", flush=True)
-    for rotation, params in (("none", model.params), ("randomized Hadamard R1+R2", rotated)):
-        for name, plan in plans:
-            t0 = time.perf_counter()
-            state = calibrate(params, cfg, plan, calib, batch_size=args.batch_size)
-            calib_s = time.perf_counter() - t0
-            taps = FakeQuantTaps(plan)
-            row = run(
-                lambda t, p=params, s=state, tp=taps: tapped_token_nll(p, s, t, cfg=cfg, taps=tp)
+    for prefix_name in args.prefixes.split(","):
+        prefix = sink_prefix(prefix_name, model.tokenizer)
+        float_row = run(
+            lambda t, pf=prefix: tapped_token_nll(
+                model.params, None, t, cfg=cfg, taps=None, prefix=pf
             )
-            row = {
-                "method": name,
-                "rotation": rotation,
-                **row,
-                "ppl_vs_float": row["ppl"] / float_row["ppl"] - 1,
-                "calibration_seconds": calib_s,
-            }
-            rows.append(row)
-            print(
-                f"{name} / {rotation}: {row['ppl']:.3f} ({100 * row['ppl_vs_float']:+.2f}%)",
-                flush=True,
-            )
+        )
+        rows.append({"method": "float", "rotation": None, "prefix": prefix_name, **float_row})
+        print(f"float / prefix {prefix_name}: {float_row['ppl']:.3f}", flush=True)
+        for rotation, params in (("none", model.params), ("randomized Hadamard R1+R2", rotated)):
+            for name, plan in plans:
+                t0 = time.perf_counter()
+                state = calibrate(
+                    params, cfg, plan, calib, batch_size=args.batch_size, prefix=prefix
+                )
+                calib_s = time.perf_counter() - t0
+                taps = FakeQuantTaps(plan)
+                row = run(
+                    lambda t, p=params, s=state, tp=taps, pf=prefix: tapped_token_nll(
+                        p, s, t, cfg=cfg, taps=tp, prefix=pf
+                    )
+                )
+                row = {
+                    "method": name,
+                    "rotation": rotation,
+                    "prefix": prefix_name,
+                    **row,
+                    "ppl_vs_float": row["ppl"] / float_row["ppl"] - 1,
+                    "calibration_seconds": calib_s,
+                }
+                rows.append(row)
+                print(
+                    f"{name} / {rotation} / prefix {prefix_name}: {row['ppl']:.3f} "
+                    f"({100 * row['ppl_vs_float']:+.2f}%)",
+                    flush=True,
+                )
     report = {
         "model": args.model,
         "data": {"eval": "wiki (eval split)", "calibration": "wiki (calib split)"},

@@ -191,8 +191,12 @@ def forward_tapped(
     *,
     cfg: ModelConfig,
     taps: Taps | None = None,
+    remat: bool = False,
 ) -> tuple[jax.Array, KVCache, Any]:
     """Run `tokens` [B, T] at positions start..start+T-1, writing K/V into `cache`.
+
+    `remat` recomputes each decoder layer in the backward pass (`jax.checkpoint`), so training
+    memory stays flat in depth.
 
     Returns float32 logits [B, T, V], the updated cache and the taps' auxiliary output
     ({"layers": stacked per-layer aux, **outer aux}). Prefill, decode, full-sequence forward,
@@ -216,7 +220,7 @@ def forward_tapped(
         return x, (k_cache, v_cache, aux())
 
     xs = (params["layers"], cache["k"], cache["v"], state["layers"])
-    x, (k_new, v_new, layer_aux) = jax.lax.scan(body, x, xs)
+    x, (k_new, v_new, layer_aux) = jax.lax.scan(jax.checkpoint(body) if remat else body, x, xs)
     x = outer_tap("final_norm_out", rms_norm(x, params["norm"], cfg.rms_norm_eps))
     logits = linear(x, outer_tap("lm_head", lm_head_weight(params)))
     return logits, {"k": k_new, "v": v_new}, {"layers": layer_aux, **outer_aux()}

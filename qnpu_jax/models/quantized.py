@@ -27,7 +27,7 @@ from qnpu_jax.models.llama import (
     init_cache,
     next_token_nll,
 )
-from qnpu_jax.quant.fake_quant import dynamic_fake_quant, fake_quant
+from qnpu_jax.quant.fake_quant import dynamic_fake_quant, fake_quant, positive_scale
 from qnpu_jax.quant.init import update_range_stats
 from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, TensorQuant, is_weight
 
@@ -40,15 +40,20 @@ class FakeQuantTaps:
     """Fake-quantize every tensor of `plan`.
 
     mode "static": every tensor at its stored static encoding (what the NPU runs).
-    mode "dynamic": activations per token with on-the-fly scales (the SpinQuant-style
-    baseline), weights still at their static per-channel encodings.
+    mode "dynamic": activations per token and weights per output channel with on-the-fly
+    Max-Min scales (the SpinQuant-style baseline: while rotations are learned, the weights'
+    RTN scales follow the rotated weights).
     `lsq_grad_scaling` multiplies scale/zero-point gradients by 1/sqrt(N·Qmax).
+    `local_loss`: the auxiliary output holds, per learnable activation quantizer, the local
+    quantization error of eq. (3), ‖DQ(Q(x)) − x‖² / ‖x‖² with x held constant (only s, z
+    move), as {"local_error": {name: scalar}} per layer.
     """
 
     plan: QuantPlan
     mode: str = "static"
     lsq_grad_scaling: bool = False
     cfg: ModelConfig | None = None  # needed only for lsq_grad_scaling (elements per scale)
+    local_loss: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -56,7 +61,9 @@ class FakeQuantTaps:
         if self.lsq_grad_scaling and self.cfg is None:
             raise QnpuError("lsq_grad_scaling needs the model config")
 
-    def _tap(self, prefix: str, state: dict[str, Any]) -> Tap:
+    def _tap(self, prefix: str, state: dict[str, Any]) -> tuple[Tap, Callable[[], Any]]:
+        local: dict[str, jax.Array] = {}
+
         def tap(name: str, x: jax.Array, where: jax.Array | None = None) -> jax.Array:
             path = prefix + name
             tq = self.plan.get(path)
@@ -64,25 +71,36 @@ class FakeQuantTaps:
                 return x
             s = state[name]
             # qmin/qmax are traced per-layer arrays: per-layer bit-widths apply in every mode.
-            if self.mode == "dynamic" and not is_weight(path) and name != "probs":
+            if self.mode == "dynamic" and name != "probs":
                 bits = jnp.log2(s["qmax"] - s["qmin"] + 1.0)
-                return dynamic_fake_quant(x, bits, axis=-1)
+                return dynamic_fake_quant(x, bits, axis=-1)  # weights [out, in]: per out row
             scale, zero_point = s["scale"], s["zero_point"]
-            if not tq.learnable:
+            if tq.learnable:
+                scale = positive_scale(scale)
+            else:
                 scale, zero_point = jax.lax.stop_gradient((scale, zero_point))
             grad_scale: Any = 1.0
             if self.lsq_grad_scaling and self.cfg is not None:
                 n = _elements_per_scale(name, tq, self.cfg, x)
                 grad_scale = jax.lax.rsqrt(n * jnp.maximum(s["qmax"], 1.0))  # LSQ 1/√(N·Qmax)
-            return fake_quant(x, scale, zero_point, s["qmin"], s["qmax"], grad_scale=grad_scale)
+            args = (scale, zero_point, s["qmin"], s["qmax"])
+            if self.local_loss and tq.learnable and not is_weight(path):
+                x0 = jax.lax.stop_gradient(x)
+                err = fake_quant(x0, *args, grad_scale=grad_scale) - x0
+                local[name] = jnp.sum(err * err) / jnp.maximum(jnp.sum(x0 * x0), 1e-30)
+            return fake_quant(x, *args, grad_scale=grad_scale)
 
-        return tap
+        def aux() -> dict[str, Any]:
+            return {"local_error": dict(local)} if self.local_loss else {}
+
+        return tap, aux
 
     def layer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
-        return self._tap("layers/", state), dict
+        return self._tap("layers/", state)
 
     def outer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
-        return self._tap("", state), dict
+        tap, aux = self._tap("", state)
+        return tap, lambda: {"outer": aux()}
 
     def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
         rows = jnp.take(table, tokens, axis=0).astype(jnp.float32)
@@ -143,24 +161,96 @@ def state_entry(
     }
 
 
-@partial(jax.jit, static_argnames=("cfg", "taps"))
+# The sink prefix's K/V are the only prefix tensors the device holds: they sit in its cache.
+CACHE_TENSORS = frozenset({"k_rope", "v_out"})
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOnlyTaps:
+    """`inner` applied to the K/V cache tensors only; everything else passes in float.
+
+    Runs the sink prefix, which is computed offline in float and of which the device keeps
+    only the (quantized) K/V cache entries.
+    """
+
+    inner: Any
+
+    def layer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
+        tap, aux = self.inner.layer(state)
+
+        def cache_only(name: str, x: jax.Array, where: jax.Array | None = None) -> jax.Array:
+            return tap(name, x, where) if name in CACHE_TENSORS else x
+
+        return cache_only, aux
+
+    def outer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
+        return (lambda name, x, where=None: x), dict
+
+    def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        return jnp.take(table, tokens, axis=0).astype(jnp.float32)
+
+
+def _carry_state(taps: Any, state: Any, aux: Any) -> Any:
+    """The tap state after the prefix: observers continue from the prefix's statistics."""
+    if isinstance(taps, ObserveTaps):
+        return {"layers": {**state["layers"], **aux["layers"]}, "outer": state["outer"]}
+    return state
+
+
+@partial(jax.jit, static_argnames=("cfg", "taps", "prefix", "remat"))
 def tapped_forward(
-    params: Params, tap_state: Any, tokens: jax.Array, *, cfg: ModelConfig, taps: Any
+    params: Params,
+    tap_state: Any,
+    tokens: jax.Array,
+    *,
+    cfg: ModelConfig,
+    taps: Any,
+    prefix: tuple[int, ...] = (),
+    remat: bool = False,
 ) -> tuple[jax.Array, Any]:
-    """Full-sequence forward under `taps`: logits [B, T, V] and the taps' auxiliary output."""
-    cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
+    """Full-sequence forward under `taps`: logits [B, T, V] and the taps' auxiliary output.
+
+    `prefix`: sink tokens placed before every sequence (positions 0..P-1). The model puts its
+    massive "attention sink" activations on the first position; with the prefix computed
+    offline in float (PrefixQuant), only its K/V cache entries are quantized, and the static
+    ranges of every device-computed tensor exclude the sink. `tokens` start at position P.
+    `taps=None` is the float model; `remat` recomputes layers in the backward pass.
+    """
+    b, t = tokens.shape
+    n = len(prefix)
+    cache = init_cache(cfg, b, n + t)
+    start = jnp.int32(0)
+    if n:
+        sink = jnp.broadcast_to(jnp.asarray(prefix, jnp.int32), (b, n))
+        prefix_taps = CacheOnlyTaps(taps) if taps is not None else None
+        _, cache, prefix_aux = forward_tapped(
+            params, sink, cache, start, tap_state, cfg=cfg, taps=prefix_taps
+        )
+        if taps is not None:
+            tap_state = _carry_state(taps, tap_state, prefix_aux)
+        start = jnp.int32(n)
     logits, _, aux = forward_tapped(
-        params, tokens, cache, jnp.int32(0), tap_state, cfg=cfg, taps=taps
+        params, tokens, cache, start, tap_state, cfg=cfg, taps=taps, remat=remat
     )
     return logits, aux
 
 
-@partial(jax.jit, static_argnames=("cfg", "taps"))
+@partial(jax.jit, static_argnames=("cfg", "taps", "prefix"))
 def tapped_token_nll(
-    params: Params, tap_state: Any, tokens: jax.Array, *, cfg: ModelConfig, taps: Any
+    params: Params,
+    tap_state: Any,
+    tokens: jax.Array,
+    *,
+    cfg: ModelConfig,
+    taps: Any,
+    prefix: tuple[int, ...] = (),
 ) -> jax.Array:
-    """Next-token NLL [B, T-1] of the model under `taps` (logits never leave the jit)."""
-    logits, _ = tapped_forward(params, tap_state, tokens, cfg=cfg, taps=taps)
+    """Next-token NLL [B, T-1] of tokens[:, 1:] under `taps` (logits never leave the jit).
+
+    With a `prefix` the first token is conditioned on it too, but it is still not scored, so
+    runs with and without a prefix predict the same tokens.
+    """
+    logits, _ = tapped_forward(params, tap_state, tokens, cfg=cfg, taps=taps, prefix=prefix)
     return next_token_nll(logits, tokens)
 
 
@@ -193,3 +283,14 @@ class ObserveTaps:
 
     def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
         return jnp.take(table, tokens, axis=0).astype(jnp.float32)
+
+
+def sink_prefix(name: str, tokenizer: Any) -> tuple[int, ...]:
+    """The sink prefix a name stands for: "none" → (), "bos" → (the tokenizer's BOS id,)."""
+    if name == "none":
+        return ()
+    if name == "bos":
+        if tokenizer.bos_token_id is None:
+            raise QnpuError("prefix 'bos': the tokenizer has no BOS token")
+        return (int(tokenizer.bos_token_id),)
+    raise QnpuError(f"unknown sink prefix {name!r}; known: none, bos")

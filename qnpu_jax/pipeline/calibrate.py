@@ -52,11 +52,17 @@ def _empty_stats(plan: QuantPlan, paths: frozenset[str], num_layers: int) -> dic
     return {"layers": layers, "outer": outer}
 
 
-@partial(jax.jit, static_argnames=("cfg", "taps"))
+@partial(jax.jit, static_argnames=("cfg", "taps", "prefix"))
 def _observe_step(
-    params: Params, stats: Any, tokens: jax.Array, *, cfg: ModelConfig, taps: ObserveTaps
+    params: Params,
+    stats: Any,
+    tokens: jax.Array,
+    *,
+    cfg: ModelConfig,
+    taps: ObserveTaps,
+    prefix: tuple[int, ...],
 ) -> Any:
-    _, aux = tapped_forward(params, stats, tokens, cfg=cfg, taps=taps)
+    _, aux = tapped_forward(params, stats, tokens, cfg=cfg, taps=taps, prefix=prefix)
     return aux
 
 
@@ -68,8 +74,10 @@ def collect_activation_stats(
     *,
     batch_size: int = 1,
     progress: bool = False,
+    prefix: tuple[int, ...] = (),
 ) -> dict[str, Any]:
-    """RangeStats of every calibrated activation of `plan` over `windows` [N, T]."""
+    """RangeStats of every calibrated activation of `plan` over `windows` [N, T] (each after
+    the sink `prefix`, whose K/V count towards the cache ranges)."""
     paths = _observed_paths(plan)
     taps = ObserveTaps(paths)
     stats = _empty_stats(plan, paths, cfg.num_layers)
@@ -77,9 +85,8 @@ def collect_activation_stats(
         raise QnpuError("no calibration windows")
     # The last batch may be smaller (one more compilation): every window counts once.
     for i in tqdm(range(0, len(windows), batch_size), desc="calibrate", disable=not progress):
-        stats = _observe_step(
-            params, stats, jnp.asarray(windows[i : i + batch_size]), cfg=cfg, taps=taps
-        )
+        batch = jnp.asarray(windows[i : i + batch_size])
+        stats = _observe_step(params, stats, batch, cfg=cfg, taps=taps, prefix=prefix)
     return stats
 
 
@@ -189,11 +196,12 @@ def calibrate(
     *,
     batch_size: int = 1,
     progress: bool = False,
+    prefix: tuple[int, ...] = (),
 ) -> QuantState:
     """Static encodings of every tensor in `plan`: weights from the weights, activations from
-    statistics of the float model over calibration `windows`."""
+    statistics of the float model over calibration `windows` (after the sink `prefix`)."""
     stats = collect_activation_stats(
-        params, cfg, plan, windows, batch_size=batch_size, progress=progress
+        params, cfg, plan, windows, batch_size=batch_size, progress=progress, prefix=prefix
     )
     encodings = weight_encodings(params, cfg, plan) | activation_encodings(
         stats, plan, cfg.num_layers

@@ -168,6 +168,34 @@ class QuantPlan:
     def paths(self) -> tuple[str, ...]:
         return tuple(p for p, _ in self.entries)
 
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form; `QuantPlan.from_dict` reads it back to an equal plan."""
+        return {
+            "num_layers": self.num_layers,
+            "tensors": {
+                path: {
+                    k: list(v) if isinstance(v, tuple) else v
+                    for k, v in dataclasses.asdict(tq).items()
+                }
+                for path, tq in self.entries
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> QuantPlan:
+        if not isinstance(data, dict) or set(data) != {"num_layers", "tensors"}:
+            raise QnpuError("a plan is a mapping with keys 'num_layers' and 'tensors'")
+        tensors = data["tensors"]
+        if not isinstance(tensors, dict):
+            raise QnpuError("plan 'tensors' must map tensor paths to their quantization")
+        fields = {f.name for f in dataclasses.fields(TensorQuant)}
+        entries = []
+        for path, tq in tensors.items():
+            if not isinstance(tq, dict) or set(tq) - fields:
+                raise QnpuError(f"plan entry {path!r}: keys must be among {sorted(fields)}")
+            entries.append((path, TensorQuant(**tq)))
+        return cls(tuple(entries), data["num_layers"])
+
     def apply(self, rules: Iterable[QuantRule]) -> QuantPlan:
         """A new plan with `rules` applied in order; a rule matching nothing is an error."""
         table = dict(self.entries)

@@ -1,0 +1,151 @@
+"""The `qnpu quantize` run configuration: one frozen dataclass, validated on construction.
+
+A YAML file maps onto it key for key; nested `stage1:` maps onto `Stage1Config`, `rules:` is a
+list of `QuantRule` fields applied after the method's defaults. Unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.pipeline.stage1 import Stage1Config
+from qnpu_jax.quant.plan import QuantRule
+
+METHODS = ("rtn", "quarot", "spinquant", "quantnpu")
+PREFIXES = ("none", "bos")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantizeConfig:
+    """What `qnpu quantize` does. Method recipes:
+
+    - rtn: static round-to-nearest, Max-Min everywhere, no rotation (ExecuTorch-like);
+    - quarot: fixed randomized Hadamard R1/R2, then static Max-Min calibration;
+    - spinquant: R1/R2 learned under dynamic per-token activations (weights RTN), then
+      static Max-Min calibration of everything (the mismatch the paper points out);
+    - quantnpu: sensitivity-guided mixed precision, stage 1 (rotations + input-activation and
+      weight scales under static fake quantization, rotation-and-bit-width-aware init),
+      stage 2 (static calibration of the rest).
+    """
+
+    model: str = "smollm2-135m"
+    method: str = "quantnpu"
+    w_bits: int = 4
+    a_bits: int = 8
+    kv_bits: int = 8
+    down_in_bits: int = 8  # base precision of the down_proj inputs (16: the paper's Table 1)
+    mixed_precision: float = 0.10  # share of down_proj inputs promoted to 16 bits
+    learn_down_in: bool = True  # §4.3.1's literal text; Appendix E argues for False
+    prefix: str = "none"  # sink prefix: "bos" computes the first position offline (PrefixQuant)
+    seed: int = 0
+    calib_data: str = "wiki"  # the `wiki` calib split, or a user's calibration text
+    seq_len: int = 512
+    calib_windows: int = 16  # stage 2 calibration and the sensitivity scan
+    eval_data: tuple[str, ...] = ("wiki",)
+    eval_windows: int | None = 64  # cap per evaluation set (None: every window)
+    stage1: Stage1Config = dataclasses.field(default_factory=Stage1Config)
+    rules: tuple[QuantRule, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise QnpuError(f"unknown method {self.method!r}; known: {', '.join(METHODS)}")
+        if self.prefix not in PREFIXES:
+            raise QnpuError(f"unknown prefix {self.prefix!r}; known: {', '.join(PREFIXES)}")
+        for name in ("w_bits", "a_bits", "kv_bits", "down_in_bits"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 16:
+                raise QnpuError(f"{name} must be an integer in [2, 16], got {value!r}")
+        if self.down_in_bits < 8:
+            raise QnpuError("down_in_bits: the unrotated down_proj input is never below 8 bits")
+        for name in ("seq_len", "calib_windows", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise QnpuError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.seq_len < 2 or self.calib_windows < 1:
+            raise QnpuError("seq_len must be >= 2 and calib_windows >= 1")
+        if not isinstance(self.mixed_precision, int | float) or not (
+            0.0 <= self.mixed_precision <= 1.0
+        ):
+            raise QnpuError(f"mixed_precision must be in [0, 1], got {self.mixed_precision!r}")
+        if self.eval_windows is not None and (
+            isinstance(self.eval_windows, bool)
+            or not isinstance(self.eval_windows, int)
+            or self.eval_windows < 1
+        ):
+            raise QnpuError(
+                f"eval_windows must be a positive integer or null, got {self.eval_windows!r}"
+            )
+        if not isinstance(self.eval_data, tuple) or not all(
+            isinstance(d, str) for d in self.eval_data
+        ):
+            raise QnpuError(f"eval_data must be a list of data specs, got {self.eval_data!r}")
+        if not isinstance(self.stage1, Stage1Config):
+            raise QnpuError("stage1 must be a Stage1Config")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> QuantizeConfig:
+        if not isinstance(data, Mapping):
+            raise QnpuError(f"a config must be a mapping, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise QnpuError(f"unknown config key(s) {unknown}; known: {sorted(known)}")
+        values = dict(data)
+        if "stage1" in values:
+            stage1 = values["stage1"]
+            if not isinstance(stage1, Mapping):
+                raise QnpuError("stage1 must be a mapping")
+            s1_known = {f.name for f in dataclasses.fields(Stage1Config)}
+            s1_unknown = sorted(set(stage1) - s1_known)
+            if s1_unknown:
+                raise QnpuError(f"unknown stage1 key(s) {s1_unknown}; known: {sorted(s1_known)}")
+            values["stage1"] = Stage1Config(**stage1)
+        if "rules" in values:
+            rules = values["rules"] or []
+            r_known = {f.name for f in dataclasses.fields(QuantRule)}
+            parsed = []
+            for rule in rules:
+                if not isinstance(rule, Mapping) or set(rule) - r_known:
+                    raise QnpuError(
+                        f"bad rule {rule!r}: a rule is a mapping with keys from {sorted(r_known)}"
+                    )
+                parsed.append(QuantRule(**rule))
+            values["rules"] = tuple(parsed)
+        if "eval_data" in values and isinstance(values["eval_data"], list):
+            values["eval_data"] = tuple(values["eval_data"])
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["eval_data"] = list(self.eval_data)
+        out["rules"] = [
+            {
+                k: list(v) if isinstance(v, tuple) else v
+                for k, v in dataclasses.asdict(r).items()
+                if v is not None and k != "axis"
+            }
+            | ({"axis": r.axis} if r.axis != -1 else {})
+            for r in self.rules
+        ]
+        return out
+
+
+def load_config(path: str | Path) -> QuantizeConfig:
+    """Read a YAML (or JSON) config file; errors name the file."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise QnpuError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise QnpuError(f"{path}: not valid YAML: {e}") from e
+    try:
+        return QuantizeConfig.from_dict(data or {})
+    except (QnpuError, TypeError) as e:
+        raise QnpuError(f"{path}: {e}") from e

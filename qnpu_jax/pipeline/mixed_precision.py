@@ -1,0 +1,141 @@
+"""Sensitivity-guided 8/16-bit mixed precision of the down_proj inputs (paper §4.4, eq. 4).
+
+Every layer's down_proj input is quantized at 8 bits with a static Max-Min scale from the
+calibration windows, and its sensitivity is the mean relative error
+
+    ratio = (1/N) Σ |DQ(Q(x_i)) − x_i| / (|x_i| + 1e-8)
+
+over all N calibration elements; the most sensitive `fraction` of layers (rounded up) moves
+to 16 bits. The per-layer computation is one `jax.vmap` over the stacked layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import Params, Tap
+from qnpu_jax.models.quantized import tapped_forward
+from qnpu_jax.pipeline.calibrate import calibrate
+from qnpu_jax.quant.fake_quant import fake_quant
+from qnpu_jax.quant.plan import QuantPlan, TensorQuant
+
+SENSITIVITY_EPS = 1e-8  # eq. (4)'s guard against |x| = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureTaps:
+    """Return the activations `names` of every layer as auxiliary output ([L, ...] stacked)."""
+
+    names: frozenset[str]
+
+    def layer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
+        seen: dict[str, jax.Array] = {}
+
+        def tap(name: str, x: jax.Array, where: jax.Array | None = None) -> jax.Array:
+            if name in self.names:
+                seen[name] = x
+            return x
+
+        return tap, lambda: dict(seen)
+
+    def outer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
+        return (lambda name, x, where=None: x), dict
+
+    def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        return jnp.take(table, tokens, axis=0).astype(jnp.float32)
+
+
+def relative_error_sum(
+    x: jax.Array, scale: jax.Array, qmin: jax.Array, qmax: jax.Array
+) -> jax.Array:
+    """Σ |DQ(Q(x)) − x| / (|x| + 1e-8) over all elements of one layer's activation (eq. 4)."""
+    x = x.astype(jnp.float32)
+    err = jnp.abs(fake_quant(x, scale, 0.0, qmin, qmax) - x)
+    return jnp.sum(err / (jnp.abs(x) + SENSITIVITY_EPS))
+
+
+@partial(jax.jit, static_argnames=("cfg", "prefix"))
+def _layer_error_sums(
+    params: Params,
+    tokens: jax.Array,
+    scale: jax.Array,
+    qmin: jax.Array,
+    qmax: jax.Array,
+    *,
+    cfg: ModelConfig,
+    prefix: tuple[int, ...],
+) -> jax.Array:
+    taps = CaptureTaps(frozenset({"down_in"}))
+    _, aux = tapped_forward(
+        params, {"layers": None, "outer": None}, tokens, cfg=cfg, taps=taps, prefix=prefix
+    )
+    return jax.vmap(relative_error_sum)(aux["layers"]["down_in"], scale, qmin, qmax)
+
+
+@dataclasses.dataclass(frozen=True)
+class SensitivityReport:
+    ratios: tuple[float, ...]  # per layer, eq. (4)
+    bits: int  # the precision the ratios were measured at
+    scales: tuple[float, ...]  # the static Max-Min scales used
+
+
+def down_proj_sensitivity(
+    params: Params,
+    cfg: ModelConfig,
+    windows: np.ndarray,
+    *,
+    bits: int = 8,
+    batch_size: int = 1,
+    prefix: tuple[int, ...] = (),
+) -> SensitivityReport:
+    """Eq. (4) for every layer's down_proj input at `bits`, static Max-Min over `windows`."""
+    tq = TensorQuant(bits=bits, init="max_min")
+    plan = QuantPlan((("layers/down_in", tq),), cfg.num_layers)
+    entry = calibrate(params, cfg, plan, windows, batch_size=batch_size, prefix=prefix)["layers"][
+        "down_in"
+    ]
+    total = jnp.zeros((cfg.num_layers,), jnp.float32)
+    count = 0
+    for i in range(0, len(windows), batch_size):
+        batch = jnp.asarray(windows[i : i + batch_size])
+        total = total + _layer_error_sums(
+            params, batch, entry["scale"], entry["qmin"], entry["qmax"], cfg=cfg, prefix=prefix
+        )
+        count += int(batch.shape[0] * batch.shape[1]) * cfg.intermediate_size
+    ratios = np.asarray(total, np.float64) / count
+    if not np.isfinite(ratios).all():
+        raise QnpuError("down_proj sensitivity: non-finite ratio (NaN in calibration data?)")
+    return SensitivityReport(
+        ratios=tuple(float(r) for r in ratios),
+        bits=bits,
+        scales=tuple(float(s) for s in np.asarray(entry["scale"]).ravel()),
+    )
+
+
+def promoted_layers(ratios: tuple[float, ...] | list[float], fraction: float) -> tuple[int, ...]:
+    """Indices of the ceil(fraction·L) most sensitive layers (ties: lower index first)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise QnpuError(f"mixed-precision fraction must be in [0, 1], got {fraction}")
+    count = math.ceil(round(fraction * len(ratios), 9))  # 0.1·30 is 3, not 4
+    order = sorted(range(len(ratios)), key=lambda i: (-ratios[i], i))
+    return tuple(sorted(order[:count]))
+
+
+def mixed_layer_bits(
+    ratios: tuple[float, ...] | list[float], fraction: float, base_bits: int = 8
+) -> tuple[int, ...]:
+    """Per-layer down_proj input bits: 16 for the promoted layers, `base_bits` elsewhere."""
+    if base_bits < 8:
+        raise QnpuError("the unrotated down_proj input is never below 8 bits")
+    promoted = set(promoted_layers(ratios, fraction))
+    return tuple(16 if i in promoted else base_bits for i in range(len(ratios)))

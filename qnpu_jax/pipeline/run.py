@@ -1,0 +1,312 @@
+"""`qnpu quantize`: a method recipe end to end, into a run directory.
+
+run_dir/
+  config.yaml        the QuantizeConfig (a resumed run must match it)
+  plan.json          the final quantization plan (mixed precision included)
+  sensitivity.json   eq. (4) per layer and the promoted layers (when mixed precision runs)
+  stage1/            orbax checkpoints of stage 1; metrics.jsonl per step
+  learned/           orbax: rotations R1/R2 and the full quantizer state after stage 2
+  report.json        float and quantized perplexity, wall time of every stage
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qnpu_jax.environment import environment_info
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.files import write_bytes_atomic, write_json_atomic
+from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import Params
+from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
+from qnpu_jax.pipeline.calibrate import calibrate
+from qnpu_jax.pipeline.config import QuantizeConfig, load_config
+from qnpu_jax.pipeline.mixed_precision import down_proj_sensitivity, mixed_layer_bits
+from qnpu_jax.pipeline.stage1 import init_train_state, merge_scales, run_stage1
+from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, QuantRule, default_plan
+from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
+
+ROTATED_INPUTS = ("attn_in", "attn_out", "mlp_in")  # R1 (q/k/v, gate/up) and R2 (o_proj)
+STAGE1_TENSORS = (*WEIGHTS, *ROTATED_INPUTS, "down_in")  # the linears' inputs and weights
+
+
+def init_rules(w_bits: int, a_bits: int) -> list[QuantRule]:
+    """Rotation-and-bit-width-aware initialization (§4.2, Tables 4–6): mean ± 3σ for rotated
+    activations and per-channel weights at 4 bits, Max-Min at 8 bits and for every unrotated
+    tensor (down_proj input, linear outputs, K/V, ...)."""
+    act = "mean_std" if a_bits <= 4 else "max_min"
+    weight = "mean_std" if w_bits <= 4 else "max_min"
+    return [
+        QuantRule(pattern=f"layers/({'|'.join(ROTATED_INPUTS)})", init=act),
+        QuantRule(pattern=f"layers/({'|'.join(WEIGHTS)})", init=weight),
+    ]
+
+
+def build_plan(
+    config: QuantizeConfig, num_layers: int, down_in_bits: tuple[int, ...] | None
+) -> QuantPlan:
+    """The deployment plan of a method: DESIGN §3's table, init rules, mixed precision, rules."""
+    rules: list[QuantRule] = []
+    if config.method == "quantnpu":
+        rules += init_rules(config.w_bits, config.a_bits)
+    if down_in_bits is not None:
+        rules.append(QuantRule(pattern="layers/down_in", layer_bits=down_in_bits))
+    rules += config.rules
+    return default_plan(
+        num_layers,
+        w_bits=config.w_bits,
+        a_bits=config.a_bits,
+        kv_bits=config.kv_bits,
+        down_in_bits=config.down_in_bits,
+        rules=rules,
+    )
+
+
+def stage1_plan(plan: QuantPlan, config: QuantizeConfig) -> QuantPlan:
+    """Selective optimization: only the linears' input activations and weights are quantized
+    (and learnable, for quantnpu) in stage 1; everything else, lm_head included, stays float."""
+    keep = {f"layers/{n}" for n in STAGE1_TENSORS}
+    learn = config.method == "quantnpu"
+    entries = []
+    for path, tq in plan.entries:
+        if path not in keep:
+            continue
+        learnable = learn and (path != "layers/down_in" or config.learn_down_in)
+        entries.append((path, dataclasses.replace(tq, learnable=learnable)))
+    return QuantPlan(tuple(entries), plan.num_layers)
+
+
+def _windows(spec: str, split: str | None, tokenizer: Any) -> np.ndarray:
+    from qnpu_jax.data import load_documents, tokenize_documents
+
+    return tokenize_documents(load_documents(spec, split), tokenizer)
+
+
+def _ppl(nll_fn: Any, windows: np.ndarray) -> dict[str, Any]:
+    from qnpu_jax.eval import perplexity
+
+    result = perplexity(nll_fn, windows, batch_size=1, progress=False)
+    return {"ppl": result.ppl, "windows": result.windows, "tokens": result.predicted_tokens}
+
+
+def evaluate(
+    params: Params,
+    state: QuantState | None,
+    plan: QuantPlan | None,
+    cfg: ModelConfig,
+    windows: np.ndarray,
+    prefix: tuple[int, ...],
+) -> dict[str, Any]:
+    """Perplexity of the float (state None) or static fake-quant model over `windows`."""
+    taps = FakeQuantTaps(plan) if plan is not None else None
+    nll = partial(tapped_token_nll, params, state, cfg=cfg, taps=taps, prefix=prefix)
+    return _ppl(nll, windows)
+
+
+def _eval_split(spec: str) -> str | None:
+    return "eval" if spec == "wiki" else None
+
+
+def _check_run_dir(run_dir: Path, config: QuantizeConfig, resume: bool) -> None:
+    saved = run_dir / "config.yaml"
+    if resume:
+        if not saved.is_file():
+            raise QnpuError(f"--resume: {run_dir} holds no run (no config.yaml)")
+        if load_config(saved) != config:
+            raise QnpuError(f"--resume: the config differs from the one in {saved}")
+    elif run_dir.exists() and any(run_dir.iterdir()):
+        raise QnpuError(f"{run_dir} is not empty; pass --resume to continue that run")
+
+
+def save_learned(run_dir: Path, r1: Any, r2: Any, state: QuantState) -> None:
+    """Write rotations (None: unrotated method) and the quantizer state to run_dir/learned."""
+    import orbax.checkpoint as ocp
+
+    target = (run_dir / "learned").resolve()
+    tmp = target.with_name("learned.tmp")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    with ocp.StandardCheckpointer() as ckpt:
+        tree = {"state": state} if r1 is None else {"r1": r1, "r2": r2, "state": state}
+        ckpt.save(tmp, tree)
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    tmp.rename(target)
+
+
+def quantize(
+    config: QuantizeConfig,
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    command: str | None = None,
+) -> dict[str, Any]:
+    """Run the method of `config` into `run_dir`; returns the report (also report.json)."""
+    import yaml
+
+    from qnpu_jax.data import eval_windows, sample_windows
+    from qnpu_jax.models import load_model
+
+    run_dir = Path(run_dir)
+    _check_run_dir(run_dir, config, resume)
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    model = load_model(config.model)
+    cfg = model.config
+    if config.seq_len > cfg.max_position_embeddings:
+        raise QnpuError(f"seq_len {config.seq_len} exceeds the model's context")
+    prefix = sink_prefix(config.prefix, model.tokenizer)
+    calib_ids = _windows(
+        config.calib_data, "calib" if config.calib_data == "wiki" else None, model.tokenizer
+    )
+    key = jax.random.key(config.seed)
+    calib_key, rotation_key, data_key = jax.random.split(key, 3)
+    calib = sample_windows(calib_ids, config.seq_len, config.calib_windows, calib_key)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(
+        run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False).encode()
+    )
+    seconds["load"] = time.perf_counter() - t0
+
+    rotated = config.method != "rtn"
+    base = fuse_norms(model.params, cfg) if rotated else model.params
+    r1 = r2 = None
+    if rotated:
+        r1, r2 = randomized_hadamard_rotations(cfg, rotation_key)
+    start_params = apply_rotations(base, cfg, r1, r2) if rotated else base
+
+    down_in_bits = None
+    sensitivity = None
+    if config.mixed_precision > 0 and config.down_in_bits == 8:
+        t0 = time.perf_counter()
+        scan = down_proj_sensitivity(start_params, cfg, calib, prefix=prefix)
+        down_in_bits = mixed_layer_bits(scan.ratios, config.mixed_precision)
+        sensitivity = {
+            "ratios": list(scan.ratios),
+            "bits_measured": scan.bits,
+            "fraction": config.mixed_precision,
+            "promoted_layers": [i for i, b in enumerate(down_in_bits) if b == 16],
+            "layer_bits": list(down_in_bits),
+        }
+        write_json_atomic(run_dir / "sensitivity.json", sensitivity)
+        seconds["mixed_precision"] = time.perf_counter() - t0
+    plan = build_plan(config, cfg.num_layers, down_in_bits)
+    write_json_atomic(run_dir / "plan.json", plan.to_dict())
+
+    learned_scales = None
+    if config.method in ("quantnpu", "spinquant"):
+        assert r1 is not None and r2 is not None
+        t0 = time.perf_counter()
+        s1_plan = stage1_plan(plan, config)
+        s1_config = config.stage1
+        if config.method == "spinquant":
+            s1_config = dataclasses.replace(s1_config, activation_mode="dynamic", lr_scale=0.0)
+        s1_state = calibrate(start_params, cfg, s1_plan, calib, prefix=prefix)
+        train_state = run_stage1(
+            init_train_state(r1, r2, s1_state, s1_plan, s1_config),
+            cfg=cfg,
+            plan=s1_plan,
+            config=s1_config,
+            base_params=base,
+            frozen_state=s1_state,
+            calib_ids=calib_ids,
+            seq_len=config.seq_len,
+            key=data_key,
+            run_dir=run_dir / "stage1",
+            prefix=prefix,
+            progress=progress,
+        )
+        r1, r2 = train_state["params"]["r1"], train_state["params"]["r2"]
+        if config.method == "quantnpu":
+            learned_scales = train_state["params"]["scales"]
+        seconds["stage1"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    final_params = apply_rotations(base, cfg, r1, r2) if rotated else base
+    state = calibrate(final_params, cfg, plan, calib, prefix=prefix)
+    if learned_scales is not None:
+        state = merge_scales(state, learned_scales)
+    seconds["stage2"] = time.perf_counter() - t0
+    save_learned(run_dir, r1, r2, state)
+
+    t0 = time.perf_counter()
+    results: dict[str, Any] = {}
+    for spec in config.eval_data:
+        ids = _windows(spec, _eval_split(spec), model.tokenizer)
+        windows = eval_windows(ids, config.seq_len, config.eval_windows)
+        float_r = evaluate(model.params, None, None, cfg, windows, prefix)
+        quant_r = evaluate(final_params, state, plan, cfg, windows, prefix)
+        results[spec] = {
+            "float_ppl": float_r["ppl"],
+            "quantized_ppl": quant_r["ppl"],
+            "ratio": quant_r["ppl"] / float_r["ppl"],
+            "windows": quant_r["windows"],
+            "tokens": quant_r["tokens"],
+        }
+        if not math.isfinite(quant_r["ppl"]):
+            raise QnpuError(f"quantized perplexity on {spec} is not finite")
+    seconds["eval"] = time.perf_counter() - t0
+    report = {
+        "method": config.method,
+        "bits": f"W{config.w_bits}A{config.a_bits}KV{config.kv_bits}",
+        "prefix": config.prefix,
+        "seq_len": config.seq_len,
+        "eval_windows_cap": config.eval_windows,
+        "calibration": {"data": config.calib_data, "windows": config.calib_windows},
+        "stage1_steps": config.stage1.steps if config.method in ("quantnpu", "spinquant") else 0,
+        "sensitivity": sensitivity,
+        "perplexity": results,
+        "seconds": seconds,
+        "environment": environment_info(),
+        "command": command,
+    }
+    write_json_atomic(run_dir / "report.json", report)
+    return report
+
+
+def load_run(run_dir: Path) -> tuple[QuantizeConfig, QuantPlan, Params, QuantState, Any]:
+    """(config, plan, rotated params, quantizer state, model) of a finished run."""
+    import orbax.checkpoint as ocp
+
+    from qnpu_jax.models import load_model
+
+    run_dir = Path(run_dir)
+    for name in ("config.yaml", "plan.json", "learned"):
+        if not (run_dir / name).exists():
+            raise QnpuError(f"{run_dir} is not a finished run: {name} is missing")
+    config = load_config(run_dir / "config.yaml")
+    try:
+        plan = QuantPlan.from_dict(json.loads((run_dir / "plan.json").read_text()))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise QnpuError(f"{run_dir / 'plan.json'}: {e}") from e
+    model = load_model(config.model)
+    cfg = model.config
+    with ocp.StandardCheckpointer() as ckpt:
+        learned = ckpt.restore((run_dir / "learned").resolve())
+    rotated = config.method != "rtn"
+    if rotated:
+        params = apply_rotations(
+            fuse_norms(model.params, cfg),
+            cfg,
+            jnp.asarray(learned["r1"]),
+            jnp.asarray(learned["r2"]),
+        )
+    else:
+        params = model.params
+    state = jax.tree.map(jnp.asarray, learned["state"])
+    return config, plan, params, state, model

@@ -1,0 +1,297 @@
+"""Stage 1: joint gradient optimization of R1, per-layer R2 and the learnable static scales.
+
+The trainable pytree is {"r1": [D, D], "r2": [L, hd, hd], "scales": {group: {name: {...}}}}
+with only the plan's learnable tensors in "scales" (the zero point only where asymmetric).
+Rotations are applied to the fused float params inside the loss, so gradients reach them
+through every rotated weight; Cayley SGD keeps them orthogonal, plain SGD moves the scales
+(both cosine-decayed, `optax.multi_transform`). The step is one jitted pure function
+`(state, batch) -> (state, metrics)`; gradient accumulation is a `lax.scan` over micro-batches,
+and `remat` recomputes each decoder layer in the backward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import Params, next_token_nll
+from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, tapped_forward
+from qnpu_jax.quant.plan import QuantPlan
+from qnpu_jax.rotation import cayley_sgd
+from qnpu_jax.transforms import apply_rotations
+
+ACTIVATION_MODES = ("static", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Stage1Config:
+    steps: int = 60
+    batch_size: int = 2
+    grad_accum: int = 1
+    lr_rotation: float = 0.1
+    lr_scale: float = 0.01
+    momentum: float = 0.0  # the paper: plain SGD (and Cayley SGD) with cosine decay
+    local_loss_fraction: float = 0.25  # eq. (3) during the first 25% of steps (paper: 128/512)
+    local_loss_weight: float = 1.0
+    lsq_grad_scaling: bool = True
+    learn_rotations: bool = True
+    activation_mode: str = "static"  # "dynamic": SpinQuant's per-token training
+    remat: bool = True
+    checkpoint_every: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "checkpoint_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise QnpuError(f"stage 1 {name} must be a positive integer, got {value!r}")
+        for name in ("lr_rotation", "lr_scale", "local_loss_weight"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not value >= 0:
+                raise QnpuError(f"stage 1 {name} must be a number >= 0, got {value!r}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise QnpuError(f"stage 1 momentum must be in [0, 1), got {self.momentum}")
+        if not 0.0 <= self.local_loss_fraction <= 1.0:
+            raise QnpuError(
+                f"stage 1 local_loss_fraction must be in [0, 1], got {self.local_loss_fraction}"
+            )
+        if self.activation_mode not in ACTIVATION_MODES:
+            raise QnpuError(
+                f"stage 1 activation_mode must be one of {ACTIVATION_MODES}, "
+                f"got {self.activation_mode!r}"
+            )
+
+    @property
+    def local_loss_steps(self) -> int:
+        return round(self.local_loss_fraction * self.steps)
+
+
+def learnable_scales(state: QuantState, plan: QuantPlan) -> dict[str, Any]:
+    """The trainable part of a quantizer state: scales (and asymmetric zero points) of the
+    plan's learnable tensors."""
+    out: dict[str, Any] = {"layers": {}, "outer": {}}
+    for path, tq in plan.entries:
+        if not tq.learnable:
+            continue
+        group, name = ("layers", path[7:]) if path.startswith("layers/") else ("outer", path)
+        entry = state[group][name]
+        out[group][name] = {"scale": entry["scale"]}
+        if not tq.symmetric:
+            out[group][name]["zero_point"] = entry["zero_point"]
+    return out
+
+
+def merge_scales(state: QuantState, scales: dict[str, Any]) -> QuantState:
+    """`state` with the trained entries of `scales` written over it (a new pytree)."""
+    out: QuantState = {g: dict(state[g]) for g in state}
+    for group, entries in scales.items():
+        for name, fields in entries.items():
+            out[group][name] = {**state[group][name], **fields}
+    return out
+
+
+def make_optimizer(config: Stage1Config) -> optax.GradientTransformation:
+    rot_lr = optax.cosine_decay_schedule(config.lr_rotation, config.steps)
+    scale_lr = optax.cosine_decay_schedule(config.lr_scale, config.steps)
+    rotation = (
+        cayley_sgd(rot_lr, momentum=config.momentum)
+        if config.learn_rotations
+        else optax.set_to_zero()
+    )
+    scale = optax.sgd(scale_lr, momentum=config.momentum or None)
+    labels = {"r1": "rotation", "r2": "rotation", "scales": "scale"}
+    return optax.multi_transform(
+        {"rotation": rotation, "scale": scale},
+        lambda tree: {k: jax.tree.map(lambda _, k=k: labels[k], v) for k, v in tree.items()},
+    )
+
+
+def init_train_state(
+    r1: jax.Array, r2: jax.Array, state: QuantState, plan: QuantPlan, config: Stage1Config
+) -> dict[str, Any]:
+    trainable = {"r1": r1, "r2": r2, "scales": learnable_scales(state, plan)}
+    return {
+        "params": trainable,
+        "opt_state": make_optimizer(config).init(trainable),
+        "step": jnp.zeros((), jnp.int32),
+    }
+
+
+def stage1_loss(
+    trainable: dict[str, Any],
+    base_params: Params,
+    frozen_state: QuantState,
+    tokens: jax.Array,
+    local_weight: jax.Array,
+    *,
+    cfg: ModelConfig,
+    taps: FakeQuantTaps,
+    prefix: tuple[int, ...],
+    remat: bool,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Next-token cross-entropy of the fake-quant model plus `local_weight` × eq. (3)."""
+    params = apply_rotations(base_params, cfg, trainable["r1"], trainable["r2"])
+    state = merge_scales(frozen_state, trainable["scales"])
+    logits, aux = tapped_forward(
+        params, state, tokens, cfg=cfg, taps=taps, prefix=prefix, remat=remat
+    )
+    ce = jnp.mean(next_token_nll(logits, tokens))
+    errors = [jnp.mean(e) for e in jax.tree.leaves(aux.get("layers", {}).get("local_error", {}))]
+    local = jnp.mean(jnp.stack(errors)) if errors else jnp.zeros((), jnp.float32)
+    return ce + local_weight * local, {"ce": ce, "local": local}
+
+
+def make_train_step(
+    cfg: ModelConfig, plan: QuantPlan, config: Stage1Config, prefix: tuple[int, ...] = ()
+) -> Callable[..., tuple[dict[str, Any], dict[str, jax.Array]]]:
+    """The jitted step `(train_state, batch [A, B, T], base_params, frozen_state) ->
+    (train_state, metrics)`; bind the constants with functools.partial for `(state, batch)`."""
+    taps = FakeQuantTaps(
+        plan,
+        mode=config.activation_mode,
+        lsq_grad_scaling=config.lsq_grad_scaling,
+        cfg=cfg,
+        local_loss=config.local_loss_steps > 0 and config.activation_mode == "static",
+    )
+    optimizer = make_optimizer(config)
+    loss_fn = partial(stage1_loss, cfg=cfg, taps=taps, prefix=prefix, remat=config.remat)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    @jax.jit
+    def step(
+        train_state: dict[str, Any], batch: jax.Array, base_params: Params, frozen: QuantState
+    ) -> tuple[dict[str, Any], dict[str, jax.Array]]:
+        trainable = train_state["params"]
+        in_local = train_state["step"] < config.local_loss_steps
+        local_weight = jnp.where(in_local, config.local_loss_weight, 0.0)
+
+        def micro(carry: Any, tokens: jax.Array) -> tuple[Any, Any]:
+            (loss, parts), grads = grad_fn(trainable, base_params, frozen, tokens, local_weight)
+            summed = jax.tree.map(jnp.add, carry, grads)
+            return summed, (loss, parts["ce"], parts["local"])
+
+        zeros = jax.tree.map(jnp.zeros_like, trainable)
+        grads, (loss, ce, local) = jax.lax.scan(micro, zeros, batch)
+        grads = jax.tree.map(lambda g: g / batch.shape[0], grads)
+        updates, opt_state = optimizer.update(grads, train_state["opt_state"], trainable)
+        new = {
+            "params": optax.apply_updates(trainable, updates),
+            "opt_state": opt_state,
+            "step": train_state["step"] + 1,
+        }
+        metrics = {
+            "loss": jnp.mean(loss),
+            "ce": jnp.mean(ce),
+            "local": jnp.mean(local),
+            "local_weight": local_weight,
+            "grad_norm": optax.tree.norm(grads),
+        }
+        return new, metrics
+
+    return step
+
+
+def step_batch(
+    ids: np.ndarray, step: int, config: Stage1Config, seq_len: int, key: jax.Array
+) -> np.ndarray:
+    """The calibration windows of `step` [A, B, T]: a function of (key, step) only, so a
+    resumed run sees the same data as an uninterrupted one."""
+    from qnpu_jax.data import sample_windows
+
+    count = config.grad_accum * config.batch_size
+    windows = sample_windows(ids, seq_len, count, jax.random.fold_in(key, step))
+    return windows.reshape(config.grad_accum, config.batch_size, seq_len)
+
+
+def _checkpoint_manager(directory: Path, config: Stage1Config) -> Any:
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(
+        save_interval_steps=config.checkpoint_every, max_to_keep=2, create=True
+    )
+    return ocp.CheckpointManager(directory.resolve(), options=options)
+
+
+def _trim_metrics(path: Path, last_step: int) -> None:
+    """Drop metric lines past the restored checkpoint (the killed run's unsaved steps)."""
+    if not path.exists():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line)["step"] <= last_step
+    ]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def run_stage1(
+    train_state: dict[str, Any],
+    *,
+    cfg: ModelConfig,
+    plan: QuantPlan,
+    config: Stage1Config,
+    base_params: Params,
+    frozen_state: QuantState,
+    calib_ids: np.ndarray,
+    seq_len: int,
+    key: jax.Array,
+    run_dir: Path,
+    prefix: tuple[int, ...] = (),
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """Train to `config.steps`, checkpointing every `checkpoint_every` steps in
+    run_dir/checkpoints and appending per-step metrics to run_dir/metrics.jsonl.
+
+    If run_dir holds a checkpoint, training continues from the latest one; the result equals
+    an uninterrupted run's. `stop_after` ends early after that step (tests use it as a kill).
+    """
+    import orbax.checkpoint as ocp
+
+    manager = _checkpoint_manager(run_dir / "checkpoints", config)
+    metrics_path = run_dir / "metrics.jsonl"
+    latest = manager.latest_step()
+    if latest is not None:
+        train_state = manager.restore(latest, args=ocp.args.StandardRestore(train_state))
+        _trim_metrics(metrics_path, latest)
+    elif metrics_path.exists():
+        metrics_path.unlink()
+    step_fn = make_train_step(cfg, plan, config, prefix)
+    start = int(train_state["step"])
+    bar = tqdm(total=config.steps, initial=start, desc="stage 1", disable=not progress)
+    try:
+        for step in range(start, config.steps):
+            t0 = time.perf_counter()
+            batch = jnp.asarray(step_batch(calib_ids, step, config, seq_len, key))
+            train_state, metrics = step_fn(train_state, batch, base_params, frozen_state)
+            values = {k: float(v) for k, v in metrics.items()}
+            if not np.isfinite(values["loss"]):
+                raise QnpuError(f"stage 1: non-finite loss at step {step + 1}")
+            record = {"step": step + 1, **values, "seconds": time.perf_counter() - t0}
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            manager.save(step + 1, args=ocp.args.StandardSave(train_state))
+            bar.update(1)
+            bar.set_postfix(loss=f"{values['loss']:.4f}", ce=f"{values['ce']:.4f}")
+            if stop_after is not None and step + 1 >= stop_after:
+                break
+        done = int(train_state["step"])
+        if done == config.steps and manager.latest_step() != done:
+            manager.save(done, args=ocp.args.StandardSave(train_state), force=True)
+    finally:
+        manager.wait_until_finished()
+        manager.close()
+        bar.close()
+    return train_state

@@ -1,0 +1,158 @@
+"""`qnpu quantize` end to end on the real weights cut to 2 layers, configs, mixed precision."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+
+from qnpu_jax import QnpuError
+from qnpu_jax.cli import main
+from qnpu_jax.pipeline.config import QuantizeConfig, load_config
+from qnpu_jax.pipeline.mixed_precision import (
+    down_proj_sensitivity,
+    mixed_layer_bits,
+    promoted_layers,
+    relative_error_sum,
+)
+from qnpu_jax.quant import QuantPlan, default_plan
+
+
+@pytest.fixture(scope="module")
+def two_layer_dir(smollm, tmp_path_factory):
+    """SmolLM2's real weights, first two decoder layers, as an HF directory."""
+    import dataclasses
+
+    from qnpu_jax.models import save_hf_dir
+
+    cfg = dataclasses.replace(smollm.config, num_layers=2)
+    params = dict(smollm.params)
+    params["layers"] = {k: v[:2] for k, v in smollm.params["layers"].items()}
+    return save_hf_dir(tmp_path_factory.mktemp("m") / "smollm2-2l", cfg, params, smollm.tokenizer)
+
+
+def _config_file(path, model, **overrides):
+    data = {
+        "model": str(model),
+        "method": "quantnpu",
+        "w_bits": 4,
+        "a_bits": 8,
+        "seq_len": 32,
+        "calib_windows": 2,
+        "eval_windows": 2,
+        "stage1": {"steps": 2, "batch_size": 1, "checkpoint_every": 1},
+    } | overrides
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_quantize_quantnpu_run_and_eval_it(two_layer_dir, tmp_path, capsys):
+    config = _config_file(tmp_path / "c.yaml", two_layer_dir)
+    out = tmp_path / "run"
+    assert main(["quantize", "--config", str(config), "--out", str(out), "--no-progress"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    wiki = report["perplexity"]["wiki"]
+    # two of 30 layers make no language model: only check the numbers are real and differ
+    assert np.isfinite(wiki["quantized_ppl"]) and wiki["quantized_ppl"] != wiki["float_ppl"]
+    assert set(report["seconds"]) == {"load", "mixed_precision", "stage1", "stage2", "eval"}
+    plan = QuantPlan.from_dict(json.loads((out / "plan.json").read_text()))
+    down_in = plan.get("layers/down_in")
+    assert down_in is not None and sorted(down_in.layer_bits) == [8, 16]  # ceil(10% of 2) = 1
+    assert plan.get("layers/attn_in").init == "max_min"  # A8: Max-Min
+    assert plan.get("layers/q_proj").init == "mean_std"  # W4: mean ± 3σ
+    steps = [
+        json.loads(x)["step"] for x in (out / "stage1" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == [1, 2]
+    assert load_config(out / "config.yaml") == load_config(config)
+    capsys.readouterr()
+    # the run's fake-quant model evaluated by `qnpu eval --run` on the same windows
+    ev = ["eval", "--run", str(out), "--data", "wiki", "--seq-len", "32", "--max-windows", "2"]
+    assert main([*ev, "--no-progress", "--json", str(tmp_path / "e.json")]) == 0
+    evaluated = json.loads((tmp_path / "e.json").read_text())
+    assert evaluated["ppl"] == pytest.approx(wiki["quantized_ppl"], rel=1e-5)
+    assert evaluated["path"] == "fake-quant (static)"
+    # an existing run is not overwritten without --resume; a changed config does not resume
+    assert main(["quantize", "--config", str(config), "--out", str(out)]) == 2
+    assert "--resume" in capsys.readouterr().err
+    changed = _config_file(tmp_path / "d.yaml", two_layer_dir, seed=1)
+    assert main(["quantize", "--config", str(changed), "--out", str(out), "--resume"]) == 2
+    assert "differs" in capsys.readouterr().err
+
+
+def test_rtn_run_has_no_stage1(two_layer_dir, tmp_path):
+    config = _config_file(tmp_path / "c.yaml", two_layer_dir, method="rtn", mixed_precision=0.0)
+    out = tmp_path / "run"
+    assert main(["quantize", "--config", str(config), "--out", str(out), "--no-progress"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert "stage1" not in report["seconds"] and not (out / "stage1").exists()
+    assert report["sensitivity"] is None
+
+
+def test_config_errors_name_the_problem(tmp_path):
+    with pytest.raises(QnpuError, match="unknown config key"):
+        QuantizeConfig.from_dict({"w_bit": 4})
+    with pytest.raises(QnpuError, match="unknown stage1 key"):
+        QuantizeConfig.from_dict({"stage1": {"step": 3}})
+    with pytest.raises(QnpuError, match="unknown method"):
+        QuantizeConfig.from_dict({"method": "gptq"})
+    with pytest.raises(QnpuError, match="never below 8"):
+        QuantizeConfig.from_dict({"down_in_bits": 4})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("w_bits: [4\n")
+    with pytest.raises(QnpuError, match=r"bad\.yaml"):
+        load_config(bad)
+    with pytest.raises(QnpuError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    rules = QuantizeConfig.from_dict({"rules": [{"pattern": "layers/down_in", "bits": 16}]})
+    assert QuantizeConfig.from_dict(rules.to_dict()) == rules
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    configs = sorted(Path(__file__).parents[1].glob("configs/*.yaml"))
+    assert len(configs) >= 13
+    for path in configs:
+        load_config(path)
+
+
+def test_promotion_picks_the_top_share_rounded_up():
+    ratios = [0.1, 0.9, 0.5, 0.95, 0.2, 0.3, 0.4, 0.6, 0.7, 0.8] * 3  # 30 layers
+    assert promoted_layers(ratios, 0.10) == (3, 13, 23)  # 3 of 30, as the paper's 3 of 28
+    assert promoted_layers(ratios, 0.0) == ()
+    assert len(promoted_layers(ratios, 1.0)) == 30
+    assert mixed_layer_bits([0.1, 0.9, 0.5], 0.34) == (8, 16, 16)  # ceil(1.02) = 2
+    with pytest.raises(QnpuError):
+        promoted_layers(ratios, 1.5)
+
+
+def test_relative_error_by_hand_and_vmap_matches_a_loop(tiny_cfg, tiny_params):
+    x = jnp.array([1.0, 0.25, -0.5, 0.0])
+    # scale 0.5: codes 2, 0 (0.5 rounds to even), -1, 0 -> errors 0, 0.25, 0, 0
+    got = relative_error_sum(x, jnp.float32(0.5), jnp.float32(-128), jnp.float32(127))
+    assert float(got) == pytest.approx(0.25 / (0.25 + 1e-8))
+    ids = np.asarray(jax.random.randint(jax.random.key(2), (2, 16), 0, tiny_cfg.vocab_size))
+    report = down_proj_sensitivity(tiny_params, tiny_cfg, ids)
+    from qnpu_jax.models.quantized import tapped_forward
+    from qnpu_jax.pipeline.mixed_precision import CaptureTaps
+
+    _, aux = tapped_forward(
+        tiny_params, {"layers": None, "outer": None}, jnp.asarray(ids), cfg=tiny_cfg,
+        taps=CaptureTaps(frozenset({"down_in"})),
+    )  # fmt: skip
+    acts = np.asarray(aux["layers"]["down_in"])
+    for layer, ratio in enumerate(report.ratios):
+        a, s = acts[layer], report.scales[layer]
+        dq = np.clip(np.round(a / s), -128, 127) * s
+        want = np.mean(np.abs(dq - a) / (np.abs(a) + 1e-8))
+        assert ratio == pytest.approx(want, rel=1e-4)
+
+
+def test_default_plan_round_trips_through_json():
+    plan = default_plan(3, w_bits=4, a_bits=4).apply([])
+    assert QuantPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    with pytest.raises(QnpuError, match="keys"):
+        QuantPlan.from_dict({"tensors": {}})

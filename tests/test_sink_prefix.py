@@ -1,0 +1,106 @@
+"""The sink prefix: float semantics unchanged, calibration ranges exclude the sink."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qnpu_jax import QnpuError
+from qnpu_jax.data import sample_windows
+from qnpu_jax.models import token_nll
+from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix, tapped_token_nll
+from qnpu_jax.pipeline import calibrate, collect_activation_stats
+from qnpu_jax.quant import QuantRule, default_plan, uniform_plan
+
+
+@pytest.fixture(scope="module")
+def windows(tiny_cfg):
+    ids = np.asarray(jax.random.randint(jax.random.key(11), (3000,), 0, tiny_cfg.vocab_size))
+    return sample_windows(ids, 24, 3, jax.random.key(12))
+
+
+def _with_prefix(windows, prefix):
+    return jnp.concatenate(
+        [jnp.broadcast_to(jnp.asarray(prefix, jnp.int32), (len(windows), len(prefix))), windows],
+        axis=1,
+    )
+
+
+def test_float_with_prefix_is_the_float_model_on_the_longer_sequence(
+    tiny_cfg, tiny_params, windows
+):
+    tokens = jnp.asarray(windows)
+    prefix = (3, 7)
+    got = tapped_token_nll(tiny_params, None, tokens, cfg=tiny_cfg, taps=None, prefix=prefix)
+    full = token_nll(tiny_params, _with_prefix(tokens, prefix), cfg=tiny_cfg)
+    np.testing.assert_allclose(got, full[:, len(prefix) :], rtol=1e-5, atol=1e-5)
+    assert got.shape == (len(windows), windows.shape[1] - 1)
+
+
+def test_calibration_skips_the_prefix_except_its_kv_cache(tiny_cfg, tiny_params, windows):
+    plan = default_plan(tiny_cfg.num_layers)
+    prefix = (5,)
+    tokens = np.asarray(windows)
+    with_prefix = collect_activation_stats(tiny_params, tiny_cfg, plan, tokens, prefix=prefix)
+    # reference: observe the whole [prefix, tokens] sequence, one position at a time
+    longer = np.asarray(_with_prefix(jnp.asarray(tokens), prefix))
+    whole = collect_activation_stats(tiny_params, tiny_cfg, plan, longer)
+    t = tokens.shape[1]
+    for name in ("resid_mlp", "down_in", "attn_in"):  # device tensors: prefix position excluded
+        ratio = np.asarray(with_prefix["layers"][name].count) / whole["layers"][name].count
+        np.testing.assert_allclose(ratio, t / (t + 1))
+    for name in ("k_rope", "v_out"):  # the prefix's K/V live in the device cache
+        np.testing.assert_array_equal(
+            with_prefix["layers"][name].count, whole["layers"][name].count
+        )
+        np.testing.assert_allclose(
+            with_prefix["layers"][name].max, whole["layers"][name].max, rtol=1e-5
+        )
+
+
+def test_fake_quant_with_prefix_quantizes_the_prefix_kv(tiny_cfg, tiny_params, windows):
+    plan = uniform_plan(tiny_cfg.num_layers, 16)
+    tokens = jnp.asarray(windows)
+    state = calibrate(tiny_params, tiny_cfg, plan, windows, prefix=(5,))
+    fq = tapped_token_nll(
+        tiny_params, state, tokens, cfg=tiny_cfg, taps=FakeQuantTaps(plan), prefix=(5,)
+    )
+    ref = tapped_token_nll(tiny_params, None, tokens, cfg=tiny_cfg, taps=None, prefix=(5,))
+    np.testing.assert_allclose(fq, ref, atol=2e-3)
+    # a 2-bit K/V cache must change the result through the prefix's cached K/V as well
+    two = uniform_plan(tiny_cfg.num_layers, 16).apply(
+        [QuantRule(pattern="layers/(k_rope|v_out)", bits=2)]
+    )
+    state2 = calibrate(tiny_params, tiny_cfg, two, windows, prefix=(5,))
+    assert not np.allclose(
+        tapped_token_nll(
+            tiny_params, state2, tokens, cfg=tiny_cfg, taps=FakeQuantTaps(two), prefix=(5,)
+        ),
+        ref,
+        atol=1e-3,
+    )
+
+
+def test_sink_prefix_names(smollm):
+    assert sink_prefix("none", smollm.tokenizer) == ()
+    assert sink_prefix("bos", smollm.tokenizer) == (smollm.tokenizer.bos_token_id,)
+    with pytest.raises(QnpuError, match="unknown sink prefix"):
+        sink_prefix("eos", smollm.tokenizer)
+
+
+def test_bos_prefix_takes_the_attention_sink_out_of_real_model_ranges(smollm):
+    from qnpu_jax.data import load_documents, tokenize_documents
+
+    cfg = smollm.config
+    calib = tokenize_documents(load_documents("wiki", "calib"), smollm.tokenizer)
+    windows = sample_windows(calib, 64, 2, jax.random.key(0))
+    plan = uniform_plan(cfg.num_layers, 16)
+    plain = collect_activation_stats(smollm.params, cfg, plan, windows)
+    bos = sink_prefix("bos", smollm.tokenizer)
+    prefixed = collect_activation_stats(smollm.params, cfg, plan, windows, prefix=bos)
+    for name in ("resid_mlp", "down_in"):
+        before = float(np.max(np.maximum(-plain["layers"][name].min, plain["layers"][name].max)))
+        after = float(
+            np.max(np.maximum(-prefixed["layers"][name].min, prefixed["layers"][name].max))
+        )
+        assert after < before / 10, (name, before, after)

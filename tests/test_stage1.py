@@ -1,0 +1,119 @@
+"""Stage 1: the jitted train step learns, keeps rotations orthogonal, and resumes exactly."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qnpu_jax import QnpuError
+from qnpu_jax.models import init_random_params
+from qnpu_jax.pipeline import calibrate
+from qnpu_jax.pipeline.config import QuantizeConfig
+from qnpu_jax.pipeline.run import stage1_plan
+from qnpu_jax.pipeline.stage1 import (
+    Stage1Config,
+    init_train_state,
+    learnable_scales,
+    make_train_step,
+    merge_scales,
+    run_stage1,
+    step_batch,
+)
+from qnpu_jax.quant import default_plan
+from qnpu_jax.rotation import orthogonality_error
+from qnpu_jax.transforms import fuse_norms, randomized_hadamard_rotations
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_cfg):
+    # larger weights than the shared fixture: peaked logits that 4-bit quantization disturbs
+    params = init_random_params(tiny_cfg, jax.random.key(4), scale=0.25)
+    ids = np.asarray(jax.random.randint(jax.random.key(21), (4000,), 0, tiny_cfg.vocab_size))
+    fused = fuse_norms(params, tiny_cfg)
+    r1, r2 = randomized_hadamard_rotations(tiny_cfg, jax.random.key(3))
+    plan = stage1_plan(default_plan(tiny_cfg.num_layers, w_bits=4, a_bits=4), QuantizeConfig())
+    from qnpu_jax.transforms import apply_rotations
+
+    calib = step_batch(ids, 0, Stage1Config(batch_size=2), 16, jax.random.key(0)).reshape(-1, 16)
+    state = calibrate(apply_rotations(fused, tiny_cfg, r1, r2), tiny_cfg, plan, calib)
+    return ids, fused, r1, r2, plan, state
+
+
+def _config(**kw):
+    base = dict(steps=6, batch_size=2, grad_accum=2, checkpoint_every=2, lr_scale=0.001)
+    return Stage1Config(**(base | kw))
+
+
+def test_learnable_scales_are_the_learnable_tensors_only(setup):
+    *_, plan, state = setup
+    scales = learnable_scales(state, plan)
+    assert set(scales["layers"]) == {
+        "attn_in", "attn_out", "mlp_in", "down_in", "q_proj", "k_proj", "v_proj", "o_proj",
+        "gate_proj", "up_proj", "down_proj",
+    }  # fmt: skip
+    assert set(scales["layers"]["attn_in"]) == {"scale"}  # symmetric: no zero point
+    doubled = jax.tree.map(lambda s: 2 * s, scales)
+    merged = merge_scales(state, doubled)
+    np.testing.assert_allclose(
+        merged["layers"]["q_proj"]["scale"], 2 * state["layers"]["q_proj"]["scale"]
+    )
+    assert merged["layers"]["q_proj"]["qmax"] is state["layers"]["q_proj"]["qmax"]
+
+
+def test_train_step_lowers_the_loss_and_keeps_rotations_orthogonal(tiny_cfg, setup):
+    ids, fused, r1, r2, plan, state = setup
+    config = _config(steps=8, lr_rotation=0.2, lr_scale=0.001)
+    ts = init_train_state(r1, r2, state, plan, config)
+    step = make_train_step(tiny_cfg, plan, config)
+    batch = jnp.asarray(step_batch(ids, 0, config, 16, jax.random.key(1)))
+    losses, weights = [], []
+    for _ in range(8):  # the same batch: the loss must go down
+        ts, metrics = step(ts, batch, fused, state)
+        losses.append(float(metrics["ce"]))
+        weights.append(float(metrics["local_weight"]))
+        assert float(metrics["local"]) > 0
+    assert losses[-1] < losses[0]
+    assert weights == [1.0, 1.0, 0, 0, 0, 0, 0, 0]  # eq. (3) in the first 25% of steps only
+    assert float(metrics["loss"]) == float(metrics["ce"])
+    assert int(ts["step"]) == 8
+    assert float(orthogonality_error(ts["params"]["r1"])) < 1e-4
+    assert float(jnp.max(jax.vmap(orthogonality_error)(ts["params"]["r2"]))) < 1e-4
+    assert not np.allclose(ts["params"]["r1"], r1)
+
+
+def test_killed_run_resumes_to_the_uninterrupted_result(tiny_cfg, setup, tmp_path):
+    ids, fused, r1, r2, plan, state = setup
+    config = _config()
+    common = dict(
+        cfg=tiny_cfg, plan=plan, config=config, base_params=fused, frozen_state=state,
+        calib_ids=ids, seq_len=16, key=jax.random.key(9), progress=False,
+    )  # fmt: skip
+    whole = run_stage1(
+        init_train_state(r1, r2, state, plan, config), run_dir=tmp_path / "a", **common
+    )
+    killed_dir = tmp_path / "b"
+    run_stage1(
+        init_train_state(r1, r2, state, plan, config), run_dir=killed_dir, stop_after=3, **common
+    )
+    # step 3 was not checkpointed (every 2): its metrics line is dropped on resume
+    resumed = run_stage1(
+        init_train_state(r1, r2, state, plan, config), run_dir=killed_dir, **common
+    )
+    assert int(resumed["step"]) == config.steps
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(resumed), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    steps = [
+        json.loads(line)["step"] for line in (killed_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == list(range(1, config.steps + 1))
+
+
+def test_stage1_config_is_validated():
+    with pytest.raises(QnpuError, match="steps"):
+        Stage1Config(steps=0)
+    with pytest.raises(QnpuError, match="activation_mode"):
+        Stage1Config(activation_mode="per-token")
+    with pytest.raises(QnpuError, match="momentum"):
+        Stage1Config(momentum=1.0)
