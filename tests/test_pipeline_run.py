@@ -156,3 +156,30 @@ def test_default_plan_round_trips_through_json():
     assert QuantPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
     with pytest.raises(QnpuError, match="keys"):
         QuantPlan.from_dict({"tensors": {}})
+
+
+def test_ablation_knobs_shape_the_plans():
+    from qnpu_jax.pipeline.run import build_plan, stage1_plan
+
+    linears = QuantizeConfig(scope="linears", selective=False, init_scheme="max_min")
+    plan = build_plan(linears, 4, None)
+    assert "layers/q_out" in plan and "layers/down_in" in plan and "layers/q_proj" in plan
+    for float_tensor in ("layers/scores", "layers/resid_mlp", "lm_head", "layers/silu_out"):
+        assert float_tensor not in plan
+    assert plan.get("layers/q_proj").init == "max_min"
+    s1 = stage1_plan(plan, linears)
+    assert s1.get("layers/o_out").learnable and s1.get("layers/k_rope") is None  # not a linear
+    selective = stage1_plan(build_plan(QuantizeConfig(), 4, (8, 16, 8, 8)), QuantizeConfig())
+    assert set(selective.paths()) == {
+        f"layers/{n}"
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "attn_in", "attn_out", "mlp_in", "down_in")
+    }  # fmt: skip
+    assert all(tq.learnable for _, tq in selective.entries)
+    assert selective.get("layers/down_in").layer_bits == (8, 16, 8, 8)
+    frozen_down = QuantizeConfig(learn_down_in=False)
+    assert not stage1_plan(build_plan(frozen_down, 4, None), frozen_down).get(
+        "layers/down_in"
+    ).learnable
+    spin = QuantizeConfig(method="spinquant")
+    assert not any(tq.learnable for _, tq in stage1_plan(build_plan(spin, 4, None), spin).entries)

@@ -17,6 +17,8 @@ from qnpu_jax.quant.plan import QuantRule
 
 METHODS = ("rtn", "quarot", "spinquant", "quantnpu")
 PREFIXES = ("none", "bos")
+INIT_SCHEMES = ("aware", "max_min")
+SCOPES = ("full", "linears")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,6 +42,9 @@ class QuantizeConfig:
     down_in_bits: int = 8  # base precision of the down_proj inputs (16: the paper's Table 1)
     mixed_precision: float = 0.10  # share of down_proj inputs promoted to 16 bits
     learn_down_in: bool = True  # §4.3.1's literal text; Appendix E argues for False
+    init_scheme: str = "aware"  # quantnpu: rotation-and-bit-width-aware, or Max-Min everywhere
+    selective: bool = True  # False: linear outputs and K/V scales are learned in stage 1 too
+    scope: str = "full"  # "linears": only the linears' weights, inputs, outputs (Table 2)
     prefix: str = "none"  # sink prefix: "bos" computes the first position offline (PrefixQuant)
     seed: int = 0
     calib_data: str = "wiki"  # the `wiki` calib split, or a user's calibration text
@@ -53,6 +58,13 @@ class QuantizeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise QnpuError(f"unknown method {self.method!r}; known: {', '.join(METHODS)}")
+        if self.init_scheme not in INIT_SCHEMES:
+            raise QnpuError(f"unknown init_scheme {self.init_scheme!r}; known: {INIT_SCHEMES}")
+        if self.scope not in SCOPES:
+            raise QnpuError(f"unknown scope {self.scope!r}; known: {SCOPES}")
+        for name in ("learn_down_in", "selective"):
+            if not isinstance(getattr(self, name), bool):
+                raise QnpuError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.prefix not in PREFIXES:
             raise QnpuError(f"unknown prefix {self.prefix!r}; known: {', '.join(PREFIXES)}")
         for name in ("w_bits", "a_bits", "kv_bits", "down_in_bits"):

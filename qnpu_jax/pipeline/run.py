@@ -38,6 +38,8 @@ from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard
 
 ROTATED_INPUTS = ("attn_in", "attn_out", "mlp_in")  # R1 (q/k/v, gate/up) and R2 (o_proj)
 STAGE1_TENSORS = (*WEIGHTS, *ROTATED_INPUTS, "down_in")  # the linears' inputs and weights
+LINEAR_OUTPUTS = ("q_out", "k_out", "v_out", "o_out", "gate_out", "up_out", "down_out")
+KV_TENSORS = ("k_rope", "v_out")
 
 
 def init_rules(w_bits: int, a_bits: int) -> list[QuantRule]:
@@ -57,7 +59,10 @@ def build_plan(
 ) -> QuantPlan:
     """The deployment plan of a method: DESIGN §3's table, init rules, mixed precision, rules."""
     rules: list[QuantRule] = []
-    if config.method == "quantnpu":
+    if config.scope == "linears":  # Table 2: the linears' weights, inputs and outputs only
+        keep = "|".join((*STAGE1_TENSORS, *LINEAR_OUTPUTS))
+        rules.append(QuantRule(pattern=f"(?!layers/({keep})$).*", quantize=False))
+    if config.method == "quantnpu" and config.init_scheme == "aware":
         rules += init_rules(config.w_bits, config.a_bits)
     if down_in_bits is not None:
         rules.append(QuantRule(pattern="layers/down_in", layer_bits=down_in_bits))
@@ -74,8 +79,10 @@ def build_plan(
 
 def stage1_plan(plan: QuantPlan, config: QuantizeConfig) -> QuantPlan:
     """Selective optimization: only the linears' input activations and weights are quantized
-    (and learnable, for quantnpu) in stage 1; everything else, lm_head included, stays float."""
-    keep = {f"layers/{n}" for n in STAGE1_TENSORS}
+    (and learnable, for quantnpu) in stage 1; everything else, lm_head included, stays float.
+    Without `selective`, the linear outputs and the K/V cache are learned in stage 1 too."""
+    names = STAGE1_TENSORS if config.selective else (*STAGE1_TENSORS, *LINEAR_OUTPUTS, *KV_TENSORS)
+    keep = {f"layers/{n}" for n in names}
     learn = config.method == "quantnpu"
     entries = []
     for path, tq in plan.entries:
