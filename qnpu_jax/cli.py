@@ -34,12 +34,24 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--model", help="smollm2-135m, a .gguf file, an HF dir or org/name")
     source.add_argument("--run", type=Path, help="a `qnpu quantize` run: its fake-quant model")
     ev.add_argument(
-        "--data", required=True, help="wiki | wikitext:PATH | hf:NAME[:CONFIG]:SPLIT | a text file"
+        "--data", help="perplexity text: wiki | wikitext:PATH | hf:NAME[:CONFIG]:SPLIT | a file"
     )
+    ev.add_argument(
+        "--tasks",
+        default="ppl",
+        help="comma list of ppl (perplexity on --data) and zero-shot tasks: piqa, hellaswag, "
+        "arc_easy, arc_challenge, winogrande, lambada",
+    )
+    ev.add_argument(
+        "--limit", type=_positive_int, default=None, help="zero-shot: a seeded subset of N items"
+    )
+    ev.add_argument("--seed", type=int, default=0, help="zero-shot subset seed")
     ev.add_argument("--split", default=None, help="wiki split: calib, eval (default) or all")
-    ev.add_argument("--seq-len", type=_positive_int, required=True)
+    ev.add_argument("--seq-len", type=_positive_int, default=None, help="perplexity windows")
     ev.add_argument("--max-windows", type=_positive_int, default=None)
-    ev.add_argument("--batch-size", type=_positive_int, default=1)
+    ev.add_argument(
+        "--batch-size", type=_positive_int, default=None, help="default: 1 (ppl), 8 (tasks)"
+    )
     ev.add_argument("--json", type=Path, default=None, help="write the report here")
     ev.add_argument("--no-progress", action="store_true")
     ev.add_argument(
@@ -65,18 +77,31 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_eval(args: argparse.Namespace) -> int:
     from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
     from qnpu_jax.environment import environment_info
-    from qnpu_jax.eval import perplexity
+    from qnpu_jax.eval import TASKS, LmScorer, evaluate_tasks, perplexity
     from qnpu_jax.files import check_writable, write_json_atomic
     from qnpu_jax.models import load_model
-    from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix, tapped_token_nll
+    from qnpu_jax.models.quantized import (
+        FakeQuantTaps,
+        sink_prefix,
+        tapped_nll_argmax,
+        tapped_token_nll,
+    )
 
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = sorted(set(tasks) - {"ppl", *TASKS})
+    if unknown or not tasks:
+        raise QnpuError(f"unknown task(s) {unknown}; known: ppl, {', '.join(TASKS)}")
+    want_ppl = "ppl" in tasks
+    zero_shot = [t for t in tasks if t != "ppl"]
+    if want_ppl and (args.data is None or args.seq_len is None):
+        raise QnpuError("perplexity (task ppl) needs --data and --seq-len")
     split = args.split
     if args.data == "wiki" and split is None:
         split = "eval"
     started = time.perf_counter()
     if args.json is not None:
         check_writable(args.json)  # fail before the run, not after it
-    docs = load_documents(args.data, split)  # cheap checks first
+    docs = load_documents(args.data, split) if want_ppl else []  # cheap checks first
     if args.run is not None:
         from qnpu_jax.pipeline.run import load_run
 
@@ -90,44 +115,75 @@ def cmd_eval(args: argparse.Namespace) -> int:
         prefix_name = args.prefix or "none"
         label = args.model
     prefix = sink_prefix(prefix_name, model.tokenizer)
-    if args.seq_len > model.config.max_position_embeddings:
-        raise QnpuError(
-            f"--seq-len {args.seq_len} exceeds the model's context "
-            f"({model.config.max_position_embeddings} positions)"
-        )
-    ids = tokenize_documents(docs, model.tokenizer)
-    windows = eval_windows(ids, args.seq_len, args.max_windows)
-    print(
-        f"{label} on {args.data}{f' ({split})' if split else ''}: {len(docs)} documents, "
-        f"{len(ids)} tokens, {len(windows)} windows of {args.seq_len}",
-        file=sys.stderr,
-    )
-    nll_fn = partial(tapped_token_nll, params, state, cfg=model.config, taps=taps, prefix=prefix)
-    result = perplexity(nll_fn, windows, batch_size=args.batch_size, progress=not args.no_progress)
-    report = {
+    cfg = model.config
+    nll_fn = partial(tapped_token_nll, params, state, cfg=cfg, taps=taps, prefix=prefix)
+    report: dict[str, object] = {
         "model": args.model if args.run is None else None,
         "run": str(args.run) if args.run is not None else None,
         "path": "float" if args.run is None else "fake-quant (static)",
         "prefix": prefix_name,
-        "data": args.data,
-        "split": split,
-        "seq_len": args.seq_len,
-        "windows": result.windows,
-        "max_windows": args.max_windows,
-        "batch_size": args.batch_size,
-        "text_tokens": len(ids),
-        "tokens": result.predicted_tokens,
-        "nll_mean": result.nll_sum / result.predicted_tokens,
-        "ppl": result.ppl,
-        "seconds": result.seconds,
-        "seconds_total": time.perf_counter() - started,
-        "environment": environment_info(),
-        "command": "qnpu " + shlex.join(args.argv),
     }
-    print(
-        f"ppl {result.ppl:.4f} over {result.predicted_tokens} predicted tokens "
-        f"({result.seconds:.1f} s)"
-    )
+    if want_ppl:
+        if args.seq_len > cfg.max_position_embeddings:
+            raise QnpuError(
+                f"--seq-len {args.seq_len} exceeds the model's context "
+                f"({cfg.max_position_embeddings} positions)"
+            )
+        ids = tokenize_documents(docs, model.tokenizer)
+        windows = eval_windows(ids, args.seq_len, args.max_windows)
+        print(
+            f"{label} on {args.data}{f' ({split})' if split else ''}: {len(docs)} documents, "
+            f"{len(ids)} tokens, {len(windows)} windows of {args.seq_len}",
+            file=sys.stderr,
+        )
+        result = perplexity(
+            nll_fn, windows, batch_size=args.batch_size or 1, progress=not args.no_progress
+        )
+        report |= {
+            "data": args.data,
+            "split": split,
+            "seq_len": args.seq_len,
+            "windows": result.windows,
+            "max_windows": args.max_windows,
+            "batch_size": args.batch_size or 1,
+            "text_tokens": len(ids),
+            "tokens": result.predicted_tokens,
+            "nll_mean": result.nll_sum / result.predicted_tokens,
+            "ppl": result.ppl,
+            "seconds": result.seconds,
+        }
+        print(
+            f"ppl {result.ppl:.4f} over {result.predicted_tokens} predicted tokens "
+            f"({result.seconds:.1f} s)"
+        )
+    if zero_shot:
+        scorer = LmScorer(
+            nll_fn=nll_fn,
+            nll_argmax_fn=partial(
+                tapped_nll_argmax, params, state, cfg=cfg, taps=taps, prefix=prefix
+            ),
+            max_length=cfg.max_position_embeddings - len(prefix),
+        )
+        results = evaluate_tasks(
+            scorer,
+            model.tokenizer,
+            zero_shot,
+            limit=args.limit,
+            seed=args.seed,
+            batch_size=args.batch_size or 8,
+            progress=not args.no_progress,
+        )
+        report["tasks"] = results
+        report["limit"] = args.limit
+        for name, r in results.items():
+            metrics = r["metrics"]
+            shown = ", ".join(
+                f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float) and k != "n"
+            )
+            print(f"{name} (n={r['n']}): {shown}")
+    report["seconds_total"] = time.perf_counter() - started
+    report["environment"] = environment_info()
+    report["command"] = "qnpu " + shlex.join(args.argv)
     if args.json is not None:
         write_json_atomic(args.json, report)
     return 0

@@ -183,3 +183,21 @@ def test_ablation_knobs_shape_the_plans():
     ).learnable
     spin = QuantizeConfig(method="spinquant")
     assert not any(tq.learnable for _, tq in stage1_plan(build_plan(spin, 4, None), spin).entries)
+
+
+def test_eval_zero_shot_tasks_on_a_run_and_float(two_layer_dir, tmp_path):
+    config = _config_file(tmp_path / "c.yaml", two_layer_dir, method="quarot", mixed_precision=0.0)
+    out = tmp_path / "run"
+    assert main(["quantize", "--config", str(config), "--out", str(out), "--no-progress"]) == 0
+    reports = {}
+    for source in (["--run", str(out)], ["--model", str(two_layer_dir)]):
+        path = tmp_path / f"{source[0][2:]}.json"
+        args = ["eval", *source, "--tasks", "piqa,lambada", "--limit", "4", "--no-progress"]
+        assert main([*args, "--json", str(path)]) == 0
+        reports[source[0]] = json.loads(path.read_text())
+    for r in reports.values():
+        assert r["tasks"]["piqa"]["n"] == 4 and 0 <= r["tasks"]["piqa"]["metrics"]["acc"] <= 1
+        assert r["tasks"]["piqa"]["indices"] == reports["--model"]["tasks"]["piqa"]["indices"]
+    assert reports["--run"]["path"] == "fake-quant (static)"
+    assert main(["eval", "--model", "x", "--tasks", "mmlu"]) == 2
+    assert main(["eval", "--model", "x", "--tasks", "ppl"]) == 2  # needs --data and --seq-len

@@ -254,6 +254,21 @@ def tapped_token_nll(
     return next_token_nll(logits, tokens)
 
 
+@partial(jax.jit, static_argnames=("cfg", "taps", "prefix"))
+def tapped_nll_argmax(
+    params: Params,
+    tap_state: Any,
+    tokens: jax.Array,
+    *,
+    cfg: ModelConfig,
+    taps: Any,
+    prefix: tuple[int, ...] = (),
+) -> tuple[jax.Array, jax.Array]:
+    """NLL of tokens[:, 1:] and the argmax prediction at each of those positions [B, T-1]."""
+    logits, _ = tapped_forward(params, tap_state, tokens, cfg=cfg, taps=taps, prefix=prefix)
+    return next_token_nll(logits, tokens), jnp.argmax(logits[:, :-1], axis=-1)
+
+
 @dataclasses.dataclass(frozen=True)
 class ObserveTaps:
     """Accumulate calibration statistics (RangeStats) of the activations `paths` name.
