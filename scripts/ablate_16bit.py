@@ -6,6 +6,8 @@ and on the randomized-Hadamard-rotated model, and its perplexity change against 
 
     python scripts/ablate_16bit.py --seq-len 256 --calib-windows 8 --eval-windows 8 \
         --json reports/ablate_16bit.json
+
+`--prefix bos` runs everything after the BOS sink prefix (the float reference too).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import numpy as np
 from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
 from qnpu_jax.environment import environment_info
 from qnpu_jax.files import write_json_atomic
-from qnpu_jax.models import load_model, token_nll
-from qnpu_jax.models.quantized import FakeQuantTaps, tapped_token_nll
+from qnpu_jax.models import load_model
+from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.quant import QuantPlan, uniform_plan
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
@@ -41,6 +43,7 @@ def main() -> int:
     parser.add_argument("--calib-windows", type=int, default=8)
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix", choices=("none", "bos"), default="none")
     parser.add_argument("--json", default="reports/ablate_16bit.json")
     args = parser.parse_args()
     model = load_model(args.model)
@@ -58,19 +61,28 @@ def main() -> int:
         args.eval_windows,
     )
     batches = [jnp.asarray(windows[i : i + 1]) for i in range(len(windows))]
-    float_nll = _mean_nll([token_nll(model.params, b, cfg=cfg) for b in batches])
+    prefix = sink_prefix(args.prefix, model.tokenizer)
+    float_nll = _mean_nll(
+        [
+            tapped_token_nll(model.params, None, b, cfg=cfg, taps=None, prefix=prefix)
+            for b in batches
+        ]
+    )
     rotations = randomized_hadamard_rotations(cfg, rotation_key)
     rotated = apply_rotations(fuse_norms(model.params, cfg), cfg, *rotations)
     full = uniform_plan(cfg.num_layers, 16)
     results: dict[str, Any] = {}
     for label, params in (("none", model.params), ("randomized Hadamard R1+R2", rotated)):
-        state = calibrate(params, cfg, full, calib)
+        state = calibrate(params, cfg, full, calib, prefix=prefix)
         rows = []
         for path, tq in full.entries:
             plan = QuantPlan(((path, tq),), cfg.num_layers)
             taps = FakeQuantTaps(plan)
             nll = _mean_nll(
-                [tapped_token_nll(params, state, b, cfg=cfg, taps=taps) for b in batches]
+                [
+                    tapped_token_nll(params, state, b, cfg=cfg, taps=taps, prefix=prefix)
+                    for b in batches
+                ]
             )
             group = state["layers"] if path.startswith("layers/") else state["outer"]
             entry = group[path.removeprefix("layers/")]
@@ -92,6 +104,7 @@ def main() -> int:
             "seq_len": args.seq_len,
             "eval_windows": len(windows),
             "calibration_windows": len(calib),
+            "prefix": args.prefix,
             "float_ppl": math.exp(float_nll),
             "rows_by_rotation": results,
             "environment": environment_info(),

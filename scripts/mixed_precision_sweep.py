@@ -1,0 +1,122 @@
+"""Perplexity against the share of down_proj inputs promoted to 16 bits (paper Figure 4) -> JSON.
+
+The cheaper sweep the pipeline issue allows: one finished `qnpu quantize` run is reused. Its
+rotations and every encoding stay as learned/calibrated, except the down_proj inputs, which
+are recalibrated with static Max-Min at 8 or 16 bits per layer, promoted in the order of the
+run's sensitivity ratios (eq. 4) for p = 0, 10, ..., 100%.
+
+    python scripts/mixed_precision_sweep.py --run runs/w4a8 --eval-windows 32 \
+        --json reports/mixed_precision_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
+from qnpu_jax.environment import environment_info
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.files import write_json_atomic
+from qnpu_jax.models.quantized import sink_prefix
+from qnpu_jax.pipeline.calibrate import calibrate
+from qnpu_jax.pipeline.mixed_precision import down_proj_sensitivity, mixed_layer_bits
+from qnpu_jax.pipeline.run import evaluate, load_run
+from qnpu_jax.quant.plan import QuantPlan, TensorQuant
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run", type=Path, required=True)
+    parser.add_argument("--eval-windows", type=int, default=32)
+    parser.add_argument("--steps", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0")
+    parser.add_argument("--json", default="reports/mixed_precision_sweep.json")
+    args = parser.parse_args()
+
+    import jax
+
+    config, plan, params, state, model = load_run(args.run)
+    cfg = model.config
+    prefix = sink_prefix(config.prefix, model.tokenizer)
+    calib_ids = tokenize_documents(
+        load_documents(config.calib_data, "calib" if config.calib_data == "wiki" else None),
+        model.tokenizer,
+    )
+    calib_key = jax.random.split(jax.random.key(config.seed), 3)[0]  # as `quantize` draws it
+    calib = sample_windows(calib_ids, config.seq_len, config.calib_windows, calib_key)
+    sensitivity_path = args.run / "sensitivity.json"
+    if sensitivity_path.is_file():
+        ratios = json.loads(sensitivity_path.read_text())["ratios"]
+    else:
+        ratios = list(down_proj_sensitivity(params, cfg, calib, prefix=prefix).ratios)
+    encodings = {}
+    for bits in (8, 16):
+        single = QuantPlan((("layers/down_in", TensorQuant(bits=bits)),), cfg.num_layers)
+        encodings[bits] = calibrate(params, cfg, single, calib, prefix=prefix)["layers"]["down_in"]
+    windows = eval_windows(
+        tokenize_documents(load_documents("wiki", "eval"), model.tokenizer),
+        config.seq_len,
+        args.eval_windows,
+    )
+    float_ppl = evaluate(model.params, None, None, cfg, windows, prefix)["ppl"]
+    rows: list[dict[str, Any]] = []
+    for p in (float(x) for x in args.steps.split(",")):
+        layer_bits = mixed_layer_bits(ratios, p)
+        promoted = np.array([b == 16 for b in layer_bits])
+        entry = {
+            field: jnp.where(promoted, encodings[16][field], encodings[8][field])
+            for field in ("scale", "zero_point", "qmin", "qmax")
+        }
+        swept_state = {"layers": {**state["layers"], "down_in": entry}, "outer": state["outer"]}
+        tq = plan.get("layers/down_in")
+        if tq is None:
+            raise QnpuError(f"{args.run}: the run does not quantize the down_proj inputs")
+        swept_plan = QuantPlan(
+            tuple(
+                (
+                    path,
+                    TensorQuant(bits=8, layer_bits=layer_bits) if path == "layers/down_in" else t,
+                )
+                for path, t in plan.entries
+            ),
+            plan.num_layers,
+        )
+        ppl = evaluate(params, swept_state, swept_plan, cfg, windows, prefix)["ppl"]
+        rows.append(
+            {
+                "fraction": p,
+                "promoted_layers": [i for i, b in enumerate(layer_bits) if b == 16],
+                "ppl": ppl,
+                "ratio_to_float": ppl / float_ppl,
+            }
+        )
+        print(f"p = {p:.0%}: ppl {ppl:.3f} ({ppl / float_ppl:.3f}x float)", flush=True)
+    write_json_atomic(
+        args.json,
+        {
+            "run": str(args.run),
+            "method": config.method,
+            "bits": f"W{config.w_bits}A{config.a_bits}KV{config.kv_bits}",
+            "prefix": config.prefix,
+            "seq_len": config.seq_len,
+            "eval": {"data": "wiki (eval split)", "windows": len(windows)},
+            "sweep": "reuses the run; down_proj inputs recalibrated with Max-Min at 8/16 bits",
+            "sensitivity_ratios": ratios,
+            "float_ppl": float_ppl,
+            "rows": rows,
+            "environment": environment_info(),
+            "command": "python scripts/mixed_precision_sweep.py " + shlex.join(sys.argv[1:]),
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
