@@ -178,9 +178,11 @@ def test_ablation_knobs_shape_the_plans():
     assert all(tq.learnable for _, tq in selective.entries)
     assert selective.get("layers/down_in").layer_bits == (8, 16, 8, 8)
     frozen_down = QuantizeConfig(learn_down_in=False)
-    assert not stage1_plan(build_plan(frozen_down, 4, None), frozen_down).get(
-        "layers/down_in"
-    ).learnable
+    assert (
+        not stage1_plan(build_plan(frozen_down, 4, None), frozen_down)
+        .get("layers/down_in")
+        .learnable
+    )
     spin = QuantizeConfig(method="spinquant")
     assert not any(tq.learnable for _, tq in stage1_plan(build_plan(spin, 4, None), spin).entries)
 

@@ -1,0 +1,185 @@
+"""Smoke tests of scripts/compare_methods.py and scripts/init_study.py: the run grid, the
+target checks, the reports, and the init study's encodings on the tiny random model (no real
+model runs here; the scripts' docstrings give the full commands)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load(name: str):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def cm():
+    return _load("compare_methods")
+
+
+@pytest.fixture(scope="module")
+def ist():
+    return _load("init_study")
+
+
+def test_compare_grid_matches_the_settings(cm, tmp_path):
+    args = cm.parse_args(["--runs-dir", str(tmp_path), "--steps", "3"])
+    table, ablation = cm.grid(args)
+    assert len(table) == 2 * 3 * 4 and len(ablation) == 5
+    names = {c.run_dir.name for c in table + ablation}
+    assert "quantnpu-w4a8kv8-ours" in names and "rtn-w8a8kv8-table1" in names
+    assert "quantnpu-w4a4kv8-ablation-static-joint" in names
+    for c in table:
+        cfg = c.config
+        assert cfg.eval_data[0] == "wiki" and cfg.eval_data[1].startswith("wikitext:")
+        assert cfg.eval_data[1].endswith("wikitext-2-raw/wiki.test.raw")
+        if c.setting == "table1":
+            assert (cfg.down_in_bits, cfg.mixed_precision) == (16, 0.0)
+        elif c.method == "quantnpu":
+            assert (cfg.down_in_bits, cfg.mixed_precision) == (8, 0.1)
+        else:
+            assert (cfg.down_in_bits, cfg.mixed_precision) == (8, 0.0)
+        # stage-1 flags reach only the methods with a stage 1 (so other runs stay reusable)
+        assert (cfg.stage1.steps == 3) == (c.method in ("spinquant", "quantnpu"))
+    static_joint, init, selective, mixed10, mixed100 = (c.config for c in ablation)
+    assert all(c.config.scope == "linears" and c.config.w_bits == 4 for c in ablation)
+    assert (static_joint.init_scheme, static_joint.selective) == ("max_min", False)
+    assert (init.init_scheme, init.selective, init.mixed_precision) == ("aware", False, 0.0)
+    assert (selective.selective, selective.mixed_precision) == (True, 0.0)
+    assert (mixed10.mixed_precision, mixed100.mixed_precision) == (0.1, 1.0)
+
+    only = cm.parse_args(["--only-ablation", "--variants", "init"])
+    assert [c.setting for c in ablation if cm.selected(c, only)] == ["ablation-init"]
+    assert not any(cm.selected(c, only) for c in table)
+    part = cm.parse_args(["--methods", "rtn", "--bits", "W4A4", "--skip-ablation"])
+    assert [c.run_dir.name for c in table if cm.selected(c, part)] == [
+        "rtn-w4a4kv8-table1",
+        "rtn-w4a4kv8-ours",
+    ]
+
+
+def _row(cm, setting, bits, method, wiki, ratio):
+    w, a = cm.parse_bits(bits)
+    return {
+        "method": method,
+        "bits": bits,
+        "w_bits": w,
+        "a_bits": a,
+        "kv_bits": 8,
+        "setting": setting,
+        "label": cm.METHOD_LABELS[method],
+        "down_in": "16",
+        "run_dir": f"runs/{method}",
+        "config": {"init_scheme": "aware", "selective": True, "mixed_precision": 0.0},
+        "status": "ran",
+        "ppl": {"wiki": wiki, "wikitext2": wiki},
+        "float_ppl": {"wiki": wiki / ratio, "wikitext2": wiki / ratio},
+        "ratio": {"wiki": ratio, "wikitext2": ratio},
+        "windows": {"wiki": 2, "wikitext2": 2},
+        "tokens": {"wiki": 1022, "wikitext2": 1022},
+    }
+
+
+def test_compare_target_checks_and_markdown(cm, tmp_path):
+    rows = [
+        _row(cm, "table1", "W8A8", "quantnpu", 20.2, 1.01),
+        _row(cm, "table1", "W4A8", "quantnpu", 22.0, 1.10),
+        _row(cm, "table1", "W4A8", "rtn", 30.0, 1.5),
+        _row(cm, "table1", "W4A8", "quarot", 21.0, 1.05),  # beats Quant.npu
+        _row(cm, "table1", "W4A8", "spinquant", 40.0, 2.0),
+        _row(cm, "table1", "W4A4", "quantnpu", 40.0, 2.0),
+        _row(cm, "ours", "W4A8", "quantnpu", 22.0, 1.10),
+        _row(cm, "ours", "W4A8", "rtn", 30.0, 1.5),
+    ]
+    status = {(c["setting"], c["bits"], c["eval"]): c["status"] for c in cm.target_checks(rows)}
+    assert status[("table1", "W8A8", "wiki")] == "met"
+    assert status[("table1", "W4A8", "wiki")] == "not met"  # ratio fine, not below QuaRot
+    assert status[("table1", "W4A4", "wikitext2")] == "not met"
+    assert status[("ours", "W4A8", "wiki")] == "incomplete"  # quarot, spinquant not run
+    assert status[("ours", "W8A8", "wiki")] == "not run"
+
+    args = cm.parse_args(["--runs-dir", str(tmp_path)])
+    report = cm.build_report(args, rows, [], None, "python scripts/compare_methods.py", 1.0)
+    assert report["float"]["ppl"]["wiki"] == pytest.approx(20.2 / 1.01)
+    md = cm.render_markdown(report)
+    assert "| Quant.npu | 8-8-8 | per-channel | 16 | 20.20 |" in md
+    assert "— not met" in md and "— met" in md and "Command: `python" in md
+
+
+def test_init_study_encodings_on_the_tiny_model(ist, tiny_cfg, tiny_params):
+    from qnpu_jax.pipeline.calibrate import build_state
+    from qnpu_jax.pipeline.run import evaluate
+
+    windows = np.asarray(jax.random.randint(jax.random.key(1), (2, 16), 0, tiny_cfg.vocab_size))
+    cells = [(4, init) for init in ist.INITS]
+    stats = ist.activation_stats(tiny_params, tiny_cfg, windows, 256, ())
+    acts = ist.activation_encodings(stats, cells, tiny_cfg.num_layers)
+    weights = ist.weight_encodings(tiny_params, cells, tiny_cfg.num_layers)
+    for encodings, path in ((acts, "layers/mlp_in"), (weights, "layers/up_proj")):
+        s = {init: encodings[(4, init)][path][0] for init in ist.INITS}
+        # clipping at a higher percentile never gives a smaller range; Max-Min is the widest
+        assert np.all(s["clip99"] <= s["clip99.9"] + 1e-7)
+        assert np.all(s["clip99.9"] <= s["clip99.99"] + 1e-7)
+        assert np.all(s["clip99.99"] <= s["max_min"] + 1e-7)
+        assert not np.allclose(s["clip99"], s["max_min"])
+    assert acts[(4, "mean")]["layers/attn_in"][0].shape == (tiny_cfg.num_layers,)
+    assert weights[(4, "mean")]["layers/down_proj"][0].shape == (
+        tiny_cfg.num_layers,
+        tiny_cfg.hidden_size,
+        1,
+    )
+    for target, encodings in (("activations", acts), ("weights", weights)):
+        plan = ist.eval_plan(target, 4, tiny_cfg.num_layers)
+        assert set(plan.paths()) == {f"layers/{n}" for n in ist.TARGETS[target]}
+        state = build_state(plan, tiny_cfg, encodings[(4, "clip99.9")])
+        ppl = evaluate(tiny_params, state, plan, tiny_cfg, windows, ())["ppl"]
+        assert np.isfinite(ppl)
+
+
+def test_init_study_markdown_and_claims(ist):
+    rows = [
+        {"target": t, "rotation": r, "bits": b, "init": i, "ppl": p}
+        for t in ist.TARGETS
+        for r, b, i, p in [
+            ("none", 8, "max_min", 20.0),
+            ("none", 8, "mean", 900.0),
+            ("hadamard", 8, "max_min", 19.0),
+            ("hadamard", 8, "mean", 25.0),
+            ("hadamard", 4, "max_min", 500.0),
+            ("hadamard", 4, "mean", 40.0),
+            ("hadamard", 4, "clip99.9", 140.0),
+        ]
+    ]
+    claims = ist.claim_checks(rows)
+    assert len(claims) == 7 and not any("NOT" in c for c in claims)
+    report = {
+        "model": "m",
+        "command": "python scripts/init_study.py",
+        "protocol": {
+            "seq_len": 512,
+            "eval_windows_used": 32,
+            "eval_tokens": 16352,
+            "calib_windows": 16,
+            "seed": 0,
+            "num_bins": 32768,
+            "prefix": "none",
+        },
+        "float": {"ppl": 18.0, "rotated_ppl": 18.0},
+        "rows": rows,
+    }
+    md = ist.render_markdown(report)
+    assert "| 4-bit + with rotation | 500.00 | 40.00 | 140.00 | Mean (μ±3σ) |" in md
+    assert "| 8-bit + without rotation | 20.00 | 900.00 | – | Max-Min |" in md
