@@ -45,7 +45,7 @@ class QuantizeConfig:
     init_scheme: str = "aware"  # quantnpu: rotation-and-bit-width-aware, or Max-Min everywhere
     selective: bool = True  # False: linear outputs and K/V scales are learned in stage 1 too
     scope: str = "full"  # "linears": only the linears' weights, inputs, outputs (Table 2)
-    prefix: str = "none"  # sink prefix: "bos" computes the first position offline (PrefixQuant)
+    prefix: str = "bos"  # sink prefix computed offline (PrefixQuant); "none": the paper
     seed: int = 0
     calib_data: str = "wiki"  # the `wiki` calib split, or a user's calibration text
     seq_len: int = 512
