@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qnpu_jax.cli import comma_choices
+
 REPO = Path(__file__).resolve().parents[1]
 
 METHODS = ("float", "rtn", "quarot", "spinquant", "quantnpu")
@@ -102,17 +104,6 @@ def parse_bits(text: str) -> tuple[int, int]:
 
 def bits_name(w: int, a: int) -> str:
     return f"W{w}A{a}"
-
-
-def comma_list(choices: tuple[str, ...]) -> Any:
-    def parse(text: str) -> tuple[str, ...]:
-        items = tuple(x.strip() for x in text.split(",") if x.strip())
-        bad = [x for x in items if x not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}; got {text!r}")
-        return items
-
-    return parse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -626,15 +617,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s1 = Stage1Config()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--methods", type=comma_list(METHODS), default=METHODS)
-    parser.add_argument("--bits", type=comma_list(BITS), default=BITS)
-    parser.add_argument("--settings", type=comma_list(SETTINGS), default=SETTINGS)
+    parser.add_argument("--methods", type=comma_choices(METHODS), default=METHODS)
+    parser.add_argument("--bits", type=comma_choices(BITS), default=BITS)
+    parser.add_argument("--settings", type=comma_choices(SETTINGS), default=SETTINGS)
     parser.add_argument("--only-ablation", action="store_true")
     parser.add_argument("--skip-ablation", action="store_true")
     parser.add_argument("--ablation-bits", type=parse_bits, default=(4, 4), help="e.g. W4A4")
     parser.add_argument(
         "--variants",
-        type=comma_list(ABLATION_KEYS),
+        type=comma_choices(ABLATION_KEYS),
         default=ABLATION_KEYS,
         help="ablation rows to run: " + ",".join(ABLATION_KEYS),
     )

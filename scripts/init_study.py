@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qnpu_jax.cli import comma_choices
+
 ACTIVATIONS = ("attn_in", "attn_out", "mlp_in")
 LINEAR_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGETS = {"activations": ACTIVATIONS, "weights": LINEAR_WEIGHTS}
@@ -59,17 +61,6 @@ INIT_LABELS = {
     "clip99.99": "Clip(99.99%)",
 }
 WEIGHT_NUM_BINS = 2048  # per output channel: rows of 576..1536 values
-
-
-def comma_list(choices: tuple[str, ...]) -> Any:
-    def parse(text: str) -> tuple[str, ...]:
-        items = tuple(x.strip() for x in text.split(",") if x.strip())
-        bad = [x for x in items if x not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}; got {text!r}")
-        return items
-
-    return parse
 
 
 def parse_bits(text: str) -> tuple[int, ...]:
@@ -306,9 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix", choices=("none", "bos"), default="none")
     parser.add_argument("--bits", type=parse_bits, default=BITS, help="e.g. 4,8")
-    parser.add_argument("--inits", type=comma_list(tuple(INITS)), default=tuple(INITS))
-    parser.add_argument("--targets", type=comma_list(tuple(TARGETS)), default=tuple(TARGETS))
-    parser.add_argument("--rotations", type=comma_list(ROTATIONS), default=ROTATIONS)
+    parser.add_argument("--inits", type=comma_choices(tuple(INITS)), default=tuple(INITS))
+    parser.add_argument("--targets", type=comma_choices(tuple(TARGETS)), default=tuple(TARGETS))
+    parser.add_argument("--rotations", type=comma_choices(ROTATIONS), default=ROTATIONS)
     parser.add_argument(
         "--num-bins", type=int, default=2**15, help="activation histogram bins per sign"
     )
