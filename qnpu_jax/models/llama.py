@@ -95,6 +95,11 @@ def _no_tap(name: str, x: jax.Array, where: jax.Array | None = None) -> jax.Arra
     return x
 
 
+def embed_rows(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The float embedding rows of `tokens` (what every non-quantizing tap's `embed` returns)."""
+    return jnp.take(table, tokens, axis=0).astype(jnp.float32)
+
+
 def _attention(
     q: jax.Array,
     k: jax.Array,
@@ -209,7 +214,7 @@ def forward_tapped(
     if taps:
         x = taps.embed(state["outer"], params["embed_tokens"], tokens)
     else:
-        x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(jnp.float32)
+        x = embed_rows(params["embed_tokens"], tokens)
     x = outer_tap("embed_out", x)
     cos, sin = rope_cos_sin(start + jnp.broadcast_to(jnp.arange(t), (b, t)), cfg)
 

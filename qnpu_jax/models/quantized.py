@@ -23,6 +23,7 @@ from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import (
     Params,
     Tap,
+    embed_rows,
     forward_tapped,
     init_cache,
     next_token_nll,
@@ -103,7 +104,7 @@ class FakeQuantTaps:
         return tap, lambda: {"outer": aux()}
 
     def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
-        rows = jnp.take(table, tokens, axis=0).astype(jnp.float32)
+        rows = embed_rows(table, tokens)
         tq = self.plan.get("embed_tokens")
         if tq is None:
             return rows
@@ -187,7 +188,7 @@ class CacheOnlyTaps:
         return (lambda name, x, where=None: x), dict
 
     def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
-        return jnp.take(table, tokens, axis=0).astype(jnp.float32)
+        return embed_rows(table, tokens)
 
 
 def _carry_state(taps: Any, state: Any, aux: Any) -> Any:
@@ -297,7 +298,7 @@ class ObserveTaps:
         return tap, lambda: {"outer": updated()}
 
     def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
-        return jnp.take(table, tokens, axis=0).astype(jnp.float32)
+        return embed_rows(table, tokens)
 
 
 def sink_prefix(name: str, tokenizer: Any) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ import numpy as np
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import Params, Tap
+from qnpu_jax.models.llama import Params, Tap, embed_rows
 from qnpu_jax.models.quantized import tapped_forward
 from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.quant.fake_quant import fake_quant
@@ -52,7 +52,7 @@ class CaptureTaps:
         return (lambda name, x, where=None: x), dict
 
     def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
-        return jnp.take(table, tokens, axis=0).astype(jnp.float32)
+        return embed_rows(table, tokens)
 
 
 def relative_error_sum(
