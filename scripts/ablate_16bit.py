@@ -1,6 +1,6 @@
-"""Which tensors cost accuracy even at 16 bits? One tensor at a time -> JSON report.
+"""Which tensors cost accuracy at 16 (or --bits) bits? One tensor at a time -> JSON report.
 
-Every tensor of the 16-bit plan is fake-quantized alone (all others float), on the original
+Every tensor of the uniform plan is fake-quantized alone (all others float), on the original
 and on the randomized-Hadamard-rotated model, and its perplexity change against float on the
 `wiki` eval split is recorded with the calibrated range (max |x| over layers) of activations.
 
@@ -8,6 +8,8 @@ and on the randomized-Hadamard-rotated model, and its perplexity change against 
         --json reports/ablate_16bit.json
 
 `--prefix bos` runs everything after the BOS sink prefix (the float reference too).
+`--bits 8` asks the same question at 8 bits (weights, embedding and lm_head too);
+`--rotations hadamard` skips the unrotated model.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def main() -> int:
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix", choices=("none", "bos"), default="none")
+    parser.add_argument("--bits", type=int, default=16)
+    parser.add_argument("--rotations", choices=("both", "none", "hadamard"), default="both")
     parser.add_argument("--json", default="reports/ablate_16bit.json")
     args = parser.parse_args()
     model = load_model(args.model)
@@ -70,9 +74,12 @@ def main() -> int:
     )
     rotations = randomized_hadamard_rotations(cfg, rotation_key)
     rotated = apply_rotations(fuse_norms(model.params, cfg), cfg, *rotations)
-    full = uniform_plan(cfg.num_layers, 16)
+    full = uniform_plan(cfg.num_layers, args.bits)
     results: dict[str, Any] = {}
-    for label, params in (("none", model.params), ("randomized Hadamard R1+R2", rotated)):
+    variants = [("none", model.params), ("randomized Hadamard R1+R2", rotated)]
+    if args.rotations != "both":
+        variants = variants[:1] if args.rotations == "none" else variants[1:]
+    for label, params in variants:
         state = calibrate(params, cfg, full, calib, prefix=prefix)
         rows = []
         for path, tq in full.entries:
@@ -105,6 +112,7 @@ def main() -> int:
             "eval_windows": len(windows),
             "calibration_windows": len(calib),
             "prefix": args.prefix,
+            "bits": args.bits,
             "float_ppl": math.exp(float_nll),
             "rows_by_rotation": results,
             "environment": environment_info(),
