@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     from qnpu_jax.models import load_model
     from qnpu_jax.models.quantized import sink_prefix
     from qnpu_jax.pipeline.calibrate import build_state
-    from qnpu_jax.pipeline.run import evaluate
+    from qnpu_jax.pipeline.run import evaluate, run_keys
     from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
     start = time.perf_counter()
@@ -324,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     prefix = sink_prefix(args.prefix, model.tokenizer)
     calib_ids = tokenize_documents(load_documents("wiki", "calib"), model.tokenizer)
     eval_ids = tokenize_documents(load_documents("wiki", "eval"), model.tokenizer)
-    # the split of `qnpu quantize`: the same calibration windows and rotations as its runs
-    calib_key, rotation_key, _ = jax.random.split(jax.random.key(args.seed), 3)
+    # the keys of `qnpu quantize`: the same calibration windows and rotations as its runs
+    calib_key, rotation_key, _ = run_keys(args.seed)
     calib = sample_windows(calib_ids, args.seq_len, args.calib_windows, calib_key)
     windows = eval_windows(eval_ids, args.seq_len, args.eval_windows)
 

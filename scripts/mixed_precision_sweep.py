@@ -21,14 +21,14 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
+from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.environment import environment_info
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models.quantized import sink_prefix
 from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.pipeline.mixed_precision import down_proj_sensitivity, mixed_layer_bits
-from qnpu_jax.pipeline.run import evaluate, load_run
+from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run
 from qnpu_jax.quant.plan import QuantPlan, TensorQuant
 
 
@@ -40,17 +40,10 @@ def main() -> int:
     parser.add_argument("--json", default="reports/mixed_precision_sweep.json")
     args = parser.parse_args()
 
-    import jax
-
     config, plan, params, state, model = load_run(args.run)
     cfg = model.config
     prefix = sink_prefix(config.prefix, model.tokenizer)
-    calib_ids = tokenize_documents(
-        load_documents(config.calib_data, "calib" if config.calib_data == "wiki" else None),
-        model.tokenizer,
-    )
-    calib_key = jax.random.split(jax.random.key(config.seed), 3)[0]  # as `quantize` draws it
-    calib = sample_windows(calib_ids, config.seq_len, config.calib_windows, calib_key)
+    _, calib = calibration_data(config, model.tokenizer)
     sensitivity_path = args.run / "sensitivity.json"
     if sensitivity_path.is_file():
         ratios = json.loads(sensitivity_path.read_text())["ratios"]

@@ -91,7 +91,7 @@ class Tap(Protocol):
         ...
 
 
-def _no_tap(name: str, x: jax.Array, where: jax.Array | None = None) -> jax.Array:
+def no_tap(name: str, x: jax.Array, where: jax.Array | None = None) -> jax.Array:
     return x
 
 
@@ -106,7 +106,7 @@ def _attention(
     v: jax.Array,
     query_pos: jax.Array,
     valid_len: jax.Array,
-    tap: Tap = _no_tap,
+    tap: Tap = no_tap,
 ) -> jax.Array:
     """Causal GQA attention over a cache.
 
@@ -142,7 +142,7 @@ class Taps(Protocol):
     def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array: ...
 
 
-def _no_aux() -> dict[str, Any]:
+def no_aux() -> dict[str, Any]:
     return {}
 
 
@@ -155,7 +155,7 @@ def _decoder_layer(
     start: jax.Array,
     cos: jax.Array,
     sin: jax.Array,
-    tap: Tap = _no_tap,
+    tap: Tap = no_tap,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decoder layer; `tap` marks every tensor of the integer graph (plan paths)."""
     b, t, _ = x.shape
@@ -210,7 +210,7 @@ def forward_tapped(
     b, t = tokens.shape
     start = jnp.asarray(start, jnp.int32)
     state = tap_state if tap_state is not None else {"layers": None, "outer": None}
-    outer_tap, outer_aux = taps.outer(state["outer"]) if taps else (_no_tap, _no_aux)
+    outer_tap, outer_aux = taps.outer(state["outer"]) if taps else (no_tap, no_aux)
     if taps:
         x = taps.embed(state["outer"], params["embed_tokens"], tokens)
     else:
@@ -220,7 +220,7 @@ def forward_tapped(
 
     def body(x: jax.Array, xs: tuple[Params, jax.Array, jax.Array, Any]) -> tuple[jax.Array, Any]:
         layer, k_cache, v_cache, layer_state = xs
-        tap, aux = taps.layer(layer_state) if taps else (_no_tap, _no_aux)
+        tap, aux = taps.layer(layer_state) if taps else (no_tap, no_aux)
         x, k_cache, v_cache = _decoder_layer(cfg, x, layer, k_cache, v_cache, start, cos, sin, tap)
         return x, (k_cache, v_cache, aux())
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -23,6 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qnpu_jax.data import (
+    eval_windows,
+    load_documents,
+    sample_windows,
+    tokenize_documents,
+)
 from qnpu_jax.environment import environment_info
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_bytes_atomic, write_json_atomic
@@ -93,10 +100,22 @@ def stage1_plan(plan: QuantPlan, config: QuantizeConfig) -> QuantPlan:
     return QuantPlan(tuple(entries), plan.num_layers)
 
 
-def _windows(spec: str, split: str | None, tokenizer: Any) -> np.ndarray:
-    from qnpu_jax.data import load_documents, tokenize_documents
-
+def _token_ids(spec: str, split: str | None, tokenizer: Any) -> np.ndarray:
     return tokenize_documents(load_documents(spec, split), tokenizer)
+
+
+def run_keys(seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(calibration windows, start rotations, stage-1 data) keys of a run with `seed`."""
+    calib_key, rotation_key, data_key = jax.random.split(jax.random.key(seed), 3)
+    return calib_key, rotation_key, data_key
+
+
+def calibration_data(config: QuantizeConfig, tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids of the calibration text, the run's calibration windows [N, T])."""
+    split = "calib" if config.calib_data == "wiki" else None
+    ids = _token_ids(config.calib_data, split, tokenizer)
+    windows = sample_windows(ids, config.seq_len, config.calib_windows, run_keys(config.seed)[0])
+    return ids, windows
 
 
 def _ppl(nll_fn: Any, windows: np.ndarray) -> dict[str, Any]:
@@ -142,15 +161,11 @@ def save_learned(run_dir: Path, r1: Any, r2: Any, state: QuantState) -> None:
     target = (run_dir / "learned").resolve()
     tmp = target.with_name("learned.tmp")
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
     with ocp.StandardCheckpointer() as ckpt:
         tree = {"state": state} if r1 is None else {"r1": r1, "r2": r2, "state": state}
         ckpt.save(tmp, tree)
     if target.exists():
-        import shutil
-
         shutil.rmtree(target)
     tmp.rename(target)
 
@@ -166,7 +181,6 @@ def quantize(
     """Run the method of `config` into `run_dir`; returns the report (also report.json)."""
     import yaml
 
-    from qnpu_jax.data import eval_windows, sample_windows
     from qnpu_jax.models import load_model
 
     run_dir = Path(run_dir)
@@ -178,12 +192,8 @@ def quantize(
     if config.seq_len > cfg.max_position_embeddings:
         raise QnpuError(f"seq_len {config.seq_len} exceeds the model's context")
     prefix = sink_prefix(config.prefix, model.tokenizer)
-    calib_ids = _windows(
-        config.calib_data, "calib" if config.calib_data == "wiki" else None, model.tokenizer
-    )
-    key = jax.random.key(config.seed)
-    calib_key, rotation_key, data_key = jax.random.split(key, 3)
-    calib = sample_windows(calib_ids, config.seq_len, config.calib_windows, calib_key)
+    calib_ids, calib = calibration_data(config, model.tokenizer)
+    _, rotation_key, data_key = run_keys(config.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(
         run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False).encode()
@@ -254,7 +264,7 @@ def quantize(
     t0 = time.perf_counter()
     results: dict[str, Any] = {}
     for spec in config.eval_data:
-        ids = _windows(spec, _eval_split(spec), model.tokenizer)
+        ids = _token_ids(spec, _eval_split(spec), model.tokenizer)
         windows = eval_windows(ids, config.seq_len, config.eval_windows)
         float_r = evaluate(model.params, None, None, cfg, windows, prefix)
         quant_r = evaluate(final_params, state, plan, cfg, windows, prefix)

@@ -25,6 +25,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
+from qnpu_jax.data import sample_windows
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, next_token_nll
@@ -208,8 +209,6 @@ def step_batch(
 ) -> np.ndarray:
     """The calibration windows of `step` [A, B, T]: a function of (key, step) only, so a
     resumed run sees the same data as an uninterrupted one."""
-    from qnpu_jax.data import sample_windows
-
     count = config.grad_accum * config.batch_size
     windows = sample_windows(ids, seq_len, count, jax.random.fold_in(key, step))
     return windows.reshape(config.grad_accum, config.batch_size, seq_len)
