@@ -47,6 +47,7 @@ ROTATED_INPUTS = ("attn_in", "attn_out", "mlp_in")  # R1 (q/k/v, gate/up) and R2
 STAGE1_TENSORS = (*WEIGHTS, *ROTATED_INPUTS, "down_in")  # the linears' inputs and weights
 LINEAR_OUTPUTS = ("q_out", "k_out", "v_out", "o_out", "gate_out", "up_out", "down_out")
 KV_TENSORS = ("k_rope", "v_out")
+TRAINED_METHODS = ("quantnpu", "spinquant")  # the methods with a stage 1
 
 
 def init_rules(w_bits: int, a_bits: int) -> list[QuantRule]:
@@ -226,7 +227,7 @@ def quantize(
     write_json_atomic(run_dir / "plan.json", plan.to_dict())
 
     learned_scales = None
-    if config.method in ("quantnpu", "spinquant"):
+    if config.method in TRAINED_METHODS:
         assert r1 is not None and r2 is not None
         t0 = time.perf_counter()
         s1_plan = stage1_plan(plan, config)
@@ -285,7 +286,7 @@ def quantize(
         "seq_len": config.seq_len,
         "eval_windows_cap": config.eval_windows,
         "calibration": {"data": config.calib_data, "windows": config.calib_windows},
-        "stage1_steps": config.stage1.steps if config.method in ("quantnpu", "spinquant") else 0,
+        "stage1_steps": config.stage1.steps if config.method in TRAINED_METHODS else 0,
         "sensitivity": sensitivity,
         "perplexity": results,
         "seconds": seconds,
