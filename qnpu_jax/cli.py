@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from qnpu_jax.errors import QnpuError
 
@@ -36,6 +40,9 @@ def comma_choices(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
+ENGINES = ("emulator", "jax")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qnpu", description="Static integer-only quantization of small LLMs for mobile NPUs."
@@ -46,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     source = ev.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="smollm2-135m, a .gguf file, an HF dir or org/name")
     source.add_argument("--run", type=Path, help="a `qnpu quantize` run: its fake-quant model")
+    source.add_argument("--artifact", type=Path, help="an integer artifact (`qnpu export`)")
+    ev.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="emulator",
+        help="with --artifact: the numpy NPU emulator or the JAX integer forward",
+    )
     ev.add_argument(
         "--data", help="perplexity text: wiki | wikitext:PATH | hf:NAME[:CONFIG]:SPLIT | a file"
     )
@@ -80,6 +94,24 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--resume", action="store_true", help="continue the run in --out")
     qz.add_argument("--no-progress", action="store_true")
 
+    ex = sub.add_parser("export", help="export a run to an integer artifact (or AIMET encodings)")
+    ex.add_argument("--run", required=True, type=Path, help="a finished `qnpu quantize` run")
+    ex.add_argument("--out", required=True, type=Path, help="the artifact directory")
+    ex.add_argument("--format", choices=("qnpu", "aimet"), default="qnpu")
+    ex.add_argument(
+        "--aimet-version", choices=("1.0.0", "0.6.1"), default="1.0.0", help="AIMET schema"
+    )
+    ex.add_argument(
+        "--max-context", type=_positive_int, default=None, help="positions (default 2048+prefix)"
+    )
+    ex.add_argument("--prefill-chunk", type=_positive_int, default=64)
+
+    em = sub.add_parser("emulate", help="greedy generation with an integer artifact")
+    em.add_argument("--artifact", required=True, type=Path)
+    em.add_argument("--prompt", required=True)
+    em.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    em.add_argument("--engine", choices=ENGINES, default="emulator")
+
     gen = sub.add_parser("generate", help="greedy continuation of a prompt")
     gen.add_argument("--model", required=True)
     gen.add_argument("--prompt", required=True)
@@ -87,11 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
-    from qnpu_jax.environment import environment_info
-    from qnpu_jax.eval import TASKS, LmScorer, evaluate_tasks, perplexity
-    from qnpu_jax.files import check_writable, write_json_atomic
+@dataclasses.dataclass(frozen=True)
+class _Scored:
+    """What `qnpu eval` scores: next-token NLL (and greedy predictions) of token windows."""
+
+    label: str
+    nll_fn: Callable[[np.ndarray], Any]
+    nll_argmax_fn: Callable[[np.ndarray], Any]
+    tokenizer: Any
+    max_length: int
+    report: dict[str, object]
+
+
+def _scored_model(args: argparse.Namespace) -> _Scored:
     from qnpu_jax.models import load_model
     from qnpu_jax.models.quantized import (
         FakeQuantTaps,
@@ -99,6 +139,78 @@ def cmd_eval(args: argparse.Namespace) -> int:
         tapped_nll_argmax,
         tapped_token_nll,
     )
+
+    if args.run is not None:
+        from qnpu_jax.pipeline.run import load_run
+
+        config, plan, params, state, model = load_run(args.run)
+        taps: Any = FakeQuantTaps(plan)
+        prefix_name = args.prefix or config.prefix
+        label = f"run {args.run} ({config.method} W{config.w_bits}A{config.a_bits})"
+    else:
+        model = load_model(args.model)
+        params, state, taps = model.params, None, None
+        prefix_name = args.prefix or "none"
+        label = args.model
+    prefix = sink_prefix(prefix_name, model.tokenizer)
+    cfg = model.config
+    fns = {
+        f: partial(f, params, state, cfg=cfg, taps=taps, prefix=prefix)
+        for f in (tapped_token_nll, tapped_nll_argmax)
+    }
+    return _Scored(
+        label=label,
+        nll_fn=fns[tapped_token_nll],
+        nll_argmax_fn=fns[tapped_nll_argmax],
+        tokenizer=model.tokenizer,
+        max_length=cfg.max_position_embeddings - len(prefix),
+        report={
+            "model": args.model if args.run is None else None,
+            "run": str(args.run) if args.run is not None else None,
+            "path": "float" if args.run is None else "fake-quant (static)",
+            "prefix": prefix_name,
+        },
+    )
+
+
+def _scored_artifact(args: argparse.Namespace) -> _Scored:
+    from qnpu_jax.emulator.engine import artifact_tokenizer, load_int_model
+
+    if args.prefix is not None:
+        raise QnpuError("--prefix does not apply to an artifact: its sink prefix is built in")
+    model = load_int_model(args.artifact)
+    engine = artifact_engine(args.engine, model)
+    prefix = model.graph["prefix_tokens"]
+    return _Scored(
+        label=f"artifact {args.artifact} ({args.engine})",
+        nll_fn=engine.token_nll,
+        nll_argmax_fn=engine.token_nll_argmax,
+        tokenizer=artifact_tokenizer(model),
+        max_length=int(model.graph["max_context"]) - len(prefix),
+        report={
+            "artifact": str(args.artifact),
+            "path": f"integer ({args.engine})",
+            "prefix": "bos" if prefix else "none",
+            "source": model.source,
+        },
+    )
+
+
+def artifact_engine(name: str, model: Any) -> Any:
+    """The integer engine `name` over a loaded artifact: token_nll, token_nll_argmax, generate."""
+    if name == "emulator":
+        from qnpu_jax.emulator.engine import EmulatorEngine
+
+        return EmulatorEngine(model)
+    from qnpu_jax.integer import JaxIntEngine
+
+    return JaxIntEngine(model)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
+    from qnpu_jax.eval import TASKS, LmScorer, evaluate_tasks, perplexity
+    from qnpu_jax.files import check_writable
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = sorted(set(tasks) - {"ppl", *TASKS})
@@ -115,42 +227,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json is not None:
         check_writable(args.json)  # fail before the run, not after it
     docs = load_documents(args.data, split) if want_ppl else []  # cheap checks first
-    if args.run is not None:
-        from qnpu_jax.pipeline.run import load_run
-
-        config, plan, params, state, model = load_run(args.run)
-        taps = FakeQuantTaps(plan)
-        prefix_name = args.prefix or config.prefix
-        label = f"run {args.run} ({config.method} W{config.w_bits}A{config.a_bits})"
-    else:
-        model = load_model(args.model)
-        params, state, taps = model.params, None, None
-        prefix_name = args.prefix or "none"
-        label = args.model
-    prefix = sink_prefix(prefix_name, model.tokenizer)
-    cfg = model.config
-    nll_fn = partial(tapped_token_nll, params, state, cfg=cfg, taps=taps, prefix=prefix)
-    report: dict[str, object] = {
-        "model": args.model if args.run is None else None,
-        "run": str(args.run) if args.run is not None else None,
-        "path": "float" if args.run is None else "fake-quant (static)",
-        "prefix": prefix_name,
-    }
+    scored = _scored_artifact(args) if args.artifact is not None else _scored_model(args)
+    report = dict(scored.report)
     if want_ppl:
-        if args.seq_len > cfg.max_position_embeddings:
+        if args.seq_len > scored.max_length:
             raise QnpuError(
                 f"--seq-len {args.seq_len} exceeds the model's context "
-                f"({cfg.max_position_embeddings} positions)"
+                f"({scored.max_length} positions after the sink prefix)"
             )
-        ids = tokenize_documents(docs, model.tokenizer)
+        ids = tokenize_documents(docs, scored.tokenizer)
         windows = eval_windows(ids, args.seq_len, args.max_windows)
         print(
-            f"{label} on {args.data}{f' ({split})' if split else ''}: {len(docs)} documents, "
-            f"{len(ids)} tokens, {len(windows)} windows of {args.seq_len}",
+            f"{scored.label} on {args.data}{f' ({split})' if split else ''}: {len(docs)} "
+            f"documents, {len(ids)} tokens, {len(windows)} windows of {args.seq_len}",
             file=sys.stderr,
         )
         result = perplexity(
-            nll_fn, windows, batch_size=args.batch_size or 1, progress=not args.no_progress
+            scored.nll_fn, windows, batch_size=args.batch_size or 1, progress=not args.no_progress
         )
         report |= {
             "data": args.data,
@@ -171,15 +264,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
     if zero_shot:
         scorer = LmScorer(
-            nll_fn=nll_fn,
-            nll_argmax_fn=partial(
-                tapped_nll_argmax, params, state, cfg=cfg, taps=taps, prefix=prefix
-            ),
-            max_length=cfg.max_position_embeddings - len(prefix),
+            nll_fn=scored.nll_fn,
+            nll_argmax_fn=scored.nll_argmax_fn,
+            max_length=scored.max_length,
         )
         results = evaluate_tasks(
             scorer,
-            model.tokenizer,
+            scored.tokenizer,
             zero_shot,
             limit=args.limit,
             seed=args.seed,
@@ -194,12 +285,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float) and k != "n"
             )
             print(f"{name} (n={r['n']}): {shown}")
+    _finish_report(args, report, started)
+    return 0
+
+
+def _finish_report(args: argparse.Namespace, report: dict[str, object], started: float) -> None:
+    from qnpu_jax.environment import environment_info
+    from qnpu_jax.files import write_json_atomic
+
     report["seconds_total"] = time.perf_counter() - started
     report["environment"] = environment_info()
     report["command"] = "qnpu " + shlex.join(args.argv)
     if args.json is not None:
         write_json_atomic(args.json, report)
-    return 0
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -241,11 +339,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from qnpu_jax.export.exporter import export_run, export_run_aimet
+
+    if args.format == "aimet":
+        path = export_run_aimet(args.run, args.out, version=args.aimet_version)
+        print(f"AIMET encodings (schema {args.aimet_version}) written to {path}")
+        return 0
+    out = export_run(
+        args.run, args.out, max_context=args.max_context, prefill_chunk=args.prefill_chunk
+    )
+    print(f"integer artifact written to {out}")
+    return 0
+
+
+def cmd_emulate(args: argparse.Namespace) -> int:
+    from qnpu_jax.emulator.engine import artifact_tokenizer, load_int_model
+
+    model = load_int_model(args.artifact)
+    tokenizer = artifact_tokenizer(model)
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise QnpuError("the prompt is empty")
+    engine = artifact_engine(args.engine, model)
+    new = engine.generate(prompt, args.max_new_tokens, tokenizer.eos_token_id)
+    print(args.prompt + tokenizer.decode(new))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
-    commands = {"eval": cmd_eval, "generate": cmd_generate, "quantize": cmd_quantize}
+    commands = {
+        "eval": cmd_eval,
+        "emulate": cmd_emulate,
+        "export": cmd_export,
+        "generate": cmd_generate,
+        "quantize": cmd_quantize,
+    }
     try:
         return commands[args.command](args)
     except (QnpuError, OSError) as e:  # OSError: an unwritable or vanished path

@@ -44,3 +44,76 @@ def wikitext_test_path() -> Path:
     if not path.is_file():
         pytest.fail(f"shared evaluation data missing: {path}")
     return path
+
+
+def build_int_source(smollm: LoadedModel, *, w_bits: int, layers: int = 2) -> dict:
+    """A fake-quant model of the real weights cut to `layers` layers: R1/R2 Hadamard, the
+    default plan at W`w_bits`A8KV8 with down_proj inputs at 8 and 16 bits (per-layer bits),
+    BOS sink prefix, calibrated on two 64-token windows of the calib split."""
+    import dataclasses
+
+    from qnpu_jax.data import load_documents, tokenize_documents
+    from qnpu_jax.data.sources import sample_windows
+    from qnpu_jax.models.quantized import sink_prefix
+    from qnpu_jax.pipeline.calibrate import calibrate
+    from qnpu_jax.quant.plan import QuantRule, default_plan
+    from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
+
+    cfg = dataclasses.replace(smollm.config, num_layers=layers)
+    params = dict(smollm.params)
+    params["layers"] = jax.tree.map(lambda a: a[:layers], smollm.params["layers"])
+    rotated = apply_rotations(
+        fuse_norms(params, cfg), cfg, *randomized_hadamard_rotations(cfg, jax.random.key(1))
+    )
+    down_bits = tuple(16 if i % 2 else 8 for i in range(layers))
+    plan = default_plan(
+        layers,
+        w_bits=w_bits,
+        rules=[QuantRule(pattern="layers/down_in", layer_bits=down_bits)],
+    )
+    tok = smollm.tokenizer
+    windows = sample_windows(
+        tokenize_documents(load_documents("wiki", "calib"), tok), 64, 2, jax.random.key(0)
+    )
+    prefix = sink_prefix("bos", tok)
+    state = calibrate(rotated, cfg, plan, windows, prefix=prefix)
+    return {"cfg": cfg, "params": rotated, "plan": plan, "state": state, "prefix": prefix}
+
+
+def export_int_source(smollm: LoadedModel, source: dict, out: Path) -> Path:
+    from qnpu_jax.export.exporter import export_model, tokenizer_info, write_exported
+
+    exported = export_model(
+        source["params"],
+        source["cfg"],
+        source["plan"],
+        source["state"],
+        prefix=source["prefix"],
+        max_context=256,
+        prefill_chunk=32,
+        tokenizer_info=tokenizer_info(smollm.tokenizer),
+        source={"test": f"smollm2-135m cut to {source['cfg'].num_layers} layers"},
+    )
+    return write_exported(exported, out, smollm.tokenizer)
+
+
+def build_int_artifact(smollm: LoadedModel, out: Path, *, w_bits: int, layers: int = 2) -> Path:
+    """The integer artifact of `build_int_source` (max_context 256, prefill chunk 32)."""
+    return export_int_source(smollm, build_int_source(smollm, w_bits=w_bits, layers=layers), out)
+
+
+@pytest.fixture(scope="session")
+def int_sources(smollm: LoadedModel) -> dict:
+    """{"w8a8": source, "w4a8": source}: 2-layer fake-quant models of the real weights."""
+    return {name: build_int_source(smollm, w_bits=w) for name, w in (("w8a8", 8), ("w4a8", 4))}
+
+
+@pytest.fixture(scope="session")
+def int_artifacts(
+    smollm: LoadedModel, int_sources: dict, tmp_path_factory: pytest.TempPathFactory
+) -> dict:
+    """{"w8a8": DIR, "w4a8": DIR}: the integer artifacts of `int_sources`."""
+    root = tmp_path_factory.mktemp("artifacts")
+    return {
+        name: export_int_source(smollm, source, root / name) for name, source in int_sources.items()
+    }

@@ -74,12 +74,54 @@ def test_quantize_quantnpu_run_and_eval_it(two_layer_dir, tmp_path, capsys):
     evaluated = json.loads((tmp_path / "e.json").read_text())
     assert evaluated["ppl"] == pytest.approx(wiki["quantized_ppl"], rel=1e-5)
     assert evaluated["path"] == "fake-quant (static)"
+    _export_and_run_the_artifact(out, tmp_path, evaluated["ppl"], capsys)
     # an existing run is not overwritten without --resume; a changed config does not resume
     assert main(["quantize", "--config", str(config), "--out", str(out)]) == 2
     assert "--resume" in capsys.readouterr().err
     changed = _config_file(tmp_path / "d.yaml", two_layer_dir, seed=1)
     assert main(["quantize", "--config", str(changed), "--out", str(out), "--resume"]) == 2
     assert "differs" in capsys.readouterr().err
+
+
+def _export_and_run_the_artifact(run, tmp_path, fake_quant_ppl, capsys):
+    """`qnpu export` of the run, then the artifact on the emulator and the JAX integer engine:
+    the same perplexity windows as the fake-quant eval, identical in both engines."""
+    from qnpu_jax.pipeline.run import load_run
+
+    _, _, _, state, _ = load_run(run)
+    scales = [np.asarray(e["scale"]) for g in state.values() for e in g.values()]
+    assert all((s > 0).all() for s in scales)  # learned scales are stored as the forward used them
+    art = tmp_path / "artifact"
+    export = ["export", "--run", str(run), "--max-context", "64", "--prefill-chunk", "16"]
+    assert main([*export, "--out", str(art)]) == 0
+    again = tmp_path / "again"
+    assert main([*export, "--out", str(again)]) == 0  # re-exporting gives the same bytes
+    files = sorted(p.relative_to(art) for p in art.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    assert all((art / f).read_bytes() == (again / f).read_bytes() for f in files)
+    reports = {}
+    for engine in ("emulator", "jax"):
+        path = tmp_path / f"{engine}.json"
+        ev = ["eval", "--artifact", str(art), "--engine", engine, "--data", "wiki"]
+        ev += ["--seq-len", "32", "--max-windows", "2", "--no-progress", "--json", str(path)]
+        assert main(ev) == 0
+        reports[engine] = json.loads(path.read_text())
+    assert reports["emulator"]["ppl"] == reports["jax"]["ppl"]  # bit-exact logits
+    assert reports["emulator"]["path"] == "integer (emulator)"
+    # rounding only separates the integer model from the fake-quant one (2 layers, 62 tokens)
+    assert reports["emulator"]["ppl"] == pytest.approx(fake_quant_ppl, rel=0.1)
+    capsys.readouterr()
+    assert (
+        main(["emulate", "--artifact", str(art), "--prompt", "The cat", "--max-new-tokens", "3"])
+        == 0
+    )
+    assert capsys.readouterr().out.startswith("The cat")
+    assert (
+        main(["export", "--run", str(run), "--out", str(tmp_path / "aimet"), "--format", "aimet"])
+        == 0
+    )
+    encodings = json.loads((tmp_path / "aimet" / f"{run.name}.encodings").read_text())
+    assert encodings["version"] == "1.0.0" and encodings["param_encodings"]
 
 
 def test_rtn_run_has_no_stage1(two_layer_dir, tmp_path):

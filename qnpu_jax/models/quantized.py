@@ -120,6 +120,20 @@ class FakeQuantTaps:
         )
 
 
+def effective_state(plan: QuantPlan, state: QuantState) -> QuantState:
+    """The state with each learnable scale as the forward uses it (`positive_scale`): what an
+    export must read, since a raw learned scale may have stepped past zero."""
+    out: QuantState = {"layers": dict(state["layers"]), "outer": dict(state["outer"])}
+    for path, tq in plan.entries:
+        if not tq.learnable:
+            continue
+        group, name = ("layers", path[7:]) if path.startswith("layers/") else ("outer", path)
+        entry = dict(out[group][name])
+        entry["scale"] = positive_scale(entry["scale"])
+        out[group][name] = entry
+    return out
+
+
 def _elements_per_scale(name: str, tq: TensorQuant, cfg: ModelConfig, x: jax.Array) -> int:
     """N of the LSQ gradient scale: elements sharing one scale within one sample (token)."""
     if name in WEIGHTS or name in ("embed_tokens", "lm_head"):

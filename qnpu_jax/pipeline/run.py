@@ -40,6 +40,7 @@ from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.pipeline.config import QuantizeConfig, load_config
 from qnpu_jax.pipeline.mixed_precision import down_proj_sensitivity, mixed_layer_bits
 from qnpu_jax.pipeline.stage1 import init_train_state, merge_scales, run_stage1
+from qnpu_jax.quant.fake_quant import positive_scale
 from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, QuantRule, default_plan
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
@@ -251,7 +252,14 @@ def quantize(
         )
         r1, r2 = train_state["params"]["r1"], train_state["params"]["r2"]
         if config.method == "quantnpu":
-            learned_scales = train_state["params"]["scales"]
+            # The scales the forward used (positive_scale): a raw one may have stepped past 0.
+            learned_scales = {
+                group: {
+                    name: {k: positive_scale(v) if k == "scale" else v for k, v in f.items()}
+                    for name, f in entries.items()
+                }
+                for group, entries in train_state["params"]["scales"].items()
+            }
         seconds["stage1"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()

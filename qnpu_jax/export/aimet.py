@@ -1,0 +1,315 @@
+"""AIMET encodings (schema 1.0.0 or 0.6.1) from the "encodings" table of the integer artifact.
+
+The table maps our tensor names (`layers.{i}.q_proj`, `layers.{i}.scores`, `embed_tokens`, ...)
+to `{"bits", "signed", "symmetric", "axis", "scale", "zero_point"}` with the contract
+real = scale·(q − zero_point), q in [−2^(b−1), 2^(b−1)−1] (signed) or [0, 2^b−1] (unsigned).
+
+AIMET (and QNN, `Qnn_BwScaleOffset_t`) writes real = scale·(u + offset) with u on the
+*unsigned* grid [0, 2^b−1] in both file schemas (aimet_onnx `AffineEncoding._to_0_6_1` /
+`_to_1_0_0`: "encoding offset assumes uint"). A signed code q is the unsigned code
+u = q + 2^(b−1), so
+
+    offset = −zero_point − 2^(b−1)   (signed)        offset = −zero_point   (unsigned)
+    min = scale·offset,  max = scale·(offset + 2^b − 1)
+
+e.g. signed symmetric 8-bit: offset −128, min −128·scale, max 127·scale; the unsigned 16-bit
+softmax output (scale 1/65535): offset 0, min 0, max 1. `is_sym` follows AIMET's own rule:
+signed codes and every zero point 0. docs/aimet.md has the naming table and the sources.
+
+Imports only the standard library, numpy, `qnpu_jax.errors` and `qnpu_jax.files` (no jax):
+it runs next to the numpy-only emulator.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.files import write_json_atomic
+
+VERSIONS = ("1.0.0", "0.6.1")
+NAMINGS = ("hf", "native")
+MIN_BITS = 2
+MAX_BITS = 16
+
+# Our tensor names, in graph order (the same lists as qnpu_jax.quant.plan, which needs jax).
+LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LAYER_ACTIVATIONS = (
+    "attn_in",
+    "q_out",
+    "k_out",
+    "v_out",
+    "q_rope",
+    "k_rope",
+    "scores",
+    "probs",
+    "attn_out",
+    "o_out",
+    "resid_attn",
+    "mlp_in",
+    "gate_out",
+    "silu_out",
+    "up_out",
+    "down_in",
+    "down_out",
+    "resid_mlp",
+)
+GLOBAL_HEAD = ("embed_tokens", "embed_out")
+GLOBAL_TAIL = ("final_norm_out", "lm_head")
+GLOBAL_WEIGHTS = frozenset({"embed_tokens", "lm_head"})
+
+# Hugging Face LlamaForCausalLM module names ("hf" naming). Parameters are the state-dict keys;
+# activations are `<module>.output` / `<module>.input`, or a descriptive pseudo-module under
+# the layer for ops that are not modules in HF (RoPE, the score matmul, softmax).
+_HF_LAYER = {
+    "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight",
+    "o_proj": "self_attn.o_proj.weight",
+    "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight",
+    "attn_in": "input_layernorm.output",
+    "q_out": "self_attn.q_proj.output",
+    "k_out": "self_attn.k_proj.output",
+    "v_out": "self_attn.v_proj.output",
+    "q_rope": "self_attn.q_rope.output",
+    "k_rope": "self_attn.k_rope.output",
+    "scores": "self_attn.scores.output",
+    "probs": "self_attn.softmax.output",
+    "attn_out": "self_attn.o_proj.input",
+    "o_out": "self_attn.o_proj.output",
+    "resid_attn": "post_attention_layernorm.input",
+    "mlp_in": "post_attention_layernorm.output",
+    "gate_out": "mlp.gate_proj.output",
+    "silu_out": "mlp.act_fn.output",
+    "up_out": "mlp.up_proj.output",
+    "down_in": "mlp.down_proj.input",
+    "down_out": "mlp.down_proj.output",
+    "resid_mlp": "output",
+}
+_HF_GLOBAL = {
+    "embed_tokens": "model.embed_tokens.weight",
+    "embed_out": "model.embed_tokens.output",
+    "final_norm_out": "model.norm.output",
+    "lm_head": "lm_head.weight",
+}
+
+_LAYER_RE = re.compile(r"layers\.(0|[1-9][0-9]*)\.([a-z_]+)")
+_ENTRY_KEYS = ("bits", "signed", "symmetric", "axis", "scale", "zero_point")
+
+
+def _parse(tensor: str) -> tuple[int, int, int]:
+    """Sort key (group, layer, position) of one of our tensor names; QnpuError if unknown."""
+    if not isinstance(tensor, str):
+        raise QnpuError(f"tensor names must be strings, got {tensor!r}")
+    if tensor in GLOBAL_HEAD:
+        return 0, 0, GLOBAL_HEAD.index(tensor)
+    if tensor in GLOBAL_TAIL:
+        return 2, 0, GLOBAL_TAIL.index(tensor)
+    m = _LAYER_RE.fullmatch(tensor)
+    if m is not None:
+        names = LAYER_WEIGHTS + LAYER_ACTIVATIONS
+        if m.group(2) in names:
+            return 1, int(m.group(1)), names.index(m.group(2))
+    raise QnpuError(f"unknown tensor name {tensor!r} in the encodings table")
+
+
+def is_param(tensor: str) -> bool:
+    """True for weights (AIMET param_encodings), False for activations."""
+    _parse(tensor)
+    return tensor in GLOBAL_WEIGHTS or tensor.rsplit(".", 1)[-1] in LAYER_WEIGHTS
+
+
+def tensor_names(num_layers: int) -> list[str]:
+    """Every tensor name of a `num_layers`-layer model, in graph order."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
+        raise QnpuError(f"num_layers must be a non-negative int, got {num_layers!r}")
+    layer = [
+        f"layers.{i}.{n}" for i in range(num_layers) for n in LAYER_WEIGHTS + LAYER_ACTIVATIONS
+    ]
+    return [*GLOBAL_HEAD, *layer, *GLOBAL_TAIL]
+
+
+def aimet_name(tensor: str, names: str = "hf") -> str:
+    """The AIMET tensor name of one of our tensors: "hf" (Hugging Face module naming, see
+    docs/aimet.md) or "native" (our name unchanged)."""
+    if names not in NAMINGS:
+        raise QnpuError(f"unknown naming {names!r}; expected one of {', '.join(NAMINGS)}")
+    _parse(tensor)
+    if names == "native":
+        return tensor
+    if tensor in _HF_GLOBAL:
+        return _HF_GLOBAL[tensor]
+    _, layer, short = tensor.split(".")
+    return f"model.layers.{layer}.{_HF_LAYER[short]}"
+
+
+def _bool(tensor: str, key: str, value: object) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        raise QnpuError(f"{tensor}: {key} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def _numbers(tensor: str, key: str, value: object) -> list[float]:
+    """A flat list or 1-d array of real numbers (bools and strings refused) as floats."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or not (
+            np.issubdtype(value.dtype, np.integer) or np.issubdtype(value.dtype, np.floating)
+        ):
+            raise QnpuError(f"{tensor}: {key} must be a 1-d numeric array, got {value.dtype}")
+        return [float(v) for v in value]
+    if not isinstance(value, list | tuple):
+        raise QnpuError(f"{tensor}: {key} must be a list of numbers, got {value!r}")
+    for v in value:
+        if isinstance(v, bool | np.bool_) or not isinstance(v, int | float | np.number):
+            raise QnpuError(f"{tensor}: {key} holds a non-number {v!r}")
+    return [float(v) for v in value]
+
+
+def _checked(tensor: str, entry: object) -> dict[str, Any]:
+    """Validate one table entry; QnpuError naming the tensor on anything malformed."""
+    if not isinstance(entry, Mapping):
+        raise QnpuError(f"{tensor}: encoding entry must be a mapping, got {type(entry).__name__}")
+    missing = [k for k in _ENTRY_KEYS if k not in entry]
+    if missing:
+        raise QnpuError(f"{tensor}: encoding entry lacks {', '.join(missing)}")
+    bits = entry["bits"]
+    if isinstance(bits, bool) or not isinstance(bits, int | np.integer):
+        raise QnpuError(f"{tensor}: bits must be an integer, got {bits!r}")
+    if not MIN_BITS <= int(bits) <= MAX_BITS:
+        raise QnpuError(f"{tensor}: bits must be in [{MIN_BITS}, {MAX_BITS}], got {bits}")
+    signed = _bool(tensor, "signed", entry["signed"])
+    symmetric = _bool(tensor, "symmetric", entry["symmetric"])
+    axis = entry["axis"]
+    if axis is not None and (isinstance(axis, bool) or axis != 0):
+        raise QnpuError(f"{tensor}: axis must be 0 (per output row) or None, got {axis!r}")
+    if axis is not None and not is_param(tensor):
+        raise QnpuError(f"{tensor}: per-channel (axis 0) encodings are only exported for weights")
+    scale = _numbers(tensor, "scale", entry["scale"])
+    zero_point = _numbers(tensor, "zero_point", entry["zero_point"])
+    if not scale:
+        raise QnpuError(f"{tensor}: scale is empty")
+    if axis is None and len(scale) != 1:
+        raise QnpuError(f"{tensor}: per-tensor (axis None) needs 1 scale, got {len(scale)}")
+    if len(zero_point) != len(scale):
+        raise QnpuError(
+            f"{tensor}: {len(zero_point)} zero points for {len(scale)} scales (need one each)"
+        )
+    for s in scale:
+        if not (math.isfinite(s) and s > 0):
+            raise QnpuError(f"{tensor}: scales must be finite and positive, got {s!r}")
+    for z in zero_point:
+        if not (math.isfinite(z) and z == int(z)):
+            raise QnpuError(f"{tensor}: zero points must be integers, got {z!r}")
+    zps = [int(z) for z in zero_point]
+    if symmetric and any(zps):
+        raise QnpuError(f"{tensor}: symmetric encoding with a non-zero zero point")
+    return {
+        "bits": int(bits),
+        "signed": signed,
+        "axis": axis,
+        "scale": scale,
+        "zero_point": zps,
+    }
+
+
+def _offsets(e: Mapping[str, Any]) -> list[int]:
+    """AIMET offsets (real = scale·(u + offset), u unsigned) of our zero points."""
+    shift = 1 << (e["bits"] - 1) if e["signed"] else 0
+    return [-z - shift for z in e["zero_point"]]
+
+
+def _is_sym(e: Mapping[str, Any]) -> bool:
+    # AIMET's rule (aimet_onnx AffineEncoding): signed codes with every offset 0 in signed form.
+    return bool(e["signed"] and not any(e["zero_point"]))
+
+
+def _entry_1_0_0(name: str, e: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "dtype": "INT",
+        "enc_type": "PER_TENSOR" if e["axis"] is None else "PER_CHANNEL",
+        "bw": e["bits"],
+        "is_sym": _is_sym(e),
+        "scale": list(e["scale"]),
+        "offset": _offsets(e),
+    }
+
+
+def _entry_0_6_1(e: Mapping[str, Any]) -> list[dict[str, Any]]:
+    top = (1 << e["bits"]) - 1
+    sym = str(_is_sym(e))
+    return [
+        {
+            "bitwidth": e["bits"],
+            "dtype": "int",
+            "is_symmetric": sym,
+            "min": s * o,
+            "max": s * (o + top),
+            "offset": o,
+            "scale": s,
+        }
+        for s, o in zip(e["scale"], _offsets(e), strict=True)
+    ]
+
+
+def aimet_encodings(
+    encodings: Mapping[str, Mapping[str, Any]], *, version: str = "1.0.0", names: str = "hf"
+) -> dict[str, Any]:
+    """The JSON-ready AIMET encodings object of our encodings table.
+
+    `version` "1.0.0" (lists of named entries, one entry per tensor with per-channel scale and
+    offset lists) or "0.6.1" (dicts name -> list of one entry per channel, with min/max);
+    `names` "hf" (Hugging Face module naming, docs/aimet.md) or "native" (our names).
+    Weights go to `param_encodings`, everything else to `activation_encodings`, in graph order.
+    Raises QnpuError on an unknown version or naming, an unknown tensor name or a malformed
+    entry (naming the tensor).
+    """
+    if version not in VERSIONS:
+        raise QnpuError(
+            f"unknown AIMET encoding version {version!r}; expected one of {', '.join(VERSIONS)}"
+        )
+    if names not in NAMINGS:
+        raise QnpuError(f"unknown naming {names!r}; expected one of {', '.join(NAMINGS)}")
+    if not isinstance(encodings, Mapping):
+        raise QnpuError(f"encodings must be a mapping, got {type(encodings).__name__}")
+    for tensor in encodings:
+        _parse(tensor)
+    ordered = sorted(encodings, key=_parse)
+    checked = {t: _checked(t, encodings[t]) for t in ordered}
+    if version == "1.0.0":
+        acts: list[dict[str, Any]] = []
+        params: list[dict[str, Any]] = []
+        for t, e in checked.items():
+            (params if is_param(t) else acts).append(_entry_1_0_0(aimet_name(t, names), e))
+        return {
+            "version": version,
+            "activation_encodings": acts,
+            "param_encodings": params,
+            "excluded_layers": [],
+        }
+    act_map: dict[str, list[dict[str, Any]]] = {}
+    param_map: dict[str, list[dict[str, Any]]] = {}
+    for t, e in checked.items():
+        (param_map if is_param(t) else act_map)[aimet_name(t, names)] = _entry_0_6_1(e)
+    return {"version": version, "activation_encodings": act_map, "param_encodings": param_map}
+
+
+def write_aimet(
+    path: Path,
+    encodings: Mapping[str, Mapping[str, Any]],
+    *,
+    version: str = "1.0.0",
+    names: str = "hf",
+) -> Path:
+    """Write `aimet_encodings(encodings, version=..., names=...)` to `path` atomically (the
+    file for `qnn-onnx-converter --quantization_overrides`)."""
+    obj = aimet_encodings(encodings, version=version, names=names)
+    return write_json_atomic(Path(path), obj)

@@ -1,0 +1,566 @@
+"""Fold a quantized model (params + plan + quantizer state) into the integer artifact.
+
+Every constant the integer run time needs is computed here, once, in numpy float64 from the
+float32 encodings: weight codes, fixed-point requantization multipliers and shifts, zero
+points and ranges, RMSNorm constants, LUTs (SiLU, exp) and the Q14 RoPE tables. The emulator
+and the JAX integer forward only read them (docs/artifact.md writes the contract out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.artifact import write_artifact
+from qnpu_jax.export.graph import (
+    FORMAT_GRAPH,
+    GLOBAL_ACTS,
+    LAYER_ACTS,
+    LOGITS_SCALE,
+    NORM_FRACTION_BITS,
+    NORM_UNIT_BITS,
+    ROPE_FRACTION_BITS,
+    graph_ops,
+)
+from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import Params, forward_tapped, init_cache, lm_head_weight, rope_inv_freq
+from qnpu_jax.models.quantized import CacheOnlyTaps, FakeQuantTaps, QuantState, effective_state
+from qnpu_jax.quant.integer import M_MAX, M_MIN, SHIFT_MAX, fixed_point_multiplier, quantize_to_int
+from qnpu_jax.quant.plan import PROBS_SCALE_DENOMINATOR, WEIGHTS, QuantPlan, all_paths
+from qnpu_jax.quant.spec import QuantSpec, qrange
+
+DEFAULT_CONTEXT = 2048  # tokens after the sink prefix (the paper's sequence length)
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+    """A per-tensor activation encoding of one layer (or a global tensor), in float64."""
+
+    scale: float
+    zero_point: int
+    qmin: int
+    qmax: int
+
+
+def _requant(real: np.ndarray | float, what: str) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        return fixed_point_multiplier(real)
+    except QnpuError as e:
+        raise QnpuError(f"{what}: {e}") from e
+
+
+def _two_input_rescale(ra: float, rb: float, what: str) -> tuple[int, int, int]:
+    """(Ma, Mb, sh): a·ra + b·rb ≈ (a·Ma + b·Mb) / 2^sh, the larger multiplier in [2^30, 2^31)."""
+    _, sh = _requant(max(ra, rb), what)
+    s = int(sh)
+    ma, mb = round(ra * 2.0**s), round(rb * 2.0**s)
+    if max(ma, mb) >= M_MAX or min(ma, mb) < 0:
+        raise QnpuError(f"{what}: rescale multipliers out of range")
+    return ma, mb, s
+
+
+def _lut(f: Callable[[np.ndarray], np.ndarray], enc_in: Encoding, enc_out: Encoding) -> np.ndarray:
+    """LUT[q − qmin_in] = clamp(round_half_even(f(s_in·(q − z_in)) / s_out) + z_out)."""
+    if enc_in.qmax - enc_in.qmin + 1 > 1 << 16:
+        raise QnpuError("a LUT input has more than 16 bits")
+    q = np.arange(enc_in.qmin, enc_in.qmax + 1, dtype=np.int64)
+    vals = np.asarray(f(enc_in.scale * (q - enc_in.zero_point).astype(np.float64)), np.float64)
+    if np.isnan(vals).any():
+        raise QnpuError("LUT function returned NaN")
+    codes = np.rint(vals / enc_out.scale) + enc_out.zero_point
+    return np.clip(codes, enc_out.qmin, enc_out.qmax).astype(np.int32)
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def _narrow(a: np.ndarray) -> np.ndarray:
+    """The smallest of int8/int16/int32 holding `a` (int codes), for compact storage."""
+    for dt in (np.int8, np.int16, np.int32):
+        info = np.iinfo(dt)
+        if a.size == 0 or (a.min() >= info.min and a.max() <= info.max):
+            return a.astype(dt)
+    raise QnpuError("integer constant does not fit int32")
+
+
+def _activation_encodings(
+    plan: QuantPlan, state: QuantState, num_layers: int
+) -> tuple[dict[str, list[Encoding]], dict[str, Encoding]]:
+    layers: dict[str, list[Encoding]] = {}
+    for name in LAYER_ACTS:
+        tq = plan.get(f"layers/{name}")
+        assert tq is not None
+        if name == "probs":
+            qmin, qmax = qrange(16, False)
+            layers[name] = [Encoding(1.0 / PROBS_SCALE_DENOMINATOR, 0, qmin, qmax)] * num_layers
+            continue
+        s = np.asarray(state["layers"][name]["scale"], np.float32).reshape(num_layers)
+        z = np.rint(np.asarray(state["layers"][name]["zero_point"], np.float32)).reshape(num_layers)
+        encs = []
+        for i in range(num_layers):
+            qmin, qmax = tq.qrange(tq.bits_for_layer(i))
+            encs.append(Encoding(float(s[i]), int(z[i]), qmin, qmax))
+        layers[name] = encs
+    outer: dict[str, Encoding] = {}
+    for name in GLOBAL_ACTS:
+        tq = plan.get(name)
+        assert tq is not None
+        qmin, qmax = tq.qrange(tq.bits)
+        s0 = float(np.asarray(state["outer"][name]["scale"], np.float32).reshape(()))
+        z0 = int(np.rint(np.asarray(state["outer"][name]["zero_point"], np.float32).reshape(())))
+        outer[name] = Encoding(s0, z0, qmin, qmax)
+    return layers, outer
+
+
+def _weight_codes(
+    w: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, spec: QuantSpec, what: str
+) -> np.ndarray:
+    try:
+        return quantize_to_int(w, scale, zero_point, spec).astype(np.int8)
+    except QnpuError as e:
+        raise QnpuError(f"{what}: {e}") from e
+
+
+def _norm_constants(
+    gamma: np.ndarray, enc_in: Encoding, enc_out: Encoding, eps: float, what: str
+) -> dict[str, np.ndarray]:
+    """RMSNorm: sign(γ), multipliers of |γ|·2^-K / s_out per channel, ε in fixed point."""
+    g = np.asarray(gamma, np.float64)
+    sign = np.sign(g).astype(np.int8)
+    real = np.where(g == 0, 1.0, np.abs(g)) * 2.0**-NORM_UNIT_BITS / enc_out.scale
+    m, sh = _requant(real, what)
+    eps_fx = round(eps / enc_in.scale**2 * 2.0 ** (2 * NORM_FRACTION_BITS))
+    if eps_fx >= 2**61:
+        raise QnpuError(f"{what}: ε / s_in² is too large for the integer RMSNorm")
+    return {"sign": sign, "M": m, "shift": sh, "eps": np.asarray(eps_fx, np.int64)}
+
+
+def _stack(per_layer: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.stack([d[k] for d in per_layer]) for k in per_layer[0]}
+
+
+def _check_plan(plan: QuantPlan, num_layers: int) -> None:
+    missing = [p for p in all_paths() if p not in plan]
+    if missing:
+        raise QnpuError(
+            "the integer artifact quantizes every tensor of the graph, but the plan keeps "
+            f"these in float: {', '.join(missing)} (use scope 'full')"
+        )
+    for path, tq in plan.entries:
+        if path.startswith("layers/") and path.removeprefix("layers/") in WEIGHTS:
+            if max(tq.layer_bits or (tq.bits,)) > 8:
+                raise QnpuError(f"{path}: integer weights are at most 8 bits")
+        elif path in ("embed_tokens", "lm_head") and tq.bits > 8:
+            raise QnpuError(f"{path}: integer weights are at most 8 bits")
+
+
+def prefix_cache_codes(
+    params: Params,
+    cfg: ModelConfig,
+    plan: QuantPlan,
+    state: QuantState,
+    prefix: tuple[int, ...],
+    k_enc: list[Encoding],
+    v_enc: list[Encoding],
+) -> tuple[np.ndarray, np.ndarray]:
+    """K/V cache codes [L, Hkv, P, hd] of the sink prefix, computed offline as fake-quant does
+    (the prefix runs in float; only its K/V are quantized)."""
+    p = len(prefix)
+    cache = init_cache(cfg, 1, p)
+    tokens = jnp.asarray([prefix], jnp.int32)
+    taps = CacheOnlyTaps(FakeQuantTaps(plan))
+    _, cache, _ = jax.jit(
+        lambda params, state, tokens, cache: forward_tapped(
+            params, tokens, cache, jnp.int32(0), state, cfg=cfg, taps=taps
+        )
+    )(params, state, tokens, cache)
+    out = []
+    for key, encs in (("k", k_enc), ("v", v_enc)):
+        vals = np.asarray(cache[key], np.float32)[:, 0]  # [L, Hkv, P, hd] dequantized values
+        codes = np.stack(
+            [
+                np.clip(np.rint(vals[i] / e.scale) + e.zero_point, e.qmin, e.qmax)
+                for i, e in enumerate(encs)
+            ]
+        )
+        out.append(_narrow(codes.astype(np.int64)))
+    return out[0], out[1]
+
+
+def rope_tables(cfg: ModelConfig, max_context: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q14 cos/sin [max_context, head_dim] in HF's rotate-half layout."""
+    inv = rope_inv_freq(cfg.rope, cfg.head_dim).astype(np.float64)
+    angles = np.arange(max_context, dtype=np.float64)[:, None] * inv[None, :]
+    angles = np.concatenate([angles, angles], axis=-1)
+    one = 1 << ROPE_FRACTION_BITS
+    return (
+        np.rint(np.cos(angles) * one).astype(np.int16),
+        np.rint(np.sin(angles) * one).astype(np.int16),
+    )
+
+
+def encodings_table(
+    plan: QuantPlan,
+    state: QuantState,
+    cfg: ModelConfig,
+    layer_encs: Mapping[str, list[Encoding]],
+    outer_encs: Mapping[str, Encoding],
+) -> dict[str, dict[str, Any]]:
+    """Every tensor's encoding by artifact name (`layers.{i}.NAME`, `embed_tokens`, ...)."""
+    table: dict[str, dict[str, Any]] = {}
+    n = cfg.num_layers
+    for name in WEIGHTS:
+        tq = plan.get(f"layers/{name}")
+        assert tq is not None
+        s = np.asarray(state["layers"][name]["scale"], np.float32).reshape(n, -1)
+        for i in range(n):
+            table[f"layers.{i}.{name}"] = {
+                "bits": tq.bits_for_layer(i),
+                "signed": True,
+                "symmetric": True,
+                "axis": 0,
+                "scale": [float(v) for v in s[i]],
+                "zero_point": [0] * s.shape[1],
+            }
+    for name, encs in layer_encs.items():
+        tq = plan.get(f"layers/{name}")
+        assert tq is not None
+        for i, e in enumerate(encs):
+            table[f"layers.{i}.{name}"] = _act_entry(e, tq.symmetric, tq.signed)
+    for name, e in outer_encs.items():
+        tq = plan.get(name)
+        assert tq is not None
+        table[name] = _act_entry(e, tq.symmetric, tq.signed)
+    for name in ("embed_tokens", "lm_head"):
+        tq = plan.get(name)
+        assert tq is not None
+        rows = np.asarray(state["outer"][name]["scale"], np.float32).reshape(-1)
+        table[name] = {
+            "bits": tq.bits,
+            "signed": True,
+            "symmetric": True,
+            "axis": 0,
+            "scale": [float(v) for v in rows],
+            "zero_point": [0] * rows.size,
+        }
+    return table
+
+
+def _act_entry(e: Encoding, symmetric: bool, signed: bool) -> dict[str, Any]:
+    bits = int(math.log2(e.qmax - e.qmin + 1))
+    return {
+        "bits": bits,
+        "signed": signed,
+        "symmetric": symmetric,
+        "axis": None,
+        "scale": [e.scale],
+        "zero_point": [e.zero_point],
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportedModel:
+    """Everything an artifact holds, before it is written."""
+
+    manifest: dict[str, Any]
+    tensors: dict[str, np.ndarray]
+    int4: frozenset[str]
+
+
+def export_model(
+    params: Params,
+    cfg: ModelConfig,
+    plan: QuantPlan,
+    state: QuantState,
+    *,
+    prefix: tuple[int, ...] = (),
+    max_context: int | None = None,
+    prefill_chunk: int = 64,
+    tokenizer_info: Mapping[str, Any] | None = None,
+    source: Mapping[str, Any] | None = None,
+) -> ExportedModel:
+    """The integer artifact of a fake-quant model (`params` as the fake-quant forward uses
+    them: fused and rotated for rotated methods)."""
+    n = cfg.num_layers
+    if plan.num_layers != n:
+        raise QnpuError(f"plan has {plan.num_layers} layers, the model {n}")
+    _check_plan(plan, n)
+    state = effective_state(plan, state)
+    if max_context is None:
+        max_context = min(cfg.max_position_embeddings, DEFAULT_CONTEXT + len(prefix))
+    if len(prefix) >= max_context:
+        raise QnpuError(f"sink prefix of {len(prefix)} tokens does not fit {max_context} positions")
+    if not 1 <= prefill_chunk <= max_context - len(prefix):
+        raise QnpuError(
+            f"prefill chunk must be in 1..{max_context - len(prefix)} (the context of "
+            f"{max_context} after a {len(prefix)}-token prefix), got {prefill_chunk}"
+        )
+    if cfg.head_dim % 2:
+        raise QnpuError("RoPE needs an even head dimension")
+    np_params = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
+    layers = np_params["layers"]
+    acts, outer = _activation_encodings(plan, state, n)
+    tensors: dict[str, np.ndarray] = {}
+    int4: set[str] = set()
+
+    def enc(name: str, i: int) -> Encoding:
+        return acts[name][i]
+
+    def layer_input(i: int) -> Encoding:
+        return outer["embed_out"] if i == 0 else enc("resid_mlp", i - 1)
+
+    # Activation ranges and zero points, [L, len(LAYER_ACTS)] and [len(GLOBAL_ACTS)].
+    for field in ("zero_point", "qmin", "qmax"):
+        tensors[f"layers.act.{field}"] = np.array(
+            [[getattr(enc(a, i), field) for a in LAYER_ACTS] for i in range(n)], np.int32
+        )
+        tensors[f"act.{field}"] = np.array(
+            [getattr(outer[a], field) for a in GLOBAL_ACTS], np.int32
+        )
+
+    # Embedding: per-row int8 codes, requantized row by row into embed_out.
+    tq = plan.get("embed_tokens")
+    assert tq is not None
+    s_rows = np.asarray(state["outer"]["embed_tokens"]["scale"], np.float32).reshape(-1, 1)
+    tensors["embed.table"] = _weight_codes(
+        np_params["embed_tokens"], s_rows, np.zeros_like(s_rows), tq.spec(), "embed_tokens"
+    )
+    m, sh = _requant(s_rows[:, 0].astype(np.float64) / outer["embed_out"].scale, "embed_tokens")
+    tensors["embed.M"], tensors["embed.shift"] = m, sh
+
+    # Linear layers: codes [L, out, in], per-output-channel requantization into the output.
+    linears = {
+        "q_proj": ("attn_in", "q_out"),
+        "k_proj": ("attn_in", "k_out"),
+        "v_proj": ("attn_in", "v_out"),
+        "o_proj": ("attn_out", "o_out"),
+        "gate_proj": ("mlp_in", "gate_out"),
+        "up_proj": ("mlp_in", "up_out"),
+        "down_proj": ("down_in", "down_out"),
+    }
+    for name, (src, dst) in linears.items():
+        tq = plan.get(f"layers/{name}")
+        assert tq is not None
+        w = layers[name]
+        s_w = np.asarray(state["layers"][name]["scale"], np.float32).reshape(n, -1, 1)
+        codes, ms, shs, biases = [], [], [], []
+        for i in range(n):
+            codes.append(
+                _weight_codes(w[i], s_w[i], np.zeros_like(s_w[i]), tq.spec(i), f"layers.{i}.{name}")
+            )
+            s_acc = enc(src, i).scale * s_w[i, :, 0].astype(np.float64)
+            m, sh = _requant(s_acc / enc(dst, i).scale, f"layers.{i}.{name}")
+            ms.append(m)
+            shs.append(sh)
+            bias_name = {"q_proj": "q_bias", "k_proj": "k_bias", "v_proj": "v_bias"}.get(name)
+            if bias_name and bias_name in layers:
+                b = np.rint(layers[bias_name][i].astype(np.float64) / s_acc)
+                if np.abs(b).max() >= 2**31:
+                    raise QnpuError(f"layers.{i}.{bias_name} does not fit int32 at s_in·s_w")
+                biases.append(b.astype(np.int32))
+        tensors[f"layers.{name}.weight"] = np.stack(codes)
+        tensors[f"layers.{name}.M"] = np.stack(ms)
+        tensors[f"layers.{name}.shift"] = np.stack(shs)
+        if biases:
+            tensors[f"layers.{name}.bias"] = np.stack(biases)
+        if max(tq.layer_bits or (tq.bits,)) <= 4:
+            int4.add(f"layers.{name}.weight")
+
+    # RMSNorms (γ = 1 after fuse_norms; kept general for unrotated methods).
+    eps = cfg.rms_norm_eps
+    norms: tuple[tuple[str, str, str | None, str], ...] = (
+        ("attn_norm", "input_layernorm", None, "attn_in"),
+        ("mlp_norm", "post_attention_layernorm", "resid_attn", "mlp_in"),
+    )
+    for norm, gamma_name, norm_src, norm_dst in norms:
+        per_layer = [
+            _norm_constants(
+                layers[gamma_name][i],
+                layer_input(i) if norm_src is None else enc(norm_src, i),
+                enc(norm_dst, i),
+                eps,
+                f"layers.{i}.{gamma_name}",
+            )
+            for i in range(n)
+        ]
+        for k, v in _stack(per_layer).items():
+            tensors[f"layers.{norm}.{k}"] = v
+    final = _norm_constants(
+        np_params["norm"], enc("resid_mlp", n - 1), outer["final_norm_out"], eps, "norm"
+    )
+    for k, v in final.items():
+        tensors[f"final_norm.{k}"] = v
+
+    # RoPE: Q14 tables; requantize s_in·2^-14 / s_out.
+    cos, sin = rope_tables(cfg, max_context)
+    tensors["rope.cos"], tensors["rope.sin"] = cos, sin
+    for name, src in (("q_rope", "q_out"), ("k_rope", "k_out")):
+        real = [enc(src, i).scale * 2.0**-ROPE_FRACTION_BITS / enc(name, i).scale for i in range(n)]
+        tensors[f"layers.{name}.M"], tensors[f"layers.{name}.shift"] = _requant(
+            np.array(real), f"layers.{name}"
+        )
+
+    # Attention: scores requantization, exp LUT of the softmax, P·V requantization.
+    real = [
+        enc("q_rope", i).scale
+        * enc("k_rope", i).scale
+        / math.sqrt(cfg.head_dim)
+        / enc("scores", i).scale
+        for i in range(n)
+    ]
+    tensors["layers.scores.M"], tensors["layers.scores.shift"] = _requant(
+        np.array(real), "layers.scores"
+    )
+    probs = Encoding(1.0 / PROBS_SCALE_DENOMINATOR, 0, 0, PROBS_SCALE_DENOMINATOR)
+    exp_luts = []
+    for i in range(n):
+        diff = Encoding(enc("scores", i).scale, 0, 0, (1 << 16) - 1)
+        exp_luts.append(_lut(lambda x: np.exp(-x), diff, probs).astype(np.uint16))
+    tensors["layers.softmax.exp_lut"] = np.stack(exp_luts)
+    real = [
+        enc("v_out", i).scale / PROBS_SCALE_DENOMINATOR / enc("attn_out", i).scale for i in range(n)
+    ]
+    tensors["layers.pv.M"], tensors["layers.pv.shift"] = _requant(np.array(real), "layers.pv")
+    if prefix:
+        k_codes, v_codes = prefix_cache_codes(
+            params, cfg, plan, state, prefix, acts["k_rope"], acts["v_out"]
+        )
+        tensors["layers.prefix.k"], tensors["layers.prefix.v"] = k_codes, v_codes
+
+    # Residual adds: two inputs rescaled into the output with one shared shift.
+    for name, a_of, b_name in (
+        ("resid_attn", layer_input, "o_out"),
+        ("resid_mlp", lambda i: enc("resid_attn", i), "down_out"),
+    ):
+        triples = [
+            _two_input_rescale(
+                a_of(i).scale / enc(name, i).scale,
+                enc(b_name, i).scale / enc(name, i).scale,
+                f"layers.{i}.{name}",
+            )
+            for i in range(n)
+        ]
+        arr = np.array(triples, np.int64)
+        tensors[f"layers.{name}.Ma"] = arr[:, 0].astype(np.int32)
+        tensors[f"layers.{name}.Mb"] = arr[:, 1].astype(np.int32)
+        tensors[f"layers.{name}.shift"] = arr[:, 2].astype(np.int32)
+
+    # SwiGLU: SiLU LUT over the 16-bit gate output, then the product requantized.
+    silu = [_lut(_silu, enc("gate_out", i), enc("silu_out", i)) for i in range(n)]
+    if len({len(t) for t in silu}) != 1:
+        raise QnpuError("layers/gate_out: the SiLU LUTs need one bit-width in every layer")
+    tensors["layers.silu.lut"] = _narrow(np.stack(silu))
+    real = [
+        enc("silu_out", i).scale * enc("up_out", i).scale / enc("down_in", i).scale
+        for i in range(n)
+    ]
+    tensors["layers.down_in.M"], tensors["layers.down_in.shift"] = _requant(
+        np.array(real), "layers.down_in"
+    )
+
+    # lm_head: W8 per channel; int32 logits at the fixed scale LOGITS_SCALE.
+    tq = plan.get("lm_head")
+    assert tq is not None
+    head = np.asarray(lm_head_weight(np_params), np.float32)
+    s_head = np.asarray(state["outer"]["lm_head"]["scale"], np.float32).reshape(-1, 1)
+    tensors["lm_head.weight"] = _weight_codes(
+        head, s_head, np.zeros_like(s_head), tq.spec(), "lm_head"
+    )
+    real_head = outer["final_norm_out"].scale * s_head[:, 0].astype(np.float64) / LOGITS_SCALE
+    tensors["lm_head.M"], tensors["lm_head.shift"] = _requant(real_head, "lm_head")
+
+    _check_multipliers(tensors)
+    manifest = {
+        "model": dataclasses.asdict(cfg),
+        "graph": {
+            "format": FORMAT_GRAPH,
+            "ops": graph_ops(),
+            "layer_activations": list(LAYER_ACTS),
+            "global_activations": list(GLOBAL_ACTS),
+            "prefix_tokens": list(prefix),
+            "max_context": max_context,
+            "prefill_chunk": prefill_chunk,
+            "norm_fraction_bits": NORM_FRACTION_BITS,
+            "norm_unit_bits": NORM_UNIT_BITS,
+            "rope_fraction_bits": ROPE_FRACTION_BITS,
+            "logits_scale": LOGITS_SCALE,
+        },
+        "encodings": encodings_table(plan, state, cfg, acts, outer),
+        "tokenizer": dict(tokenizer_info or {}),
+        "source": dict(source or {}),
+    }
+    return ExportedModel(manifest, tensors, frozenset(int4))
+
+
+def _check_multipliers(tensors: Mapping[str, np.ndarray]) -> None:
+    for name, a in tensors.items():
+        if name.endswith(".M"):
+            assert a.dtype == np.int32 and (a >= M_MIN).all(), name
+        if name.endswith(".shift"):
+            assert (a >= 1).all() and (a <= SHIFT_MAX).all(), name
+
+
+def export_run(run_dir: Path, out_dir: Path, **kwargs: Any) -> Path:
+    """Export a finished `qnpu quantize` run to an integer artifact at `out_dir`."""
+    from qnpu_jax.models.quantized import sink_prefix
+    from qnpu_jax.pipeline.run import load_run
+
+    config, plan, params, state, model = load_run(Path(run_dir))
+    prefix = sink_prefix(config.prefix, model.tokenizer)
+    exported = export_model(
+        params,
+        model.config,
+        plan,
+        state,
+        prefix=prefix,
+        tokenizer_info=tokenizer_info(model.tokenizer),
+        source={"run": Path(run_dir).name, "method": config.method, "model": config.model},
+        **kwargs,
+    )
+    return write_exported(exported, out_dir, model.tokenizer)
+
+
+def export_run_aimet(run_dir: Path, out_dir: Path, *, version: str = "1.0.0") -> Path:
+    """AIMET encodings of a run's tensors: OUT/<run name>.encodings (HF module names)."""
+    from qnpu_jax.export.aimet import write_aimet
+    from qnpu_jax.models.quantized import sink_prefix
+    from qnpu_jax.pipeline.run import load_run
+
+    config, plan, params, state, model = load_run(Path(run_dir))
+    exported = export_model(
+        params, model.config, plan, state, prefix=sink_prefix(config.prefix, model.tokenizer)
+    )
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise QnpuError(f"{out} exists and is not a directory")
+    return write_aimet(
+        out / f"{Path(run_dir).resolve().name}.encodings",
+        exported.manifest["encodings"],
+        version=version,
+    )
+
+
+def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
+    return {
+        "file": "tokenizer.json",
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
+def write_exported(exported: ExportedModel, out_dir: Path, tokenizer: Any | None) -> Path:
+    files: dict[str, bytes] = {}
+    if tokenizer is not None:
+        files["tokenizer.json"] = tokenizer.backend.to_str().encode()
+    return write_artifact(
+        Path(out_dir), exported.manifest, exported.tensors, int4=exported.int4, files=files
+    )

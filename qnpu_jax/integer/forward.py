@@ -1,0 +1,680 @@
+"""The integer-only forward in JAX: the artifact's graph run bit-exactly as the emulator runs it.
+
+One jitted pure function, `int_forward(consts, tokens, cache_k, cache_v, start)`, with static
+shapes: the K/V cache always spans `max_context` slots and attention looks at all of them,
+masking keys after the query (a masked key's exp term is exactly 0, so this equals the
+emulator's look at the filled prefix only). The decoder layers run under `jax.lax.scan` over
+the stacked per-layer constants; the layer body interprets the artifact's op list
+(`graph["ops"]["layer"]`) at trace time, and per-layer zero points and ranges are traced
+values, so one compiled program serves layers of different bit-widths.
+
+Arithmetic is exact integer arithmetic in int64, which needs `jax.enable_x64(True)`:
+`int_forward` refuses to trace without it; the convenience functions (`prefill`,
+`run_chunk`, `token_nll`, `generate`) scope it themselves and leave it off afterwards.
+Matmuls run as float64 dots of the integer values by default (exact: `int_consts` checks
+from the artifact's ranges that every partial sum stays below 2^53; on CPU this is several
+times faster than an int64 dot); `matmul="i64"` selects int64 dots instead. No constant is
+derived here: every multiplier, shift, zero point, range, LUT and table is the artifact's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qnpu_jax.emulator.engine import IntModel
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import (
+    GLOBAL_ACTS,
+    LAYER_ACTS,
+    LAYER_INPUT,
+    LOGITS_RANGE,
+    nll_from_logit_codes,
+)
+from qnpu_jax.quant.integer import requantize_jax
+
+MATMULS = ("f64", "i64")
+LAYER_OPS = ("rmsnorm", "linear", "rope", "attention", "add", "lut", "mul")
+MODEL_OPS = ("embed", "layers", "rmsnorm", "linear")
+EXACT_LIMITS = {"f64": 2.0**53, "i64": 2.0**63}
+PROB_MAX = (1 << 16) - 1  # softmax probability codes are unsigned 16-bit
+I64 = jnp.int64
+F64 = jnp.float64
+
+Act = tuple[jax.Array, jax.Array, jax.Array]  # zero point, qmin, qmax (traced scalars)
+Value = tuple[jax.Array, jax.Array]  # codes and their zero point
+
+
+# ------------------------------------------------------------------------ constants
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """One op of the artifact's op list (hashable: part of the jit cache key)."""
+
+    op: str
+    ins: tuple[str, ...]
+    out: str
+    const: str
+
+
+@dataclasses.dataclass(frozen=True)
+class IntSpec:
+    """The static part of an artifact: dimensions, graph parameters and op lists."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    prefill_chunk: int
+    prefix_len: int
+    norm_fraction_bits: int
+    norm_unit_bits: int
+    logits_scale: float
+    model_ops: tuple[OpSpec, ...]
+    layer_ops: tuple[OpSpec, ...]
+    matmul: str
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["layers", "globals"], meta_fields=["spec"])
+@dataclasses.dataclass(frozen=True)
+class IntConsts:
+    """The artifact's tensors as device arrays: `layers` holds the per-layer ones stacked
+    [L, ...] under their names without the `layers.` prefix (`q_proj.weight`, `act.qmin`,
+    ...), `globals` the others under their full names. With `matmul="f64"` the matmul
+    weights (`*.weight`) are stored as float64 (the same integer values)."""
+
+    layers: dict[str, jax.Array]
+    globals: dict[str, jax.Array]
+    spec: IntSpec
+
+
+def _op_specs(ops: Any, part: str, known: Sequence[str]) -> tuple[OpSpec, ...]:
+    if not isinstance(ops, list):
+        raise QnpuError(f"the artifact's graph has no {part} op list")
+    out = []
+    for op in ops:
+        kind = op.get("op") if isinstance(op, dict) else op
+        if kind not in known:
+            raise QnpuError(f"the integer forward has no {part}-level op {kind!r}")
+        out.append(OpSpec(str(kind), tuple(op["in"]), str(op["out"]), str(op["const"])))
+    return tuple(out)
+
+
+def int_spec(model: IntModel, matmul: str = "f64") -> IntSpec:
+    """The static description of `model` that the jitted forward is specialized on."""
+    if matmul not in MATMULS:
+        raise QnpuError(f"matmul must be one of {MATMULS}, got {matmul!r}")
+    m, g = model.model, model.graph
+    ops = g.get("ops")
+    if not isinstance(ops, dict):
+        raise QnpuError("the artifact's graph has no op list")
+    try:
+        return IntSpec(
+            num_layers=int(m["num_layers"]),
+            hidden_size=int(m["hidden_size"]),
+            num_heads=int(m["num_heads"]),
+            num_kv_heads=int(m["num_kv_heads"]),
+            head_dim=int(m["head_dim"]),
+            vocab_size=int(m["vocab_size"]),
+            max_context=int(g["max_context"]),
+            prefill_chunk=int(g["prefill_chunk"]),
+            prefix_len=len(g["prefix_tokens"]),
+            norm_fraction_bits=int(g["norm_fraction_bits"]),
+            norm_unit_bits=int(g["norm_unit_bits"]),
+            logits_scale=float(g["logits_scale"]),
+            model_ops=_op_specs(ops.get("model"), "model", MODEL_OPS),
+            layer_ops=_op_specs(ops.get("layer"), "layer", LAYER_OPS),
+            matmul=matmul,
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise QnpuError(f"incomplete model config or graph: {e}") from e
+
+
+def _centered_max(model: IntModel, name: str, layer: int | None) -> float:
+    """max |code − zero point| over the range of activation `name`."""
+    if layer is None:
+        j, prefix = GLOBAL_ACTS.index(name), "act."
+        z, lo, hi = (int(model.tensors[prefix + f][j]) for f in ("zero_point", "qmin", "qmax"))
+    else:
+        j, prefix = LAYER_ACTS.index(name), "layers.act."
+        z, lo, hi = (
+            int(model.tensors[prefix + f][layer, j]) for f in ("zero_point", "qmin", "qmax")
+        )
+    return float(max(hi - z, z - lo, 0))
+
+
+def _abs_max(a: np.ndarray) -> float:
+    return float(max(abs(int(a.max(initial=0))), abs(int(a.min(initial=0)))))
+
+
+def check_exact(model: IntModel, spec: IntSpec) -> None:
+    """Every matmul's partial sums stay below 2^53 (f64) or 2^63 (i64), from the activation
+    ranges and the weights' magnitudes; raises QnpuError naming the first one that does not."""
+    limit = EXACT_LIMITS[spec.matmul]
+    t = model.tensors
+
+    def check(bound: float, what: str) -> None:
+        if bound >= limit:
+            raise QnpuError(
+                f"{what}: integer matmul bound {bound:.3g} is not exact with matmul="
+                f"{spec.matmul!r} (limit {limit:.3g})"
+            )
+
+    acts = set(LAYER_ACTS)
+    unbounded = [
+        op.ins
+        for ops, known in ((spec.model_ops, set(GLOBAL_ACTS)), (spec.layer_ops, acts))
+        for op in ops
+        if op.op in ("linear", "attention") and not set(op.ins) <= known
+    ]
+    if unbounded:
+        raise QnpuError(f"matmul inputs {unbounded[0]} have no activation range to bound them")
+    for op in spec.model_ops:
+        if op.op == "linear":
+            w = t[f"{op.const}.weight"]
+            r = _centered_max(model, op.ins[0], None)
+            check(r * _abs_max(w) * w.shape[-1], op.const)
+    for i in range(spec.num_layers):
+        for op in spec.layer_ops:
+            if op.op == "linear":
+                w = t[f"{op.const}.weight"][i]
+                r = _centered_max(model, op.ins[0], i)
+                bound = r * _abs_max(w) * w.shape[-1]
+                check(bound, f"{op.const} of layer {i}")
+            elif op.op == "attention":
+                rq, rk, rv = (_centered_max(model, n, i) for n in op.ins)
+                check(rq * rk * spec.head_dim, f"attention scores of layer {i}")
+                check(PROB_MAX * rv * spec.max_context, f"attention P·V of layer {i}")
+
+
+def int_consts(model: IntModel, matmul: str = "f64") -> IntConsts:
+    """Upload the artifact's tensors (int64 ones need x64, enabled here for the upload)."""
+    spec = int_spec(model, matmul)
+    check_exact(model, spec)
+    layers: dict[str, jax.Array] = {}
+    glob: dict[str, jax.Array] = {}
+    with jax.enable_x64(True):
+        for name, a in model.tensors.items():
+            arr = jnp.asarray(np.asarray(a))
+            if matmul == "f64" and name.endswith(".weight"):
+                arr = arr.astype(F64)  # converted on the device (faster than numpy + upload)
+            if name.startswith("layers."):
+                layers[name.removeprefix("layers.")] = arr
+            else:
+                glob[name] = arr
+    return IntConsts(layers, glob, spec)
+
+
+# ------------------------------------------------------------------------ kernels
+
+
+def _require_x64() -> None:
+    if not jax.enable_x64.value:
+        raise QnpuError(
+            "the integer forward needs 64-bit integers: call it inside "
+            "`with jax.enable_x64(True):` (prefill/run_chunk/generate do this themselves)"
+        )
+
+
+def _dot(spec: IntSpec, subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """Exact integer einsum (int64 result) of integer-valued operands."""
+    if spec.matmul == "f64":
+        out = jnp.einsum(
+            subscripts,
+            a.astype(F64),
+            b.astype(F64),
+            precision=jax.lax.Precision.HIGHEST,
+            preferred_element_type=F64,
+        )
+        return out.astype(I64)
+    return jnp.einsum(subscripts, a.astype(I64), b.astype(I64), preferred_element_type=I64)
+
+
+def _center(x: Value) -> jax.Array:
+    return x[0].astype(I64) - x[1].astype(I64)
+
+
+def isqrt(v: jax.Array) -> jax.Array:
+    """floor(sqrt(v)) of non-negative int64 values below 2^62, exactly: a float64 estimate
+    corrected by ±1 steps until r² <= v < (r+1)² holds everywhere (needs x64)."""
+    _require_x64()
+    v = jnp.asarray(v).astype(I64)
+    r0 = jnp.floor(jnp.sqrt(v.astype(F64))).astype(I64)
+
+    def wrong(r: jax.Array) -> jax.Array:
+        return jnp.any(r * r > v) | jnp.any((r + 1) * (r + 1) <= v)
+
+    def fix(r: jax.Array) -> jax.Array:
+        r = jnp.where(r * r > v, r - 1, r)
+        return jnp.where((r + 1) * (r + 1) <= v, r + 1, r)
+
+    return jax.lax.while_loop(wrong, fix, r0)
+
+
+def _rmsnorm(spec: IntSpec, x: Value, c: Mapping[str, jax.Array], out: Act) -> jax.Array:
+    f, k = spec.norm_fraction_bits, spec.norm_unit_bits
+    xc = _center(x)
+    d = xc.shape[-1]
+    ss = jnp.sum(xc * xc, axis=-1, keepdims=True)
+    v = jnp.left_shift(ss, 2 * f) // d + jnp.reshape(c["eps"], ()).astype(I64)
+    r = jnp.maximum(isqrt(v), 1)
+    t = (jnp.left_shift(xc, f + k + 1) + r) // (2 * r)
+    return requantize_jax(t * c["sign"].astype(I64), c["M"], c["shift"], *out)
+
+
+def _linear(spec: IntSpec, x: Value, c: Mapping[str, jax.Array], out: Act) -> jax.Array:
+    acc = _dot(spec, "...i,oi->...o", _center(x), c["weight"])
+    if "bias" in c:
+        acc = acc + c["bias"].astype(I64)
+    return requantize_jax(acc, c["M"], c["shift"], *out)
+
+
+def _rope(
+    spec: IntSpec,
+    x: Value,
+    c: Mapping[str, jax.Array],
+    out: Act,
+    cos: jax.Array,
+    sin: jax.Array,
+) -> jax.Array:
+    b, t, width = x[0].shape
+    hd = spec.head_dim
+    xc = _center(x).reshape(b, t, width // hd, hd)
+    half = hd // 2
+    rot = jnp.concatenate([-xc[..., half:], xc[..., :half]], axis=-1)
+    acc = xc * cos[None, :, None, :] + rot * sin[None, :, None, :]
+    return requantize_jax(acc, c["M"], c["shift"], *out).reshape(b, t, width)
+
+
+def _softmax_codes(scores: jax.Array, allowed: jax.Array, exp_lut: jax.Array) -> jax.Array:
+    """Integer softmax over the last axis: unsigned 16-bit probability codes (masked → 0)."""
+    s = scores.astype(I64)
+    top = jnp.max(jnp.where(allowed, s, jnp.iinfo(I64).min), axis=-1, keepdims=True)
+    d = jnp.where(allowed, jnp.minimum(top - s, PROB_MAX), 0)
+    e = jnp.where(allowed, jnp.take(exp_lut, d, axis=0).astype(I64), 0)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    return (e * PROB_MAX + total // 2) // total
+
+
+def _attention(
+    spec: IntSpec,
+    q: Value,
+    k: Value,
+    v: Value,
+    c: Mapping[str, jax.Array],
+    acts: Callable[[str], Act],
+    out: Act,
+    cache: tuple[jax.Array, jax.Array],
+    positions: jax.Array,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    hd, hkv, hq = spec.head_dim, spec.num_kv_heads, spec.num_heads
+    b, t, _ = q[0].shape
+    kl, vl = cache  # [B, Hkv, S, hd] int16 codes
+    # Write this chunk's K/V at its positions; positions past the context (padding) drop.
+    k_new = k[0].reshape(b, t, hkv, hd).transpose(0, 2, 1, 3).astype(kl.dtype)
+    v_new = v[0].reshape(b, t, hkv, hd).transpose(0, 2, 1, 3).astype(vl.dtype)
+    kl = kl.at[:, :, positions].set(k_new, mode="drop")
+    vl = vl.at[:, :, positions].set(v_new, mode="drop")
+    kc = kl.astype(I64) - k[1].astype(I64)
+    vc = vl.astype(I64) - v[1].astype(I64)
+    qc = _center(q).reshape(b, t, hkv, hq // hkv, hd)
+    acc = _dot(spec, "btkgd,bksd->bkgts", qc, kc)
+    scores = requantize_jax(acc, c["scores.M"], c["scores.shift"], *acts("scores"))
+    keys = jnp.arange(spec.max_context, dtype=positions.dtype)
+    allowed = keys[None, :] <= positions[:, None]  # [T, S]: key position <= query position
+    probs = _softmax_codes(scores, allowed, c["softmax.exp_lut"])
+    pv = _dot(spec, "bkgts,bksd->btkgd", probs, vc)
+    res = requantize_jax(pv, c["pv.M"], c["pv.shift"], *out)
+    return res.reshape(b, t, hq * hd), (kl, vl)
+
+
+def _add(a: Value, b: Value, c: Mapping[str, jax.Array], out: Act) -> jax.Array:
+    acc = _center(a) * c["Ma"].astype(I64) + _center(b) * c["Mb"].astype(I64)
+    sh = c["shift"].astype(I64)
+    y = jnp.right_shift(acc + jnp.left_shift(jnp.ones_like(sh), sh - 1), sh)
+    y = y + out[0].astype(I64)
+    return jnp.clip(y, out[1].astype(I64), out[2].astype(I64)).astype(jnp.int32)
+
+
+def _sub(consts: Mapping[str, jax.Array], prefix: str) -> dict[str, jax.Array]:
+    """The constants named `prefix.*` (all of them for an empty prefix)."""
+    if not prefix:
+        return dict(consts)
+    p = prefix + "."
+    return {k.removeprefix(p): v for k, v in consts.items() if k.startswith(p)}
+
+
+# ------------------------------------------------------------------------ the forward
+
+
+def _layer(
+    spec: IntSpec,
+    x: Value,
+    lc: Mapping[str, jax.Array],
+    cache: tuple[jax.Array, jax.Array],
+    positions: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+) -> tuple[Value, tuple[jax.Array, jax.Array]]:
+    """One decoder layer: the layer op list interpreted over this layer's constants."""
+    zp, qmin, qmax = lc["act.zero_point"], lc["act.qmin"], lc["act.qmax"]
+
+    def act(name: str) -> Act:
+        j = LAYER_ACTS.index(name)
+        return zp[j], qmin[j], qmax[j]
+
+    env: dict[str, Value] = {LAYER_INPUT: x}
+    for op in spec.layer_ops:
+        out = act(op.out)
+        ins = [env[n] for n in op.ins]
+        c = _sub(lc, op.const.removeprefix("layers").removeprefix("."))
+        if op.op == "rmsnorm":
+            y = _rmsnorm(spec, ins[0], c, out)
+        elif op.op == "linear":
+            y = _linear(spec, ins[0], c, out)
+        elif op.op == "rope":
+            y = _rope(spec, ins[0], c, out, cos, sin)
+        elif op.op == "attention":
+            y, cache = _attention(spec, ins[0], ins[1], ins[2], c, act, out, cache, positions)
+        elif op.op == "add":
+            y = _add(ins[0], ins[1], c, out)
+        elif op.op == "lut":
+            lo = act(op.ins[0])[1]
+            y = jnp.take(c["lut"], ins[0][0].astype(I64) - lo.astype(I64), axis=0)
+            y = y.astype(jnp.int32)
+        elif op.op == "mul":
+            prod = _center(ins[0]) * _center(ins[1])
+            y = requantize_jax(prod, c["M"], c["shift"], *out)
+        else:
+            raise QnpuError(f"the integer forward has no layer-level op {op.op!r}")
+        env[op.out] = (y, out[0])
+    return env[spec.layer_ops[-1].out], cache
+
+
+@jax.jit
+def int_forward(
+    consts: IntConsts,
+    tokens: jax.Array,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    start: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Integer logits int32 [B, T, V] of `tokens` int32 [B, T] at positions
+    start..start+T-1, and the caches [L, B, Hkv, max_context, hd] (int16 codes) with their
+    K/V written. Positions past max_context are computed but not written (prefill padding).
+    Token ids are not checked here (out-of-range ids clamp; the convenience functions check
+    them). Must run inside `with jax.enable_x64(True):`, raises QnpuError otherwise."""
+    _require_x64()
+    spec = consts.spec
+    g = consts.globals
+    t = tokens.shape[1]
+    positions = jnp.asarray(start, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
+    cos = jnp.take(g["rope.cos"], positions, axis=0, mode="clip").astype(I64)
+    sin = jnp.take(g["rope.sin"], positions, axis=0, mode="clip").astype(I64)
+
+    def global_act(name: str) -> Act:
+        if name == "logits":
+            zero = jnp.zeros((), jnp.int32)
+            return zero, jnp.asarray(LOGITS_RANGE[0], I64), jnp.asarray(LOGITS_RANGE[1], I64)
+        j = GLOBAL_ACTS.index(name)
+        return g["act.zero_point"][j], g["act.qmin"][j], g["act.qmax"][j]
+
+    layer_consts = {k: v for k, v in consts.layers.items() if not k.startswith("prefix.")}
+
+    def body(
+        x: Value, xs: tuple[dict[str, jax.Array], jax.Array, jax.Array]
+    ) -> tuple[Value, tuple[jax.Array, jax.Array]]:
+        lc, kl, vl = xs
+        return _layer(spec, x, lc, (kl, vl), positions, cos, sin)
+
+    env: dict[str, Value] = {}
+    for op in spec.model_ops:
+        if op.op == "embed":
+            out = global_act(op.out)
+            ids = tokens.astype(jnp.int32)
+            rows = jnp.take(g[f"{op.const}.table"], ids, axis=0).astype(I64)
+            m = jnp.take(g[f"{op.const}.M"], ids, axis=0)[..., None]
+            sh = jnp.take(g[f"{op.const}.shift"], ids, axis=0)[..., None]
+            env[op.out] = (requantize_jax(rows, m, sh, *out), out[0])
+        elif op.op == "layers":
+            x, (cache_k, cache_v) = jax.lax.scan(
+                body, env[op.ins[0]], (layer_consts, cache_k, cache_v)
+            )
+            env[op.out] = x
+        elif op.op == "rmsnorm":
+            out = global_act(op.out)
+            env[op.out] = (_rmsnorm(spec, env[op.ins[0]], _sub(g, op.const), out), out[0])
+        elif op.op == "linear":
+            out = global_act(op.out)
+            env[op.out] = (_linear(spec, env[op.ins[0]], _sub(g, op.const), out), out[0])
+        else:
+            raise QnpuError(f"the integer forward has no model-level op {op.op!r}")
+    logits = env[spec.model_ops[-1].out][0].astype(jnp.int32)
+    return logits, cache_k, cache_v
+
+
+# ------------------------------------------------------------------------ convenience API
+
+
+class CacheLike(Protocol):
+    @property
+    def k(self) -> Any: ...
+    @property
+    def v(self) -> Any: ...
+    @property
+    def length(self) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class IntCache:
+    """K/V cache codes [L, B, Hkv, max_context, hd] (int16, on the device) and the number of
+    filled positions. Slots at and after `length` hold garbage that no query ever sees.
+    `np.asarray(cache.k)` gives the codes; an emulator `Cache` is accepted as input too."""
+
+    k: jax.Array
+    v: jax.Array
+    length: int
+
+
+class JaxIntEngine:
+    """An artifact ready to run in JAX: the validated `IntModel` and its uploaded constants
+    (uploaded once; compiled programs are cached per shape and shared by equal specs)."""
+
+    def __init__(self, model: IntModel, matmul: str = "f64") -> None:
+        self.model = model
+        self.consts = int_consts(model, matmul)
+
+    @property
+    def spec(self) -> IntSpec:
+        return self.consts.spec
+
+    def new_cache(self, batch: int) -> IntCache:
+        return new_cache(self.consts, batch)
+
+    def run_chunk(self, tokens: np.ndarray, cache: CacheLike) -> tuple[np.ndarray, IntCache]:
+        return run_chunk(self.consts, tokens, cache)
+
+    def prefill(
+        self, tokens: np.ndarray, cache: CacheLike | None = None
+    ) -> tuple[np.ndarray, IntCache]:
+        return prefill(self.consts, tokens, cache)
+
+    def token_nll(self, tokens: np.ndarray) -> np.ndarray:
+        return token_nll(self.consts, tokens)
+
+    def token_nll_argmax(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return token_nll_argmax(self.consts, tokens)
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        eos_token_id: int | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> list[int]:
+        return generate(self.consts, prompt, max_new_tokens, eos_token_id, on_token)
+
+
+Source = IntModel | IntConsts | JaxIntEngine
+_CONSTS: dict[int, IntConsts] = {}
+
+
+def consts_of(source: Source) -> IntConsts:
+    """The constants of an engine, of consts themselves, or of an IntModel (uploaded once
+    per IntModel object and kept while it lives)."""
+    if isinstance(source, IntConsts):
+        return source
+    if isinstance(source, JaxIntEngine):
+        return source.consts
+    if isinstance(source, IntModel):
+        key = id(source)
+        hit = _CONSTS.get(key)
+        if hit is None:
+            hit = int_consts(source)
+            _CONSTS[key] = hit
+            weakref.finalize(source, _CONSTS.pop, key, None)
+        return hit
+    raise QnpuError(f"expected an IntModel, IntConsts or JaxIntEngine, got {type(source)}")
+
+
+def new_cache(source: Source, batch: int) -> IntCache:
+    """An empty cache holding the sink prefix's K/V at positions 0..P-1."""
+    c = consts_of(source)
+    s = c.spec
+    if batch < 1:
+        raise QnpuError(f"batch must be >= 1, got {batch}")
+    shape = (s.num_layers, batch, s.num_kv_heads, s.max_context, s.head_dim)
+    k = np.zeros(shape, np.int16)
+    v = np.zeros(shape, np.int16)
+    if s.prefix_len:
+        k[:, :, :, : s.prefix_len] = np.asarray(c.layers["prefix.k"])[:, None]
+        v[:, :, :, : s.prefix_len] = np.asarray(c.layers["prefix.v"])[:, None]
+    return IntCache(jnp.asarray(k), jnp.asarray(v), s.prefix_len)
+
+
+def _check_tokens(spec: IntSpec, tokens: Any) -> np.ndarray:
+    a = np.asarray(tokens)
+    if a.ndim != 2 or a.shape[0] == 0 or a.shape[1] == 0:
+        raise QnpuError(f"expected token ids [batch>0, length>0], got shape {a.shape}")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise QnpuError(f"token ids must be integers, got {a.dtype}")
+    if a.size and (a.min() < 0 or a.max() >= spec.vocab_size):
+        raise QnpuError(f"token ids must be in [0, {spec.vocab_size})")
+    return a.astype(np.int32)
+
+
+def _device_cache(spec: IntSpec, cache: CacheLike, batch: int) -> tuple[jax.Array, jax.Array]:
+    shape = (spec.num_layers, batch, spec.num_kv_heads, spec.max_context, spec.head_dim)
+    k, v = jnp.asarray(cache.k, jnp.int16), jnp.asarray(cache.v, jnp.int16)
+    if k.shape != shape or v.shape != shape:
+        raise QnpuError(f"cache has shape {k.shape}/{v.shape}, expected {shape}")
+    return k, v
+
+
+def _check_room(spec: IntSpec, start: int, t: int) -> None:
+    if start + t > spec.max_context:
+        raise QnpuError(
+            f"{start + t} positions exceed the artifact's maximum context {spec.max_context}"
+        )
+
+
+def run_chunk(source: Source, tokens: np.ndarray, cache: CacheLike) -> tuple[np.ndarray, IntCache]:
+    """Integer logits [B, T, V] (int32 codes) of `tokens` [B, T] placed after the cache's
+    filled positions, in one call (one compiled program per shape), and the updated cache."""
+    c = consts_of(source)
+    ids = _check_tokens(c.spec, tokens)
+    start = int(cache.length)
+    _check_room(c.spec, start, ids.shape[1])
+    with jax.enable_x64(True):
+        k, v = _device_cache(c.spec, cache, ids.shape[0])
+        logits, k, v = int_forward(c, jnp.asarray(ids), k, v, jnp.int32(start))
+        out = np.asarray(logits)
+    return out, IntCache(k, v, start + ids.shape[1])
+
+
+def prefill(
+    source: Source, tokens: np.ndarray, cache: CacheLike | None = None
+) -> tuple[np.ndarray, IntCache]:
+    """Run `tokens` [B, T] in chunks of `prefill_chunk` (the last one padded with token 0,
+    whose outputs are dropped and whose K/V slots lie past the returned length): the same
+    results as one call over all T, with one compiled program per batch size."""
+    c = consts_of(source)
+    s = c.spec
+    ids = _check_tokens(s, tokens)
+    b, n = ids.shape
+    cache = cache if cache is not None else new_cache(c, b)
+    start = int(cache.length)
+    _check_room(s, start, n)
+    chunk = s.prefill_chunk
+    pieces = []
+    with jax.enable_x64(True):
+        k, v = _device_cache(s, cache, b)
+        for i in range(0, n, chunk):
+            part = ids[:, i : i + chunk]
+            real = part.shape[1]
+            if real < chunk:
+                part = np.pad(part, ((0, 0), (0, chunk - real)))
+            logits, k, v = int_forward(c, jnp.asarray(part), k, v, jnp.int32(start))
+            pieces.append(np.asarray(logits[:, :real]))
+            start += real
+    return np.concatenate(pieces, axis=1), IntCache(k, v, start)
+
+
+def logits_to_float(source: Source, codes: np.ndarray) -> np.ndarray:
+    return np.asarray(codes).astype(np.float64) * consts_of(source).spec.logits_scale
+
+
+def token_nll(source: Source, tokens: np.ndarray) -> np.ndarray:
+    """Next-token NLL [B, T-1] of tokens[:, 1:] (float64 numpy, from the integer logits)."""
+    codes, _ = prefill(source, tokens)
+    return nll_from_logit_codes(codes, tokens, consts_of(source).spec.logits_scale)
+
+
+def token_nll_argmax(source: Source, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """NLL of tokens[:, 1:] and the greedy prediction at each of those positions [B, T-1]."""
+    codes, _ = prefill(source, tokens)
+    nll = nll_from_logit_codes(codes, tokens, consts_of(source).spec.logits_scale)
+    return nll, np.argmax(codes[:, :-1], axis=-1)
+
+
+def generate(
+    source: Source,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    on_token: Callable[[int], None] | None = None,
+) -> list[int]:
+    """Greedy decoding (argmax ties → lowest id): the prompt through `prefill`, then one
+    jitted one-token `int_forward` step per new token (the cache stays on the device)."""
+    if not prompt:
+        raise QnpuError("the prompt is empty")
+    c = consts_of(source)
+    codes, cache = prefill(c, np.asarray([list(prompt)]))
+    out: list[int] = []
+    token = int(np.argmax(codes[0, -1]))
+    k, v, length = cache.k, cache.v, cache.length
+    with jax.enable_x64(True):
+        while len(out) < max_new_tokens:
+            out.append(token)
+            if on_token:
+                on_token(token)
+            if token == eos_token_id or len(out) == max_new_tokens:
+                break
+            if length + 1 > c.spec.max_context:
+                break
+            ids = jnp.asarray([[token]], jnp.int32)
+            logits, k, v = int_forward(c, ids, k, v, jnp.int32(length))
+            length += 1
+            token = int(jnp.argmax(logits[0, -1]))
+    return out

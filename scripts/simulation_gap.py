@@ -1,0 +1,104 @@
+"""The simulation gap: fake-quant perplexity of `qnpu quantize` runs vs their integer artifact.
+
+For each run: export it (unless the artifact exists), then score the same `wiki` eval windows
+with the run's fake-quant model (JAX) and with the artifact on the numpy NPU emulator (and,
+with --jax-engine, on the JAX integer forward). Writes one JSON report.
+
+    python scripts/simulation_gap.py --runs runs/smollm2-135m-quantnpu-w8a8 \
+        runs/smollm2-135m-quantnpu-w4a8 --seq-len 512 --windows 32 \
+        --json reports/simulation_gap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qnpu_jax.cli import artifact_engine
+from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
+from qnpu_jax.emulator.engine import load_int_model
+from qnpu_jax.environment import environment_info
+from qnpu_jax.eval import perplexity
+from qnpu_jax.export.exporter import export_run
+from qnpu_jax.files import write_json_atomic
+from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix, tapped_token_nll
+from qnpu_jax.pipeline.run import load_run
+
+
+def _ppl(nll_fn: Any, windows: np.ndarray) -> dict[str, Any]:
+    r = perplexity(nll_fn, windows, progress=False)
+    return {"ppl": r.ppl, "nll_mean": r.nll_sum / r.predicted_tokens, "seconds": r.seconds}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", nargs="+", type=Path, required=True)
+    parser.add_argument("--artifacts", type=Path, default=Path("artifacts"))
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--windows", type=int, default=32)
+    parser.add_argument("--jax-engine", action="store_true", help="also the JAX integer engine")
+    parser.add_argument("--json", type=Path, default=Path("reports/simulation_gap.json"))
+    args = parser.parse_args()
+    report: dict[str, Any] = {
+        "data": "wiki (eval split)",
+        "seq_len": args.seq_len,
+        "windows": args.windows,
+        "runs": {},
+        "environment": environment_info(),
+        "command": "python " + shlex.join(sys.argv),
+    }
+    for run in args.runs:
+        config, plan, params, state, model = load_run(run)
+        art = args.artifacts / run.resolve().name
+        t0 = time.perf_counter()
+        if not (art / "manifest.json").exists():
+            export_run(run, art)
+        export_s = time.perf_counter() - t0
+        prefix = sink_prefix(config.prefix, model.tokenizer)
+        ids = tokenize_documents(load_documents("wiki", "eval"), model.tokenizer)
+        windows = eval_windows(ids, args.seq_len, args.windows)
+        fake = _ppl(
+            partial(
+                tapped_token_nll,
+                params,
+                state,
+                cfg=model.config,
+                taps=FakeQuantTaps(plan),
+                prefix=prefix,
+            ),
+            windows,
+        )
+        int_model = load_int_model(art)
+        engines = ["emulator", "jax"] if args.jax_engine else ["emulator"]
+        entry: dict[str, Any] = {
+            "method": config.method,
+            "bits": f"W{config.w_bits}A{config.a_bits}KV{config.kv_bits}",
+            "artifact": str(art),
+            "export_seconds": export_s,
+            "fake_quant": fake,
+        }
+        for name in engines:
+            result = _ppl(artifact_engine(name, int_model).token_nll, windows)
+            result["gap"] = result["ppl"] / fake["ppl"] - 1
+            entry[name] = result
+            print(
+                f"{run.name}: fake-quant {fake['ppl']:.4f}, {name} {result['ppl']:.4f} "
+                f"({100 * result['gap']:+.3f}%)"
+            )
+        report["runs"][run.name] = entry
+        write_json_atomic(args.json, report)
+    worst = max(abs(e["emulator"]["gap"]) for e in report["runs"].values())
+    print(f"largest |gap| {100 * worst:.3f}% -> {args.json}")
+    return 0 if math.isfinite(worst) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
