@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import LAYER_ACTS, LINEARS
 from qnpu_jax.files import write_json_atomic
 
 VERSIONS = ("1.0.0", "0.6.1")
@@ -38,28 +39,9 @@ NAMINGS = ("hf", "native")
 MIN_BITS = 2
 MAX_BITS = 16
 
-# Our tensor names, in graph order (the same lists as qnpu_jax.quant.plan, which needs jax).
-LAYER_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LAYER_ACTIVATIONS = (
-    "attn_in",
-    "q_out",
-    "k_out",
-    "v_out",
-    "q_rope",
-    "k_rope",
-    "scores",
-    "probs",
-    "attn_out",
-    "o_out",
-    "resid_attn",
-    "mlp_in",
-    "gate_out",
-    "silu_out",
-    "up_out",
-    "down_in",
-    "down_out",
-    "resid_mlp",
-)
+# Our tensor names, in graph order (graph.py is numpy-only, unlike quant.plan).
+LAYER_WEIGHTS = LINEARS
+LAYER_ACTIVATIONS = LAYER_ACTS
 GLOBAL_HEAD = ("embed_tokens", "embed_out")
 GLOBAL_TAIL = ("final_norm_out", "lm_head")
 GLOBAL_WEIGHTS = frozenset({"embed_tokens", "lm_head"})
