@@ -33,7 +33,14 @@ from qnpu_jax.export.graph import (
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, forward_tapped, init_cache, lm_head_weight, rope_inv_freq
 from qnpu_jax.models.quantized import CacheOnlyTaps, FakeQuantTaps, QuantState, effective_state
-from qnpu_jax.quant.integer import M_MAX, M_MIN, SHIFT_MAX, fixed_point_multiplier, quantize_to_int
+from qnpu_jax.quant.integer import (
+    M_MAX,
+    M_MIN,
+    SHIFT_MAX,
+    build_lut,
+    fixed_point_multiplier,
+    quantize_to_int,
+)
 from qnpu_jax.quant.plan import PROBS_SCALE_DENOMINATOR, WEIGHTS, QuantPlan, all_paths
 from qnpu_jax.quant.spec import QuantSpec, qrange
 
@@ -68,15 +75,18 @@ def _two_input_rescale(ra: float, rb: float, what: str) -> tuple[int, int, int]:
 
 
 def _lut(f: Callable[[np.ndarray], np.ndarray], enc_in: Encoding, enc_out: Encoding) -> np.ndarray:
-    """LUT[q − qmin_in] = clamp(round_half_even(f(s_in·(q − z_in)) / s_out) + z_out)."""
-    if enc_in.qmax - enc_in.qmin + 1 > 1 << 16:
-        raise QnpuError("a LUT input has more than 16 bits")
-    q = np.arange(enc_in.qmin, enc_in.qmax + 1, dtype=np.int64)
-    vals = np.asarray(f(enc_in.scale * (q - enc_in.zero_point).astype(np.float64)), np.float64)
-    if np.isnan(vals).any():
-        raise QnpuError("LUT function returned NaN")
-    codes = np.rint(vals / enc_out.scale) + enc_out.zero_point
-    return np.clip(codes, enc_out.qmin, enc_out.qmax).astype(np.int32)
+    """The contract's LUT (`build_lut`) between two encodings, zero points included."""
+    return build_lut(
+        f,
+        enc_in.scale,
+        enc_in.qmin,
+        enc_in.qmax,
+        enc_out.scale,
+        enc_out.qmin,
+        enc_out.qmax,
+        zero_in=enc_in.zero_point,
+        zero_out=enc_out.zero_point,
+    )
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -253,6 +263,15 @@ def encodings_table(
             "zero_point": [0] * rows.size,
         }
     return table
+
+
+def run_encodings(plan: QuantPlan, state: QuantState, cfg: ModelConfig) -> dict[str, Any]:
+    """The encodings table of a run (what `export_model` puts in the manifest and the AIMET
+    file carries), without building the integer tensors."""
+    _check_plan(plan, cfg.num_layers)
+    state = effective_state(plan, state)
+    acts, outer = _activation_encodings(plan, state, cfg.num_layers)
+    return encodings_table(plan, state, cfg, acts, outer)
 
 
 def _act_entry(e: Encoding, symmetric: bool, signed: bool) -> dict[str, Any]:
@@ -532,19 +551,16 @@ def export_run(run_dir: Path, out_dir: Path, **kwargs: Any) -> Path:
 def export_run_aimet(run_dir: Path, out_dir: Path, *, version: str = "1.0.0") -> Path:
     """AIMET encodings of a run's tensors: OUT/<run name>.encodings (HF module names)."""
     from qnpu_jax.export.aimet import write_aimet
-    from qnpu_jax.models.quantized import sink_prefix
     from qnpu_jax.pipeline.run import load_run
 
-    config, plan, params, state, model = load_run(Path(run_dir))
-    exported = export_model(
-        params, model.config, plan, state, prefix=sink_prefix(config.prefix, model.tokenizer)
-    )
+    _, plan, _, state, model = load_run(Path(run_dir))
+    encodings = run_encodings(plan, state, model.config)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise QnpuError(f"{out} exists and is not a directory")
     return write_aimet(
         out / f"{Path(run_dir).resolve().name}.encodings",
-        exported.manifest["encodings"],
+        encodings,
         version=version,
     )
 

@@ -172,8 +172,11 @@ def build_lut(
     s_out: float,
     qmin_out: int,
     qmax_out: int,
+    zero_in: int = 0,
+    zero_out: int = 0,
 ) -> np.ndarray:
-    """LUT[q − qmin_in] = clamp(round_half_even(f(s_in·q) / s_out), qmin_out, qmax_out).
+    """LUT[q − qmin_in] = clamp(round_half_even(f(s_in·(q − z_in)) / s_out) + z_out, qmin_out,
+    qmax_out).
 
     Built in float64; `f` must be vectorized over a float64 numpy array. The input has at most
     16 bits (2^16 entries). ±inf from `f` clamps to the ends; NaN raises.
@@ -191,10 +194,11 @@ def build_lut(
     check_scales({"s_in": np.float64(s_in), "s_out": np.float64(s_out)}, what="LUT scale")
     dtype = code_dtype(int(qmin_out), int(qmax_out))
     q = np.arange(int(qmin_in), int(qmax_in) + 1, dtype=np.int64)
-    vals = np.asarray(f(float(s_in) * q.astype(np.float64)), dtype=np.float64)
+    vals = np.asarray(f(float(s_in) * (q - int(zero_in)).astype(np.float64)), dtype=np.float64)
     if vals.shape != q.shape:
         raise QnpuError(f"LUT function returned shape {vals.shape}, expected {q.shape}")
     if np.isnan(vals).any():
         bad = int(q[np.isnan(vals)][0])
         raise QnpuError(f"LUT function returned NaN for input code {bad}")
-    return np.clip(np.rint(vals / float(s_out)), qmin_out, qmax_out).astype(dtype)
+    codes = np.rint(vals / float(s_out)) + int(zero_out)
+    return np.clip(codes, qmin_out, qmax_out).astype(dtype)
