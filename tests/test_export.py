@@ -126,9 +126,24 @@ def test_chunked_prefill_equals_one_call_and_decode_continues_it(int_artifacts):
     whole, _ = E.run_chunk(model, tokens, E.new_cache(model, 1))
     assert np.array_equal(chunked, whole)
     assert cache.length == 1 + 70  # BOS prefix + text
-    step, _ = E.run_chunk(model, np.array([[5]]), cache)
+    before = (cache.k.copy(), cache.v.copy())
+    step, after = E.run_chunk(model, np.array([[5]]), cache)
     longer, _ = E.run_chunk(model, np.concatenate([tokens, [[5]]], 1), E.new_cache(model, 1))
     assert np.array_equal(step[:, -1], longer[:, -1])
+    # run_chunk and prefill leave the caller's cache as it was; generate (which decodes into
+    # its own cache without copying it each step) gives the same greedy tokens as stepping
+    assert np.array_equal(cache.k, before[0]) and np.array_equal(cache.v, before[1])
+    assert after.length == cache.length + 1 and not np.array_equal(after.k, cache.k)
+    E.prefill(model, np.array([[7, 8]]), cache)
+    assert np.array_equal(cache.k, before[0]) and np.array_equal(cache.v, before[1])
+    prompt = [int(t) for t in tokens[0, :9]]
+    out = E.generate(model, prompt, 4)
+    codes, c = E.prefill(model, np.asarray([prompt]))
+    stepped = [int(np.argmax(codes[0, -1]))]
+    for _ in range(3):
+        codes, c = E.run_chunk(model, np.asarray([[stepped[-1]]]), c)
+        stepped.append(int(np.argmax(codes[0, -1])))
+    assert out == stepped
 
 
 def test_emulator_tracks_the_fake_quant_model(smollm, int_sources, int_artifacts):

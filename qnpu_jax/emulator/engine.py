@@ -342,8 +342,24 @@ def run_chunk(
     trace: dict[str, list[np.ndarray]] | None = None,
 ) -> tuple[np.ndarray, Cache]:
     """Integer logits [B, T, V] (int32 codes) of `tokens` [B, T] placed after the cache's
-    filled positions, and the cache with their K/V written. `trace`, when given, collects
-    every layer's activation codes by name (a list over layers)."""
+    filled positions, and a new cache with their K/V written (the given one is left as it
+    was). `trace`, when given, collects every layer's activation codes by name (a list over
+    layers)."""
+    return _run_chunk_into(model, tokens, _own(cache), trace)
+
+
+def _own(cache: Cache) -> Cache:
+    return Cache(cache.k.copy(), cache.v.copy(), cache.length)
+
+
+def _run_chunk_into(
+    model: IntModel,
+    tokens: np.ndarray,
+    cache: Cache,
+    trace: dict[str, list[np.ndarray]] | None = None,
+) -> tuple[np.ndarray, Cache]:
+    """`run_chunk` writing K/V into `cache`'s buffers: for callers that own the cache, so a
+    decode step does not copy the whole cache."""
     t = tokens.shape[1]
     start = cache.length
     if start + t > model.graph["max_context"]:
@@ -355,7 +371,6 @@ def run_chunk(
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
         raise QnpuError(f"token ids must be in [0, {vocab})")
-    cache = Cache(cache.k.copy(), cache.v.copy(), start)
     positions = start + np.arange(t)
     z, lo, hi = _global_act(model, "embed_out")
     rows = model.t("embed.table")[tokens].astype(I64)
@@ -385,7 +400,7 @@ def prefill(
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or tokens.shape[1] == 0:
         raise QnpuError(f"prefill needs token ids [batch, length>0], got shape {tokens.shape}")
-    cache = cache or new_cache(model, tokens.shape[0])
+    cache = _own(cache) if cache is not None else new_cache(model, tokens.shape[0])
     chunk = int(model.graph["prefill_chunk"])
     pieces = []
     n = tokens.shape[1]
@@ -396,7 +411,7 @@ def prefill(
             part = np.pad(part, ((0, 0), (0, chunk - real)))
             if cache.length + chunk > model.graph["max_context"]:
                 part = part[:, :real]  # no room to pad at the very end of the context
-        logits, cache = run_chunk(model, part, cache)
+        logits, cache = _run_chunk_into(model, part, cache)
         pieces.append(logits[:, :real])
         cache = Cache(cache.k, cache.v, cache.length - (part.shape[1] - real))
     return np.concatenate(pieces, axis=1), cache
@@ -458,7 +473,7 @@ def generate(
             break
         if cache.length + 1 > model.graph["max_context"]:
             break
-        codes, cache = run_chunk(model, np.asarray([[token]]), cache)
+        codes, cache = _run_chunk_into(model, np.asarray([[token]]), cache)  # prefill's own
         token = int(np.argmax(codes[0, -1]))
     return out
 
