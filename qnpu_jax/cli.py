@@ -112,6 +112,29 @@ def build_parser() -> argparse.ArgumentParser:
     em.add_argument("--max-new-tokens", type=_positive_int, default=32)
     em.add_argument("--engine", choices=ENGINES, default="emulator")
 
+    rp = sub.add_parser(
+        "report", help="results table (paper Table 1 shape) and plots from runs and evals"
+    )
+    rp.add_argument(
+        "--runs", required=True, nargs="+", type=Path, help="finished `qnpu quantize` runs"
+    )
+    rp.add_argument(
+        "--evals",
+        nargs="+",
+        type=Path,
+        default=[],
+        help="`qnpu eval --json` files: the float model (--model), runs, artifacts",
+    )
+    rp.add_argument(
+        "--sweep", type=Path, default=None, help="JSON of scripts/mixed_precision_sweep.py"
+    )
+    rp.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="reports/NAME: writes NAME.md, NAME.html, NAME.json and NAME/*.png",
+    )
+
     gen = sub.add_parser("generate", help="greedy continuation of a prompt")
     gen.add_argument("--model", required=True)
     gen.add_argument("--prompt", required=True)
@@ -120,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Scored:
+class Scored:
     """What `qnpu eval` scores: next-token NLL (and greedy predictions) of token windows."""
 
     label: str
@@ -131,7 +154,12 @@ class _Scored:
     report: dict[str, object]
 
 
-def _scored_model(args: argparse.Namespace) -> _Scored:
+def scored_model(
+    *, model: str | None = None, run: Path | None = None, prefix: str | None = None
+) -> Scored:
+    """The float `model` or the fake-quant model of the finished `run` (exactly one of them),
+    as `qnpu eval --model/--run` scores it. `prefix` None: no sink prefix for a model, the
+    run's own for a run."""
     from qnpu_jax.models import load_model
     from qnpu_jax.models.quantized import (
         FakeQuantTaps,
@@ -140,40 +168,48 @@ def _scored_model(args: argparse.Namespace) -> _Scored:
         tapped_token_nll,
     )
 
-    if args.run is not None:
+    if model is not None and run is not None:
+        raise QnpuError("score a model or a run, not both")
+    if run is not None:
         from qnpu_jax.pipeline.run import load_run
 
-        config, plan, params, state, model = load_run(args.run)
+        config, plan, params, state, loaded = load_run(run)
         taps: Any = FakeQuantTaps(plan)
-        prefix_name = args.prefix or config.prefix
-        label = f"run {args.run} ({config.method} W{config.w_bits}A{config.a_bits})"
+        prefix_name = prefix or config.prefix
+        label = f"run {run} ({config.method} W{config.w_bits}A{config.a_bits})"
+    elif model is not None:
+        loaded = load_model(model)
+        params, state, taps = loaded.params, None, None
+        prefix_name = prefix or "none"
+        label = model
     else:
-        model = load_model(args.model)
-        params, state, taps = model.params, None, None
-        prefix_name = args.prefix or "none"
-        label = args.model
-    prefix = sink_prefix(prefix_name, model.tokenizer)
-    cfg = model.config
+        raise QnpuError("score a model or a run: neither was given")
+    prefix_ids = sink_prefix(prefix_name, loaded.tokenizer)
+    cfg = loaded.config
     fns = {
-        f: partial(f, params, state, cfg=cfg, taps=taps, prefix=prefix)
+        f: partial(f, params, state, cfg=cfg, taps=taps, prefix=prefix_ids)
         for f in (tapped_token_nll, tapped_nll_argmax)
     }
-    return _Scored(
+    return Scored(
         label=label,
         nll_fn=fns[tapped_token_nll],
         nll_argmax_fn=fns[tapped_nll_argmax],
-        tokenizer=model.tokenizer,
-        max_length=cfg.max_position_embeddings - len(prefix),
+        tokenizer=loaded.tokenizer,
+        max_length=cfg.max_position_embeddings - len(prefix_ids),
         report={
-            "model": args.model if args.run is None else None,
-            "run": str(args.run) if args.run is not None else None,
-            "path": "float" if args.run is None else "fake-quant (static)",
+            "model": model if run is None else None,
+            "run": str(run) if run is not None else None,
+            "path": "float" if run is None else "fake-quant (static)",
             "prefix": prefix_name,
         },
     )
 
 
-def _scored_artifact(args: argparse.Namespace) -> _Scored:
+def _scored_model(args: argparse.Namespace) -> Scored:
+    return scored_model(model=args.model, run=args.run, prefix=args.prefix)
+
+
+def _scored_artifact(args: argparse.Namespace) -> Scored:
     from qnpu_jax.emulator.engine import artifact_tokenizer, load_int_model
 
     if args.prefix is not None:
@@ -181,7 +217,7 @@ def _scored_artifact(args: argparse.Namespace) -> _Scored:
     model = load_int_model(args.artifact)
     engine = artifact_engine(args.engine, model)
     prefix = model.graph["prefix_tokens"]
-    return _Scored(
+    return Scored(
         label=f"artifact {args.artifact} ({args.engine})",
         nll_fn=engine.token_nll,
         nll_argmax_fn=engine.token_nll_argmax,
@@ -209,7 +245,7 @@ def artifact_engine(name: str, model: Any) -> Any:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
-    from qnpu_jax.eval import TASKS, LmScorer, evaluate_tasks, perplexity
+    from qnpu_jax.eval import TASKS, perplexity
     from qnpu_jax.files import check_writable
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -228,7 +264,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         check_writable(args.json)  # fail before the run, not after it
     docs = load_documents(args.data, split) if want_ppl else []  # cheap checks first
     scored = _scored_artifact(args) if args.artifact is not None else _scored_model(args)
-    report = dict(scored.report)
+    report: dict[str, Any] = dict(scored.report)
     if want_ppl:
         if args.seq_len > scored.max_length:
             raise QnpuError(
@@ -263,41 +299,69 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"({result.seconds:.1f} s)"
         )
     if zero_shot:
-        scorer = LmScorer(
-            nll_fn=scored.nll_fn,
-            nll_argmax_fn=scored.nll_argmax_fn,
-            max_length=scored.max_length,
-        )
-        results = evaluate_tasks(
-            scorer,
-            scored.tokenizer,
+        report |= zero_shot_report(
+            scored,
             zero_shot,
             limit=args.limit,
             seed=args.seed,
             batch_size=args.batch_size or 8,
             progress=not args.no_progress,
         )
-        report["tasks"] = results
-        report["limit"] = args.limit
-        for name, r in results.items():
-            metrics = r["metrics"]
-            shown = ", ".join(
-                f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float) and k != "n"
-            )
-            print(f"{name} (n={r['n']}): {shown}")
-    _finish_report(args, report, started)
+    finish_eval_report(
+        report, command="qnpu " + shlex.join(args.argv), started=started, path=args.json
+    )
     return 0
 
 
-def _finish_report(args: argparse.Namespace, report: dict[str, object], started: float) -> None:
+def zero_shot_report(
+    scored: Scored,
+    tasks: Sequence[str],
+    *,
+    limit: int | None,
+    seed: int,
+    batch_size: int,
+    progress: bool,
+) -> dict[str, Any]:
+    """The zero-shot part of a `qnpu eval` report ("tasks", "limit", "seed"); prints a line
+    per task. Shared with scripts/compare_methods.py, so its cells are scored exactly so."""
+    from qnpu_jax.eval import LmScorer, evaluate_tasks
+
+    scorer = LmScorer(
+        nll_fn=scored.nll_fn,
+        nll_argmax_fn=scored.nll_argmax_fn,
+        max_length=scored.max_length,
+    )
+    results = evaluate_tasks(
+        scorer,
+        scored.tokenizer,
+        tasks,
+        limit=limit,
+        seed=seed,
+        batch_size=batch_size,
+        progress=progress,
+    )
+    for name, r in results.items():
+        metrics = r["metrics"]
+        shown = ", ".join(
+            f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float) and k != "n"
+        )
+        print(f"{name} (n={r['n']}): {shown}")
+    return {"tasks": results, "limit": limit, "seed": seed}
+
+
+def finish_eval_report(
+    report: dict[str, Any], *, command: str, started: float, path: Path | None
+) -> None:
+    """Add the total time, the environment and the command to a `qnpu eval` report and write
+    it (atomically) to `path`, if given."""
     from qnpu_jax.environment import environment_info
     from qnpu_jax.files import write_json_atomic
 
     report["seconds_total"] = time.perf_counter() - started
     report["environment"] = environment_info()
-    report["command"] = "qnpu " + shlex.join(args.argv)
-    if args.json is not None:
-        write_json_atomic(args.json, report)
+    report["command"] = command
+    if path is not None:
+        write_json_atomic(path, report)
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -318,6 +382,29 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             f"ppl {r['quantized_ppl']:.3f} ({r['ratio']:.3f}x) over {r['windows']} windows"
         )
     print(f"run written to {args.out}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from qnpu_jax.files import check_writable
+    from qnpu_jax.report import build_report, write_report
+
+    out = Path(args.out)
+    if not out.name or out.suffix in (".md", ".html", ".json"):
+        raise QnpuError(f"--out {out}: give reports/NAME, without an extension")
+    for suffix in (".md", ".html", ".json"):  # fail before reading anything, not after
+        check_writable(out.with_name(out.name + suffix))
+    if out.exists() and not out.is_dir():
+        raise QnpuError(f"{out} exists and is not a directory (the plots go there)")
+    report = build_report(
+        args.runs, args.evals, args.sweep, name=out.name, command="qnpu " + shlex.join(args.argv)
+    )
+    for path in write_report(out, report):
+        print(f"wrote {path}")
+    if report.skipped_stage1:
+        print(f"no stage 1 (skipped in the loss plot): {', '.join(report.skipped_stage1)}")
+    for flag in report.table.flags:
+        print(f"flag: {flag}", file=sys.stderr)
     return 0
 
 
@@ -377,6 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "export": cmd_export,
         "generate": cmd_generate,
         "quantize": cmd_quantize,
+        "report": cmd_report,
     }
     try:
         return commands[args.command](args)

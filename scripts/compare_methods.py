@@ -9,6 +9,17 @@ report.json (with the same config) is read back instead of re-run, and a killed 
 from its stage-1 checkpoint, so the script can be killed and restarted. The reports cover
 every finished cell of the grid, also those of earlier invocations with other `--methods`.
 
+Zero-shot columns (`--tasks`, default none): every selected cell and the FP32 row (the float
+model with the runs' sink prefix) are scored on the tasks exactly as `qnpu eval --run RUN
+--tasks ... --limit N --seed S` scores them (the same code, `qnpu_jax.cli.zero_shot_report`),
+on the same seeded subset of N items per task. The results go to
+`RUN/evals/tasks-<N|all>-<S>.json` (`RUNS/float[-prefix-bos]/evals/...` for the float row), in
+the layout of `qnpu eval --json`, written after every task; a task already there is read back,
+not recomputed, and cells that are finished but not selected are only read back. The tables
+show the harness headline metric per task (acc_norm: PIQA, HellaSwag, ARC-E/C; acc:
+WinoGrande, LAMBADA) in percent ± standard error and the average, marked ▲/▼ only where a
+difference to the FP32 row exceeds two standard errors (`qnpu_jax.report.table`).
+
 Settings (paper §5.1 and Table 1; Table 2 / §5.4):
   table1    every method with all down_proj inputs at 16 bits (down_in_bits=16, no mixed
             precision): the paper's Table 1 configuration.
@@ -23,6 +34,8 @@ Settings (paper §5.1 and Table 1; Table 2 / §5.4):
     python scripts/compare_methods.py --methods float,rtn,quarot --skip-ablation
     python scripts/compare_methods.py --only-ablation --steps 60
     python scripts/compare_methods.py --report-only        # tables from finished runs only
+    python scripts/compare_methods.py --limit 500 \\
+        --tasks piqa,winogrande,hellaswag,arc_easy,arc_challenge,lambada   # + zero-shot columns
 """
 
 from __future__ import annotations
@@ -34,10 +47,21 @@ import math
 import shlex
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from qnpu_jax.cli import comma_choices
+from qnpu_jax.cli import _positive_int, comma_choices
+from qnpu_jax.eval import TASKS
+from qnpu_jax.report.table import (
+    HEADLINE,
+    TASK_LABELS,
+    Measure,
+    TaskResult,
+    average,
+    pct,
+    significance,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,6 +112,7 @@ ABLATION_KEYS = tuple(key for key, _, _ in ABLATION)
 TARGETS = {"W8A8": 1.02, "W4A8": 1.15, "W4A4": 1.5}
 EVAL_NAMES = ("wiki", "wikitext2")
 EVAL_LABELS = {"wiki": "wiki (eval split)", "wikitext2": "WikiText-2 test"}
+FLOAT_KEY = "float"  # the FP32 row's key among the zero-shot scores (cells: their run_dir)
 
 
 def parse_bits(text: str) -> tuple[int, int]:
@@ -183,6 +208,7 @@ def grid(args: argparse.Namespace) -> tuple[list[Cell], list[Cell]]:
         for bits in BITS:
             w, a = parse_bits(bits)
             for method in QUANT_METHODS:
+                over: dict[str, Any]
                 if setting == "table1":
                     over = {"down_in_bits": 16, "mixed_precision": 0.0}
                 elif method == "quantnpu":
@@ -355,6 +381,149 @@ def float_cell(args: argparse.Namespace, specs: dict[str, str], model: Any) -> d
     return {**report, "status": "ran"}
 
 
+def task_order(tasks: Sequence[str]) -> list[str]:
+    """The selected zero-shot tasks in the paper's Table 1 column order."""
+    return [t for t in HEADLINE if t in tasks]
+
+
+def evals_path(row_dir: Path, limit: int | None, seed: int) -> Path:
+    """Where a row's zero-shot results live: ROW/evals/tasks-<limit|all>-<seed>.json."""
+    return row_dir / "evals" / f"tasks-{'all' if limit is None else limit}-{seed}.json"
+
+
+def float_dir(args: argparse.Namespace) -> Path:
+    return float_path(args).parent
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskScores:
+    """The zero-shot results of one row, as far as they exist."""
+
+    status: str  # "ran" (some scored now) | "reused" (all read back) | "not run" | "error"
+    results: Mapping[str, TaskResult]
+    path: Path
+    error: str = ""
+
+
+def score_tasks(
+    row_dir: Path,
+    args: argparse.Namespace,
+    command: str,
+    *,
+    compute: bool,
+    model: str | None = None,
+) -> TaskScores:
+    """The `args.tasks` results of the run in `row_dir` (or of the float `model`, cached in
+    `row_dir`), as `qnpu eval --run/--model ... --tasks --limit --seed --prefix` computes them.
+
+    Tasks already in the evals JSON are read back; the missing ones are scored if `compute`,
+    and the JSON is rewritten after every task, so a killed invocation loses one task at most.
+    """
+    from qnpu_jax.cli import finish_eval_report, scored_model, zero_shot_report
+    from qnpu_jax.errors import QnpuError
+    from qnpu_jax.report.table import load_eval, read_json
+
+    path = evals_path(row_dir, args.limit, args.task_seed)
+    names = task_order(args.tasks)
+    try:
+        doc: dict[str, Any] | None = None
+        if path.is_file():
+            doc = read_json(path, "eval JSON")
+            if not isinstance(doc, dict) or not isinstance(doc.get("tasks", {}), dict):
+                raise QnpuError(f"{path}: not a `qnpu eval --json` report: delete it")
+            # the name already says limit and seed; a mismatch means the file was edited or
+            # the directory holds another model's results, which must not be mixed in
+            want = {"prefix": args.prefix, "limit": args.limit, "seed": args.task_seed}
+            if model is not None:
+                want["model"] = model
+            other = {k: doc.get(k) for k, v in want.items() if doc.get(k) != v}
+            if other:
+                raise QnpuError(
+                    f"{path} was measured with {other}, not {want}: delete it to score again"
+                )
+        missing = [t for t in names if t not in (doc or {}).get("tasks", {})]
+        status = "reused"
+        if missing and not compute:
+            status = "not run"
+        elif missing:
+            started = time.perf_counter() - float((doc or {}).get("seconds_total") or 0.0)
+            run = None if model is not None else row_dir
+            scored = scored_model(model=model, run=run, prefix=args.prefix)
+            for name in missing:
+                part = zero_shot_report(
+                    scored,
+                    [name],
+                    limit=args.limit,
+                    seed=args.task_seed,
+                    batch_size=args.task_batch_size,
+                    progress=args.progress,
+                )
+                tasks = {**(doc or {}).get("tasks", {}), **part["tasks"]}
+                doc = {**(doc or {}), **scored.report, **part, "tasks": tasks}
+                finish_eval_report(doc, command=command, started=started, path=path)
+            status = "ran"
+        if doc is None:
+            return TaskScores(status, {}, path)
+        results = load_eval(path).tasks
+        return TaskScores(status, {t: results[t] for t in names if t in results}, path)
+    except QnpuError as e:
+        return TaskScores("error", {}, path, str(e))
+
+
+def task_fields(
+    results: Mapping[str, TaskResult], names: Sequence[str], ref: Mapping[str, TaskResult] | None
+) -> dict[str, Any]:
+    """The JSON of a row's zero-shot results: per task the headline metric, its value,
+    standard error, n and mark against the float results `ref`; the average over `names`."""
+
+    def mark(x: Measure, r: Measure | None) -> str:
+        return significance(x, r) if r is not None else ""
+
+    tasks: dict[str, Any] = {}
+    for name in names:
+        r = results.get(name)
+        if r is None:
+            continue
+        ref_score = ref[name].score if ref is not None and name in ref else None
+        tasks[name] = {
+            "metric": r.metric,
+            "value": r.score.value,
+            "stderr": r.score.stderr,
+            "n": r.n,
+            "mark": mark(r.score, ref_score),
+        }
+        if r.perplexity is not None:  # LAMBADA's own perplexity: not in the table
+            tasks[name]["perplexity"] = dataclasses.asdict(r.perplexity)
+    avg = average(results, names)
+    ref_avg = average(ref, names) if ref is not None else None
+    avg_json = None
+    if avg is not None:
+        avg_json = {**dataclasses.asdict(avg), "mark": mark(avg, ref_avg)}
+    return {"tasks": tasks, "tasks_average": avg_json}
+
+
+def with_tasks(
+    entry: dict[str, Any],
+    scores: TaskScores | None,
+    names: Sequence[str],
+    ref: Mapping[str, TaskResult] | None,
+) -> dict[str, Any]:
+    """A row (or the float summary) with its zero-shot fields added."""
+    if not names:
+        return entry
+    if scores is None:
+        return {**entry, "tasks_status": "not run", "tasks": {}, "tasks_average": None}
+    out = {
+        **entry,
+        "tasks_status": scores.status,
+        "evals": str(scores.path),
+        **task_fields(scores.results, names, ref),
+    }
+    if scores.error:
+        out["tasks_error"] = scores.error
+    return out
+
+
 def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The stated targets, per setting, bit setting and evaluation set, from the numbers:
     Quant.npu's PPL ratio to float <= TARGETS[bits]; at W4A8 also a PPL below every baseline
@@ -427,10 +596,69 @@ def _cell_text(row: dict[str, Any], key: str, name: str, digits: int = 2) -> str
     return _fmt(row.get(key, {}).get(name), digits)
 
 
+def _task_cells(row: dict[str, Any], names: Sequence[str]) -> str:
+    """The zero-shot cells of a row (empty without tasks), each with its leading " | "."""
+    if not names:
+        return ""
+    status = row.get("status", "ran")  # the float summary has no status
+    if status in ("error", "not run"):
+        texts = [status] * (len(names) + 1)
+    elif row.get("tasks_status") == "error":
+        texts = ["error"] * (len(names) + 1)
+    else:
+        missing = "not run" if row.get("tasks_status") in (None, "not run") else "–"
+        entries = [row.get("tasks", {}).get(t) for t in names] + [row.get("tasks_average")]
+        texts = [missing if e is None else _score_text(e) for e in entries]
+    return "".join(f" {t} |" for t in texts)
+
+
+def _score_text(entry: Mapping[str, Any]) -> str:
+    text = pct(Measure(entry["value"], entry["stderr"]))
+    return f"{text} {entry['mark']}" if entry.get("mark") else text
+
+
+def _task_headers(names: Sequence[str]) -> tuple[str, str]:
+    """(header cells, separator cells) of the zero-shot columns."""
+    if not names:
+        return "", ""
+    heads = [f"{TASK_LABELS[t]} ↑" for t in names] + ["Avg ↑"]
+    return "".join(f" {h} |" for h in heads), "---|" * len(heads)
+
+
+def _tasks_protocol(report: dict[str, Any]) -> list[str]:
+    """The protocol lines of the zero-shot columns."""
+    p = report["protocol"]
+    names = p.get("tasks") or []
+    if not names:
+        return []
+    n = p.get("task_n") or {}
+    n_text = ", ".join(f"{TASK_LABELS[t]} {n[t]}" for t in names if t in n) or "none scored yet"
+    subset = (
+        f"a seeded subset of {p['task_limit']} items per task (seed {p['task_seed']})"
+        if p.get("task_limit") is not None
+        else "all items of each task"
+    )
+    return [
+        f"- zero-shot: {', '.join(TASK_LABELS[t] for t in names)}, formatted and scored as "
+        f"lm-evaluation-harness does (`qnpu eval --tasks`, qnpu_jax/eval/zeroshot.py) on "
+        f"{subset}, the same items for every row (n per task: {n_text}); sink prefix "
+        f"{p['prefix']} for every row, the FP32 row scores the float model with it. Results "
+        f"per row in RUN/evals/{evals_path(Path(), p['task_limit'], p['task_seed']).name} "
+        "(the layout of `qnpu eval --json`).",
+        "- zero-shot cells: the harness headline metric in percent ± its standard error "
+        "(acc_norm for PIQA, HellaSwag, ARC-E and ARC-C; acc for WinoGrande and LAMBADA); Avg "
+        "is their mean (standard error sqrt(Σ se²)/k). ▲ / ▼: significantly higher / lower "
+        "than the FP32 row, |x − x_float| > 2·sqrt(se² + se_float²); a difference smaller than "
+        "two standard errors is not called a difference, so unmarked cells are within noise.",
+    ]
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """The comparison report as markdown (tables in the shape of the paper's Tables 1 and 2)."""
     p = report["protocol"]
     fl = report["float"]
+    names = p.get("tasks") or []
+    task_head, task_sep = _task_headers(names)
     lines = [
         f"# Method comparison on {report['model']} (paper Table 1 shape) and Table 2 ablation",
         "",
@@ -451,6 +679,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "(qnpu_jax/quant/plan.py).",
         f"- FP32 row: {fl.get('source', 'not run')}. The ratio of a row is its quantized PPL over "
         "the float PPL measured in the same run (same windows).",
+        *_tasks_protocol(report),
         "",
     ]
     for setting in SETTINGS:
@@ -458,9 +687,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [f"## {SETTING_TITLES[setting]}", ""]
         lines += [
             "| Method | W-A-KV | W. Gran. | down_proj in | PPL wiki ↓ | PPL WikiText-2 ↓ "
-            "| × float (wiki) | × float (WikiText-2) |",
-            "|---|---|---|---|---|---|---|---|",
-            _float_line(fl),
+            "| × float (wiki) | × float (WikiText-2) |" + task_head,
+            "|---|---|---|---|---|---|---|---|" + task_sep,
+            _float_line(fl) + _task_cells(fl, names),
         ]
         for bits in BITS:
             for r in rows:
@@ -473,7 +702,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                     f"| {label} | {_wakv(r)} | per-channel | {r['down_in']} "
                     f"| {_cell_text(r, 'ppl', 'wiki')} | {_cell_text(r, 'ppl', 'wikitext2')} "
                     f"| {_cell_text(r, 'ratio', 'wiki', 3)} "
-                    f"| {_cell_text(r, 'ratio', 'wikitext2', 3)} |"
+                    f"| {_cell_text(r, 'ratio', 'wikitext2', 3)} |" + _task_cells(r, names)
                 )
         lines.append("")
     abl = report["ablation"]
@@ -484,9 +713,9 @@ def render_markdown(report: dict[str, Any]) -> str:
             "float)",
             "",
             "| Variant | Init (§4.2) | Sel-Opt (§4.3) | Adaptive (§4.4) | PPL wiki ↓ "
-            "| PPL WikiText-2 ↓ | × float (wiki) | × float (WikiText-2) |",
-            "|---|---|---|---|---|---|---|---|",
-            _float_line(fl),
+            "| PPL WikiText-2 ↓ | × float (wiki) | × float (WikiText-2) |" + task_head,
+            "|---|---|---|---|---|---|---|---|" + task_sep,
+            _float_line(fl) + _task_cells(fl, names),
         ]
         for r in abl["rows"]:
             c = r["config"]
@@ -497,15 +726,23 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"| {r['label']} | {init} | {sel} | {mixed} "
                 f"| {_cell_text(r, 'ppl', 'wiki')} | {_cell_text(r, 'ppl', 'wikitext2')} "
                 f"| {_cell_text(r, 'ratio', 'wiki', 3)} "
-                f"| {_cell_text(r, 'ratio', 'wikitext2', 3)} |"
+                f"| {_cell_text(r, 'ratio', 'wikitext2', 3)} |" + _task_cells(r, names)
             )
         lines.append("")
     lines += ["## Target checks", ""]
     lines += [f"- {c['line']}" for c in report["targets"]]
-    errors = [r for r in [*report["rows"], *abl["rows"]] if r["status"] == "error"]
+    errors = [
+        f"- `{r['run_dir']}`: {r['error']}"
+        for r in [*report["rows"], *abl["rows"]]
+        if r["status"] == "error"
+    ]
+    errors += [
+        f"- `{r.get('evals', r.get('run_dir'))}` (zero-shot): {r['tasks_error']}"
+        for r in [fl, *report["rows"], *abl["rows"]]
+        if r.get("tasks_error")
+    ]
     if errors:
-        lines += ["", "## Errors", ""]
-        lines += [f"- `{r['run_dir']}`: {r['error']}" for r in errors]
+        lines += ["", "## Errors", "", *errors]
     lines.append("")
     return "\n".join(lines)
 
@@ -535,11 +772,13 @@ def _windows_text(report: dict[str, Any]) -> str:
     return "; ".join(f"{n}: {w} windows, {t} predicted tokens" for n, (w, t) in windows.items())
 
 
-def float_summary(float_report: dict[str, Any] | None, rows: list[dict[str, Any]]) -> dict:
+def float_summary(
+    float_report: dict[str, Any] | None, rows: list[dict[str, Any]]
+) -> dict[str, Any]:
     """The FP32 row: the float evaluation if run, else the float PPL recorded by the runs."""
     if float_report is not None:
         perplexity = float_report["perplexity"]
-        out = {
+        out: dict[str, Any] = {
             "source": f"float model evaluated by this script ({float_report['status']})",
             "ppl": {n: v["ppl"] for n, v in perplexity.items()},
             "windows": {n: v["windows"] for n, v in perplexity.items()},
@@ -572,7 +811,9 @@ def build_report(
     float_report: dict[str, Any] | None,
     command: str,
     seconds: float,
+    tasks: Mapping[str, TaskScores] | None = None,
 ) -> dict[str, Any]:
+    """The JSON report; `tasks`: the zero-shot scores per row (key: run_dir, or FLOAT_KEY)."""
     from qnpu_jax.environment import environment_info
 
     base = base_config(args)
@@ -589,11 +830,29 @@ def build_report(
         "stage1": dataclasses.asdict(base.stage1),
         "runs_dir": str(args.runs_dir),
     }
+    names = task_order(args.tasks)
+    scores = tasks or {}
+    if names:
+        task_n: dict[str, int] = {}  # min(limit, task size): the same for every row
+        for s in scores.values():
+            for t, r in s.results.items():
+                task_n.setdefault(t, r.n)
+        protocol |= {
+            "tasks": names,
+            "task_limit": args.limit,
+            "task_seed": args.task_seed,
+            "task_batch_size": args.task_batch_size,
+            "task_n": task_n,
+        }
+    float_scores = scores.get(FLOAT_KEY)
+    ref = float_scores.results if float_scores is not None else None
+    rows = [with_tasks(r, scores.get(r["run_dir"]), names, ref) for r in rows]
+    ablation_rows = [with_tasks(r, scores.get(r["run_dir"]), names, ref) for r in ablation_rows]
     all_rows = rows + ablation_rows
     report = {
         "model": args.model,
         "protocol": protocol,
-        "float": float_summary(float_report, all_rows),
+        "float": with_tasks(float_summary(float_report, all_rows), float_scores, names, None),
         "rows": rows,
         "ablation": {"bits": bits_name(*args.ablation_bits), "rows": ablation_rows},
         "targets": target_checks(rows),
@@ -648,6 +907,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr-scale", type=float, default=s1.lr_scale)
     parser.add_argument("--local-loss-fraction", type=float, default=s1.local_loss_fraction)
     parser.add_argument("--checkpoint-every", type=int, default=s1.checkpoint_every)
+    parser.add_argument(
+        "--tasks",
+        type=comma_choices(TASKS),
+        default=(),
+        help="zero-shot columns: comma list of " + ", ".join(TASKS) + " (default: none)",
+    )
+    parser.add_argument(
+        "--limit",
+        type=_positive_int,
+        default=None,
+        help="zero-shot: a seeded subset of N items per task (default: all of them)",
+    )
+    parser.add_argument("--task-seed", type=int, default=0, help="zero-shot subset seed")
+    parser.add_argument("--task-batch-size", type=_positive_int, default=8)
     parser.add_argument("--runs-dir", default="runs/compare")
     parser.add_argument("--json", default="reports/compare.json")
     parser.add_argument("--md", default="reports/compare.md")
@@ -676,13 +949,25 @@ def main(argv: list[str] | None = None) -> int:
             f"error: WikiText-2 test file not found: {wikitext} (see --wikitext)", file=sys.stderr
         )
         return 2
+    if args.tasks:
+        from qnpu_jax.eval import load_task
+
+        try:  # missing task data fails now, not after the first quantize run
+            for name in args.tasks:
+                load_task(name)
+        except QnpuError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     table_cells, ablation_cells = grid(args)
     cells = table_cells + ablation_cells
     results: dict[Path, dict[str, Any]] = {}
+    task_scores: dict[str, TaskScores] = {}
     for cell in cells:  # finished runs of earlier invocations count too
         report = finished_report(cell)
         status = "reused" if report is not None else "not run"
         results[cell.run_dir] = row_of(cell, status, report, specs)
+        if args.tasks and report is not None:
+            task_scores[str(cell.run_dir)] = score_tasks(cell.run_dir, args, command, compute=False)
 
     float_report = None
     run_float = "float" in args.methods and not args.only_ablation and not args.report_only
@@ -699,8 +984,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = [results[c.run_dir] for c in table_cells]
         abl = [results[c.run_dir] for c in ablation_cells]
         elapsed = time.perf_counter() - start
-        write_reports(build_report(args, rows, abl, float_report, command, elapsed), args)
+        report = build_report(args, rows, abl, float_report, command, elapsed, task_scores)
+        write_reports(report, args)
 
+    if args.tasks:
+        scores = score_tasks(float_dir(args), args, command, compute=run_float, model=args.model)
+        task_scores[FLOAT_KEY] = scores
+        _print_tasks("float", scores)
     flush()
     if not args.report_only:
         todo = [c for c in cells if selected(c, args)]
@@ -717,11 +1007,25 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(f"  {status}: {ppl}", flush=True)
             flush()
+            if args.tasks and status != "error":
+                scores = score_tasks(cell.run_dir, args, command, compute=True)
+                task_scores[str(cell.run_dir)] = scores
+                _print_tasks("  zero-shot", scores)
+                flush()
     report = json.loads(Path(args.json).read_text())
     for check in report["targets"]:
         print(check["line"])
-    errors = [r for r in [*report["rows"], *report["ablation"]["rows"]] if r["status"] == "error"]
+    rows = [report["float"], *report["rows"], *report["ablation"]["rows"]]
+    errors = [r for r in rows if r.get("status") == "error" or r.get("tasks_error")]
     return 1 if errors else 0
+
+
+def _print_tasks(head: str, scores: TaskScores) -> None:
+    if scores.error:
+        print(f"{head}: zero-shot error: {scores.error}", flush=True)
+        return
+    shown = ", ".join(f"{TASK_LABELS[t]} {pct(r.score)}" for t, r in scores.results.items())
+    print(f"{head} {scores.status}: {shown or 'no task scored'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,19 @@ def tiny_params(tiny_cfg: ModelConfig) -> dict:
 
 
 @pytest.fixture(scope="session")
+def two_layer_dir(smollm: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's real weights, first two decoder layers, as an HF directory."""
+    import dataclasses
+
+    from qnpu_jax.models import save_hf_dir
+
+    cfg = dataclasses.replace(smollm.config, num_layers=2)
+    params = dict(smollm.params)
+    params["layers"] = {k: v[:2] for k, v in smollm.params["layers"].items()}
+    return save_hf_dir(tmp_path_factory.mktemp("m") / "smollm2-2l", cfg, params, smollm.tokenizer)
+
+
+@pytest.fixture(scope="session")
 def wikitext_test_path() -> Path:
     path = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
     if not path.is_file():

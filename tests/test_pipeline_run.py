@@ -20,19 +20,6 @@ from qnpu_jax.pipeline.mixed_precision import (
 from qnpu_jax.quant import QuantPlan, default_plan
 
 
-@pytest.fixture(scope="module")
-def two_layer_dir(smollm, tmp_path_factory):
-    """SmolLM2's real weights, first two decoder layers, as an HF directory."""
-    import dataclasses
-
-    from qnpu_jax.models import save_hf_dir
-
-    cfg = dataclasses.replace(smollm.config, num_layers=2)
-    params = dict(smollm.params)
-    params["layers"] = {k: v[:2] for k, v in smollm.params["layers"].items()}
-    return save_hf_dir(tmp_path_factory.mktemp("m") / "smollm2-2l", cfg, params, smollm.tokenizer)
-
-
 def _config_file(path, model, **overrides):
     data = {
         "model": str(model),

@@ -117,6 +117,131 @@ def test_compare_target_checks_and_markdown(cm, tmp_path):
     md = cm.render_markdown(report)
     assert "| Quant.npu | 8-8-8 | per-channel | 16 | 20.20 |" in md
     assert "— not met" in md and "— met" in md and "Command: `python" in md
+    assert "PIQA" not in md and "zero-shot" not in md  # no --tasks: no zero-shot columns
+
+
+def _task(name, metric, value, stderr):
+    from qnpu_jax.report.table import Measure, TaskResult
+
+    score = Measure(value, stderr)
+    return TaskResult(name, metric, score, 500, None, None, "none", 500, "evals.json")
+
+
+def test_compare_zero_shot_columns_and_marks(cm, tmp_path):
+    rows = [
+        _row(cm, "table1", "W4A8", "quantnpu", 22.0, 1.10),
+        _row(cm, "table1", "W4A8", "rtn", 30.0, 1.5),
+    ]
+    rows[1]["status"] = "error"
+    rows[1]["error"] = "boom"
+    args = cm.parse_args(["--runs-dir", str(tmp_path), "--tasks", "lambada,piqa", "--limit", "500"])
+    assert args.tasks == ("lambada", "piqa")
+    scores = {
+        cm.FLOAT_KEY: cm.TaskScores(
+            "reused",
+            {
+                "piqa": _task("piqa", "acc_norm", 0.60, 0.02),
+                "lambada": _task("lambada", "acc", 0.40, 0.02),
+            },
+            tmp_path / "float.json",
+        ),
+        # PIQA 0.10 below float: beyond 2·sqrt(0.02² + 0.02²) = 0.057, so ▼; LAMBADA 0.01
+        # above: within noise; the average 0.045 below, beyond 2·sqrt(2·0.01414²) = 0.04: ▼
+        "runs/quantnpu": cm.TaskScores(
+            "ran",
+            {
+                "piqa": _task("piqa", "acc_norm", 0.50, 0.02),
+                "lambada": _task("lambada", "acc", 0.41, 0.02),
+            },
+            tmp_path / "q.json",
+        ),
+    }
+    report = cm.build_report(args, rows, [], None, "cmd", 1.0, scores)
+    q = report["rows"][0]
+    piqa = {"metric": "acc_norm", "value": 0.5, "stderr": 0.02, "n": 500, "mark": "▼"}
+    assert q["tasks"]["piqa"] == piqa and q["tasks"]["lambada"]["mark"] == ""
+    assert q["tasks_average"]["value"] == pytest.approx(0.455)
+    assert q["tasks_average"]["mark"] == "▼" and q["tasks_status"] == "ran"
+    assert report["float"]["tasks"]["piqa"]["mark"] == ""  # the reference itself
+    assert report["protocol"]["task_n"] == {"piqa": 500, "lambada": 500}
+    md = cm.render_markdown(report)
+    # paper column order (PIQA before LAMBADA), percent ± stderr, the average with its mark
+    assert "| × float (WikiText-2) | PIQA ↑ | LAMBADA ↑ | Avg ↑ |" in md
+    assert "| 1.000 | 1.000 | 60.0 ±2.0 | 40.0 ±2.0 | 50.0 ±1.4 |" in md
+    assert "| 1.100 | 1.100 | 50.0 ±2.0 ▼ | 41.0 ±2.0 | 45.5 ±1.4 ▼ |" in md
+    assert "| error | error | error |" in md  # the failed cell
+    assert "a seeded subset of 500 items per task (seed 0)" in md and "PIQA 500, LAMBADA 500" in md
+    assert "a difference smaller than two standard errors is not called a difference" in md
+
+
+def test_compare_grid_scores_zero_shot_tasks_and_reads_them_back(
+    cm, two_layer_dir, wikitext_test_path, tmp_path, monkeypatch
+):
+    """FP32 + one RTN cell of the 2-layer model with --tasks piqa,lambada --limit 3: an evals
+    JSON per row in the `qnpu eval --json` layout, scored as `qnpu eval --run` scores it, the
+    columns in the markdown and the JSON; a second invocation only reads them back."""
+    import json
+
+    import qnpu_jax.cli as cli
+
+    runs = tmp_path / "runs"
+    argv = [
+        *("--model", str(two_layer_dir), "--methods", "float,rtn", "--bits", "W8A8"),
+        *("--settings", "table1", "--skip-ablation", "--seq-len", "32", "--calib-windows", "2"),
+        *("--eval-windows", "2", "--wikitext", str(wikitext_test_path), "--runs-dir", str(runs)),
+        *("--json", str(tmp_path / "c.json"), "--md", str(tmp_path / "c.md"), "--no-progress"),
+        *("--tasks", "piqa,lambada", "--limit", "3"),
+    ]
+    assert cm.main(argv) == 0
+    cell = runs / "rtn-w8a8kv8-table1"
+    paths = [runs / "float" / "evals" / "tasks-3-0.json", cell / "evals" / "tasks-3-0.json"]
+    docs = [json.loads(p.read_text()) for p in paths]
+    assert docs[0]["model"] == str(two_layer_dir) and docs[0]["path"] == "float"
+    assert docs[1]["run"] == str(cell) and docs[1]["path"] == "fake-quant (static)"
+    for doc in docs:
+        assert (doc["limit"], doc["seed"], doc["prefix"]) == (3, 0, "none")
+        assert set(doc["tasks"]) == {"piqa", "lambada"}
+        assert [doc["tasks"][t]["indices"] for t in doc["tasks"]] == [
+            docs[0]["tasks"][t]["indices"] for t in doc["tasks"]
+        ]  # the same items in every row
+    # exactly what `qnpu eval --run` gives
+    e = tmp_path / "e.json"
+    ev = ["eval", "--run", str(cell), "--tasks", "piqa", "--limit", "3", "--no-progress"]
+    assert cli.main([*ev, "--json", str(e)]) == 0
+    assert (
+        json.loads(e.read_text())["tasks"]["piqa"]["metrics"] == docs[1]["tasks"]["piqa"]["metrics"]
+    )
+
+    report = json.loads((tmp_path / "c.json").read_text())
+    row = next(r for r in report["rows"] if r["run_dir"] == str(cell))
+    assert row["tasks_status"] == "ran" and row["evals"] == str(paths[1])
+    piqa = docs[1]["tasks"]["piqa"]["metrics"]
+    assert row["tasks"]["piqa"]["value"] == piqa["acc_norm"]
+    assert row["tasks"]["lambada"]["metric"] == "acc" and row["tasks_average"] is not None
+    assert report["float"]["tasks_status"] == "ran"
+    assert report["protocol"]["task_n"] == {"piqa": 3, "lambada": 3}
+    md = (tmp_path / "c.md").read_text()
+    assert "| PIQA ↑ | LAMBADA ↑ | Avg ↑ |" in md
+    cells = [row["tasks"]["piqa"], row["tasks"]["lambada"], row["tasks_average"]]
+    rtn_line = next(
+        line for line in md.splitlines() if line.startswith("| RTN (ExecuTorch-like) | 8-8-8")
+    )
+    assert rtn_line.endswith(" | ".join(cm._score_text(c) for c in cells) + " |")
+    assert "(seed 0)" in md and "PIQA 3, LAMBADA 3" in md
+
+    # resumable: a second invocation reads every task back, scores nothing, rewrites nothing
+    mtimes = [p.stat().st_mtime_ns for p in paths]
+
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("a cached task was scored again")
+
+    monkeypatch.setattr(cli, "zero_shot_report", no_scoring)
+    assert cm.main(argv) == 0
+    assert [p.stat().st_mtime_ns for p in paths] == mtimes
+    again = json.loads((tmp_path / "c.json").read_text())
+    row2 = next(r for r in again["rows"] if r["run_dir"] == str(cell))
+    assert row2["tasks_status"] == "reused" and row2["tasks"] == row["tasks"]
+    assert again["float"]["tasks"] == report["float"]["tasks"]
 
 
 def test_init_study_encodings_on_the_tiny_model(ist, tiny_cfg, tiny_params):

@@ -317,6 +317,32 @@ class ObserveTaps:
         return embed_rows(table, tokens)
 
 
+@dataclasses.dataclass(frozen=True)
+class CaptureTaps:
+    """Return the raw values of the per-layer activations `names` (plan names such as
+    "attn_in", "down_in") as the auxiliary output, {"layers": {name: [L, B, T, ...]}}; every
+    tensor passes unchanged. The histograms of Figures 5–6 need the values themselves, which
+    the calibration statistics of `ObserveTaps` summarize away."""
+
+    names: frozenset[str]
+
+    def layer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
+        captured: dict[str, jax.Array] = {}
+
+        def tap(name: str, x: jax.Array, where: jax.Array | None = None) -> jax.Array:
+            if name in self.names:
+                captured[name] = x
+            return x
+
+        return tap, lambda: dict(captured)
+
+    def outer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
+        return no_tap, no_aux
+
+    def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        return embed_rows(table, tokens)
+
+
 def sink_prefix(name: str, tokenizer: Any) -> tuple[int, ...]:
     """The sink prefix a name stands for: "none" → (), "bos" → (the tokenizer's BOS id,)."""
     if name == "none":

@@ -19,7 +19,13 @@ from tqdm import tqdm
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, lm_head_weight
-from qnpu_jax.models.quantized import ObserveTaps, QuantState, state_entry, tapped_forward
+from qnpu_jax.models.quantized import (
+    CaptureTaps,
+    ObserveTaps,
+    QuantState,
+    state_entry,
+    tapped_forward,
+)
 from qnpu_jax.quant.fake_quant import check_scales
 from qnpu_jax.quant.init import (
     RangeStats,
@@ -28,7 +34,13 @@ from qnpu_jax.quant.init import (
     scale_from_stats,
     update_range_stats,
 )
-from qnpu_jax.quant.plan import PROBS_SCALE_DENOMINATOR, QuantPlan, TensorQuant, is_weight
+from qnpu_jax.quant.plan import (
+    LAYER_ACTIVATIONS,
+    PROBS_SCALE_DENOMINATOR,
+    QuantPlan,
+    TensorQuant,
+    is_weight,
+)
 
 Encoding = tuple[np.ndarray, np.ndarray]  # (scale, zero_point)
 
@@ -88,6 +100,51 @@ def collect_activation_stats(
         batch = jnp.asarray(windows[i : i + batch_size])
         stats = _observe_step(params, stats, batch, cfg=cfg, taps=taps, prefix=prefix)
     return stats
+
+
+@partial(jax.jit, static_argnames=("cfg", "taps", "prefix", "layer"))
+def _capture_step(
+    params: Params,
+    tokens: jax.Array,
+    *,
+    cfg: ModelConfig,
+    taps: CaptureTaps,
+    prefix: tuple[int, ...],
+    layer: int,
+) -> dict[str, jax.Array]:
+    _, aux = tapped_forward(params, None, tokens, cfg=cfg, taps=taps, prefix=prefix)
+    return {name: x[layer] for name, x in aux["layers"].items()}
+
+
+def capture_activations(
+    params: Params,
+    cfg: ModelConfig,
+    windows: np.ndarray,
+    names: tuple[str, ...],
+    *,
+    layer: int,
+    batch_size: int = 1,
+    prefix: tuple[int, ...] = (),
+) -> dict[str, np.ndarray]:
+    """The float values of the activations `names` of decoder `layer` over `windows` [N, T]
+    (after the sink `prefix`, which is not captured): {name: [N, T, width]}. The same forward
+    and windows as `collect_activation_stats`, keeping the values instead of statistics."""
+    unknown = sorted(set(names) - set(LAYER_ACTIVATIONS))
+    if unknown:
+        raise QnpuError(f"unknown layer activation(s) {unknown}; known: {LAYER_ACTIVATIONS}")
+    if not 0 <= layer < cfg.num_layers:
+        raise QnpuError(f"layer {layer} is out of range: the model has {cfg.num_layers}")
+    if len(windows) == 0:
+        raise QnpuError("no windows to capture activations on")
+    taps = CaptureTaps(frozenset(names))
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
+    for i in range(0, len(windows), batch_size):
+        batch = jnp.asarray(windows[i : i + batch_size])
+        out = _capture_step(params, batch, cfg=cfg, taps=taps, prefix=prefix, layer=layer)
+        for name in names:
+            x = np.asarray(out[name], np.float32)
+            parts[name].append(x.reshape(x.shape[0], x.shape[1], -1))  # heads → one width
+    return {name: np.concatenate(parts[name]) for name in names}
 
 
 def _encoding(path: str, layer: int | None, compute: Callable[[], Any]) -> Encoding:
