@@ -55,13 +55,20 @@ def requantize(
     return np.clip(y, qmin, qmax)
 
 
-def exact_matmul(a: np.ndarray, b: np.ndarray, subscripts: str) -> np.ndarray:
-    """einsum of integer arrays through float64, exact when Σ|a|·|b| < 2^53 (checked)."""
+def exact_matmul(
+    a: np.ndarray, b: np.ndarray, subscripts: str, *, b_absmax: float | None = None
+) -> np.ndarray:
+    """einsum of integer arrays through float64, exact when Σ|a|·|b| < 2^53 (checked).
+
+    `b` may already be float64 holding integers, with its max |b| given as `b_absmax` (the
+    emulator keeps its weights so, instead of converting them at every call)."""
     k = a.shape[-1]
-    bound = float(np.abs(a).max(initial=0)) * float(np.abs(b).max(initial=0)) * k
+    b_max = float(np.abs(b).max(initial=0)) if b_absmax is None else b_absmax
+    bound = float(np.abs(a).max(initial=0)) * b_max * k
     if bound >= EXACT_LIMIT:
         raise QnpuError(f"integer matmul bound {bound:.3g} exceeds 2^53: not exact in float64")
-    out = np.einsum(subscripts, a.astype(np.float64), b.astype(np.float64), optimize=True)
+    b64 = b if b.dtype == np.float64 else b.astype(np.float64)
+    out = np.einsum(subscripts, a.astype(np.float64), b64, optimize=True)
     return out.astype(I64)
 
 
@@ -110,6 +117,9 @@ class IntModel:
     tokenizer: dict[str, Any]
     files: dict[str, bytes]
     source: dict[str, Any] = dataclasses.field(default_factory=dict)
+    _operands: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @property
     def num_layers(self) -> int:
@@ -117,6 +127,20 @@ class IntModel:
 
     def t(self, name: str) -> np.ndarray:
         return self.tensors[name]
+
+    def weight_operand(self, prefix: str, layer: int | None) -> tuple[np.ndarray, float]:
+        """`prefix.weight` (of one layer) as float64 integers and its max |w|, converted once
+        per model: a decode step would otherwise convert every weight again (≈1 GB for
+        SmolLM2-135M, the size of this cache)."""
+        name = prefix + ".weight"
+        if name not in self._operands:
+            w = self.t(name)
+            axes = tuple(range(1, w.ndim)) if name.startswith("layers.") else None
+            self._operands[name] = (w.astype(np.float64), np.abs(w).max(axis=axes))
+        w64, absmax = self._operands[name]
+        if layer is None:
+            return w64, float(absmax)
+        return w64[layer], float(absmax[layer])
 
 
 def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], where: str) -> None:
@@ -231,9 +255,15 @@ def _layer_slice(model: IntModel, prefix: str, layer: int | None) -> dict[str, n
     return out
 
 
-def _linear(x: Value, c: dict[str, np.ndarray], out: tuple[int, int, int]) -> np.ndarray:
+def _linear(
+    x: Value,
+    c: dict[str, np.ndarray],
+    out: tuple[int, int, int],
+    weight: tuple[np.ndarray, float],
+) -> np.ndarray:
     codes, z = x
-    acc = exact_matmul(codes.astype(I64) - z, c["weight"].astype(I64), "...i,oi->...o")
+    w64, w_max = weight
+    acc = exact_matmul(codes.astype(I64) - z, w64, "...i,oi->...o", b_absmax=w_max)
     if "bias" in c:
         acc = acc + c["bias"].astype(I64)
     return requantize(acc, c["M"], c["shift"], *out)
@@ -313,7 +343,7 @@ def _run_layer(
         if kind == "rmsnorm":
             y = rmsnorm(ins[0][0].astype(I64) - ins[0][1], c, out, f, k)
         elif kind == "linear":
-            y = _linear(ins[0], c, out)
+            y = _linear(ins[0], c, out, model.weight_operand(op["const"], layer))
         elif kind == "rope":
             y = _rope(ins[0], c, out, cos.astype(I64), sin.astype(I64), model.model["head_dim"])
         elif kind == "attention":
@@ -388,7 +418,12 @@ def _run_chunk_into(
     f, k = model.graph["norm_fraction_bits"], model.graph["norm_unit_bits"]
     out = _global_act(model, "final_norm_out")
     h = rmsnorm(value[0] - value[1], _layer_slice(model, "final_norm", None), out, f, k)
-    logits = _linear((h, out[0]), _layer_slice(model, "lm_head", None), (0, *LOGITS_RANGE))
+    logits = _linear(
+        (h, out[0]),
+        _layer_slice(model, "lm_head", None),
+        (0, *LOGITS_RANGE),
+        model.weight_operand("lm_head", None),
+    )
     return np.ascontiguousarray(logits, np.int32), Cache(cache.k, cache.v, start + t)
 
 
