@@ -2,7 +2,10 @@
 
 For each run: export it (unless the artifact exists), then score the same `wiki` eval windows
 with the run's fake-quant model (JAX) and with the artifact on the numpy NPU emulator (and,
-with --jax-engine, on the JAX integer forward). Writes one JSON report.
+with --jax-engine, on the JAX integer forward). Writes one JSON report: per engine the gap
+ppl_int / ppl_fq - 1, with a paired standard error over windows (the same windows go through
+both models, so the window-to-window spread of the difference measures how much of the gap
+is rounding noise amplified through the layers rather than a systematic difference).
 
     python scripts/simulation_gap.py --runs runs/smollm2-135m-quantnpu-w8a8 \
         runs/smollm2-135m-quantnpu-w4a8 --seq-len 512 --windows 32 \
@@ -35,7 +38,28 @@ from qnpu_jax.pipeline.run import load_run
 
 def _ppl(nll_fn: Any, windows: np.ndarray) -> dict[str, Any]:
     r = perplexity(nll_fn, windows, progress=False)
-    return {"ppl": r.ppl, "nll_mean": r.nll_sum / r.predicted_tokens, "seconds": r.seconds}
+    return {
+        "ppl": r.ppl,
+        "nll_mean": r.nll_sum / r.predicted_tokens,
+        "seconds": r.seconds,
+        "window_nll": list(r.window_nll),
+    }
+
+
+def paired_gap(fake: list[float], integer: list[float]) -> dict[str, Any]:
+    """The perplexity gap with a paired standard error over windows (equal-length windows:
+    log ppl is the mean of the window NLLs), and how many windows each side wins."""
+    d = np.asarray(integer) - np.asarray(fake)
+    mean = float(d.mean())
+    se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.nan
+    return {
+        "gap": math.expm1(mean),
+        "gap_2se_interval": [math.expm1(mean - 2 * se), math.expm1(mean + 2 * se)],
+        "nll_diff_mean": mean,
+        "nll_diff_se": se,
+        "windows_integer_lower": int((d < 0).sum()),
+        "windows_integer_higher": int((d > 0).sum()),
+    }
 
 
 def main() -> int:
@@ -58,10 +82,11 @@ def main() -> int:
     for run in args.runs:
         config, plan, params, state, model = load_run(run)
         art = args.artifacts / run.resolve().name
-        t0 = time.perf_counter()
+        export_s = None  # None: an existing artifact was reused
         if not (art / "manifest.json").exists():
+            t0 = time.perf_counter()
             export_run(run, art)
-        export_s = time.perf_counter() - t0
+            export_s = time.perf_counter() - t0
         prefix = sink_prefix(config.prefix, model.tokenizer)
         ids = tokenize_documents(load_documents("wiki", "eval"), model.tokenizer)
         windows = eval_windows(ids, args.seq_len, args.windows)
@@ -87,11 +112,12 @@ def main() -> int:
         }
         for name in engines:
             result = _ppl(artifact_engine(name, int_model).token_nll, windows)
-            result["gap"] = result["ppl"] / fake["ppl"] - 1
+            result |= paired_gap(fake["window_nll"], result["window_nll"])
             entry[name] = result
+            lo, hi = result["gap_2se_interval"]
             print(
                 f"{run.name}: fake-quant {fake['ppl']:.4f}, {name} {result['ppl']:.4f} "
-                f"({100 * result['gap']:+.3f}%)"
+                f"({100 * result['gap']:+.3f}%, ±2 SE [{100 * lo:+.3f}%, {100 * hi:+.3f}%])"
             )
         report["runs"][run.name] = entry
         write_json_atomic(args.json, report)

@@ -28,6 +28,7 @@ def test_padded_rows_are_discarded():
     assert seen == [(2, 3), (2, 3)]  # one shape only: the last batch is padded
     assert result.predicted_tokens == 6
     assert math.isclose(result.ppl, math.exp(2.0))  # mean of 1, 2, 3; padding not counted
+    assert result.window_nll == (1.0, 2.0, 3.0)  # per window, in order, padding dropped
 
 
 def test_non_finite_nll_is_an_error():

@@ -25,6 +25,7 @@ class PerplexityResult:
     nll_sum: float
     ppl: float
     seconds: float
+    window_nll: tuple[float, ...] = ()  # mean NLL of each window, in order (paired comparisons)
 
 
 def perplexity(
@@ -39,6 +40,7 @@ def perplexity(
         raise QnpuError(f"batch_size must be positive, got {batch_size}")
     n, seq_len = windows.shape
     total = 0.0
+    per_window: list[float] = []
     start = time.perf_counter()
     with tqdm(total=n, desc="perplexity", unit="win", disable=not progress) as bar:
         for i in range(0, n, batch_size):
@@ -50,6 +52,7 @@ def perplexity(
             if not np.isfinite(nll).all():
                 raise QnpuError(f"non-finite NLL in windows {i}..{i + real - 1}")
             total += float(nll.sum())
+            per_window += [float(w) for w in nll.mean(axis=1)]
             bar.update(real)
             bar.set_postfix(ppl=f"{math.exp(total / ((i + real) * (seq_len - 1))):.3f}")
     predicted = n * (seq_len - 1)
@@ -60,4 +63,5 @@ def perplexity(
         nll_sum=total,
         ppl=math.exp(total / predicted),
         seconds=time.perf_counter() - start,
+        window_nll=tuple(per_window),
     )
