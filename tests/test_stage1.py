@@ -16,6 +16,7 @@ from qnpu_jax.pipeline.stage1 import (
     Stage1Config,
     init_train_state,
     learnable_scales,
+    learned_scales,
     make_train_step,
     merge_scales,
     run_stage1,
@@ -117,3 +118,33 @@ def test_stage1_config_is_validated():
         Stage1Config(activation_mode="per-token")
     with pytest.raises(QnpuError, match="momentum"):
         Stage1Config(momentum=1.0)
+    with pytest.raises(QnpuError, match="scale_param"):
+        Stage1Config(scale_param="sqrt")
+
+
+def test_log_scale_parameterization(tiny_cfg, setup):
+    """Log-parameterized scales start from the same forward (same loss), train, stay positive
+    however far they step, and come back as plain scales for export."""
+    ids, fused, r1, r2, plan, state = setup
+    linear, log = _config(steps=4), _config(steps=4, scale_param="log", lr_scale=0.05)
+    ts_lin = init_train_state(r1, r2, state, plan, linear)
+    ts_log = init_train_state(r1, r2, state, plan, log)
+    np.testing.assert_allclose(
+        ts_log["params"]["scales"]["layers"]["q_proj"]["scale"],
+        np.log(state["layers"]["q_proj"]["scale"]),
+    )
+    batch = jnp.asarray(step_batch(ids, 0, log, 16, jax.random.key(1)))
+    _, m_lin = make_train_step(tiny_cfg, plan, linear)(ts_lin, batch, fused, state)
+    step = make_train_step(tiny_cfg, plan, log)
+    ts, m_log = step(ts_log, batch, fused, state)
+    assert float(m_log["loss"]) == pytest.approx(float(m_lin["loss"]), rel=1e-6)
+    moved = learned_scales(ts["params"]["scales"], "log")
+    before = state["layers"]["q_proj"]["scale"]
+    after = moved["layers"]["q_proj"]["scale"]
+    assert not np.allclose(after, before) and bool(jnp.all(after > 0))
+    # a step of -5 in log s shrinks every scale by e^-5 and keeps it positive, where a linear
+    # step past the scale itself would have crossed zero (and been clipped to the floor)
+    far = jax.tree.map(lambda v: v - 5.0, ts["params"]["scales"])
+    small = learned_scales(far, "log")["layers"]["q_proj"]["scale"]
+    np.testing.assert_allclose(small, after * np.exp(-5.0), rtol=1e-5)
+    assert bool(jnp.all(small > 1e-8))

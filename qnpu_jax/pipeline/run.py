@@ -39,8 +39,12 @@ from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, sink_prefix, ta
 from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.pipeline.config import QuantizeConfig, load_config
 from qnpu_jax.pipeline.mixed_precision import down_proj_sensitivity, mixed_layer_bits
-from qnpu_jax.pipeline.stage1 import init_train_state, merge_scales, run_stage1
-from qnpu_jax.quant.fake_quant import positive_scale
+from qnpu_jax.pipeline.stage1 import (
+    init_train_state,
+    learned_scales,
+    merge_scales,
+    run_stage1,
+)
 from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, QuantRule, default_plan
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
@@ -227,7 +231,7 @@ def quantize(
     plan = build_plan(config, cfg.num_layers, down_in_bits)
     write_json_atomic(run_dir / "plan.json", plan.to_dict())
 
-    learned_scales = None
+    learned = None
     if config.method in TRAINED_METHODS:
         assert r1 is not None and r2 is not None
         t0 = time.perf_counter()
@@ -252,21 +256,14 @@ def quantize(
         )
         r1, r2 = train_state["params"]["r1"], train_state["params"]["r2"]
         if config.method == "quantnpu":
-            # The scales the forward used (positive_scale): a raw one may have stepped past 0.
-            learned_scales = {
-                group: {
-                    name: {k: positive_scale(v) if k == "scale" else v for k, v in f.items()}
-                    for name, f in entries.items()
-                }
-                for group, entries in train_state["params"]["scales"].items()
-            }
+            learned = learned_scales(train_state["params"]["scales"], s1_config.scale_param)
         seconds["stage1"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     final_params = apply_rotations(base, cfg, r1, r2) if rotated else base
     state = calibrate(final_params, cfg, plan, calib, prefix=prefix)
-    if learned_scales is not None:
-        state = merge_scales(state, learned_scales)
+    if learned is not None:
+        state = merge_scales(state, learned)
     seconds["stage2"] = time.perf_counter() - t0
     save_learned(run_dir, r1, r2, state)
 

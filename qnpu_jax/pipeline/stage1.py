@@ -30,11 +30,16 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, next_token_nll
 from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, tapped_forward
+from qnpu_jax.quant.fake_quant import log_to_scale, positive_scale, scale_to_log
 from qnpu_jax.quant.plan import QuantPlan
 from qnpu_jax.rotation import cayley_sgd
 from qnpu_jax.transforms import apply_rotations
 
 ACTIVATION_MODES = ("static", "dynamic")
+# "linear": the parameter is the scale (the paper; eq. (1) and LSQ gradients as written).
+# "log": the parameter is log s, so a step is relative to s and s stays positive: one lr then
+# suits scales of very different sizes (W4 weight rows ~1e-3, activations ~1e-1).
+SCALE_PARAMS = ("linear", "log")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,6 +55,7 @@ class Stage1Config:
     lsq_grad_scaling: bool = True
     learn_rotations: bool = True
     activation_mode: str = "static"  # "dynamic": SpinQuant's per-token training
+    scale_param: str = "linear"  # how scales are parameterized (SCALE_PARAMS)
     remat: bool = True
     checkpoint_every: int = 10
 
@@ -68,6 +74,10 @@ class Stage1Config:
             raise QnpuError(
                 f"stage 1 local_loss_fraction must be in [0, 1], got {self.local_loss_fraction}"
             )
+        if self.scale_param not in SCALE_PARAMS:
+            raise QnpuError(
+                f"stage 1 scale_param must be one of {SCALE_PARAMS}, got {self.scale_param!r}"
+            )
         if self.activation_mode not in ACTIVATION_MODES:
             raise QnpuError(
                 f"stage 1 activation_mode must be one of {ACTIVATION_MODES}, "
@@ -79,19 +89,48 @@ class Stage1Config:
         return round(self.local_loss_fraction * self.steps)
 
 
-def learnable_scales(state: QuantState, plan: QuantPlan) -> dict[str, Any]:
+def learnable_scales(
+    state: QuantState, plan: QuantPlan, scale_param: str = "linear"
+) -> dict[str, Any]:
     """The trainable part of a quantizer state: scales (and asymmetric zero points) of the
-    plan's learnable tensors."""
+    plan's learnable tensors, each scale as its `scale_param` parameter."""
     out: dict[str, Any] = {"layers": {}, "outer": {}}
     for path, tq in plan.entries:
         if not tq.learnable:
             continue
         group, name = ("layers", path[7:]) if path.startswith("layers/") else ("outer", path)
         entry = state[group][name]
-        out[group][name] = {"scale": entry["scale"]}
+        scale = entry["scale"]
+        out[group][name] = {"scale": scale_to_log(scale) if scale_param == "log" else scale}
         if not tq.symmetric:
             out[group][name]["zero_point"] = entry["zero_point"]
     return out
+
+
+def scales_from_params(scales: dict[str, Any], scale_param: str) -> dict[str, Any]:
+    """The inverse of `learnable_scales`' parameterization: the scales themselves."""
+    if scale_param == "linear":
+        return scales
+    return {
+        group: {
+            name: {k: log_to_scale(v) if k == "scale" else v for k, v in fields.items()}
+            for name, fields in entries.items()
+        }
+        for group, entries in scales.items()
+    }
+
+
+def learned_scales(scales: dict[str, Any], scale_param: str) -> dict[str, Any]:
+    """The scales a trained forward used, ready to store and export: positive_scale of the
+    linear parameter (a raw one may have stepped past 0), exp of the log one."""
+    out = scales_from_params(scales, scale_param)
+    return {
+        group: {
+            name: {k: positive_scale(v) if k == "scale" else v for k, v in fields.items()}
+            for name, fields in entries.items()
+        }
+        for group, entries in out.items()
+    }
 
 
 def merge_scales(state: QuantState, scales: dict[str, Any]) -> QuantState:
@@ -122,7 +161,7 @@ def make_optimizer(config: Stage1Config) -> optax.GradientTransformation:
 def init_train_state(
     r1: jax.Array, r2: jax.Array, state: QuantState, plan: QuantPlan, config: Stage1Config
 ) -> dict[str, Any]:
-    trainable = {"r1": r1, "r2": r2, "scales": learnable_scales(state, plan)}
+    trainable = {"r1": r1, "r2": r2, "scales": learnable_scales(state, plan, config.scale_param)}
     return {
         "params": trainable,
         "opt_state": make_optimizer(config).init(trainable),
@@ -141,10 +180,11 @@ def stage1_loss(
     taps: FakeQuantTaps,
     prefix: tuple[int, ...],
     remat: bool,
+    scale_param: str = "linear",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Next-token cross-entropy of the fake-quant model plus `local_weight` × eq. (3)."""
     params = apply_rotations(base_params, cfg, trainable["r1"], trainable["r2"])
-    state = merge_scales(frozen_state, trainable["scales"])
+    state = merge_scales(frozen_state, scales_from_params(trainable["scales"], scale_param))
     logits, aux = tapped_forward(
         params, state, tokens, cfg=cfg, taps=taps, prefix=prefix, remat=remat
     )
@@ -167,7 +207,14 @@ def make_train_step(
         local_loss=config.local_loss_steps > 0 and config.activation_mode == "static",
     )
     optimizer = make_optimizer(config)
-    loss_fn = partial(stage1_loss, cfg=cfg, taps=taps, prefix=prefix, remat=config.remat)
+    loss_fn = partial(
+        stage1_loss,
+        cfg=cfg,
+        taps=taps,
+        prefix=prefix,
+        remat=config.remat,
+        scale_param=config.scale_param,
+    )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     @jax.jit
