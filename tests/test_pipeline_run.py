@@ -165,8 +165,7 @@ def test_relative_error_by_hand_and_vmap_matches_a_loop(tiny_cfg, tiny_params):
     assert float(got) == pytest.approx(0.25 / (0.25 + 1e-8))
     ids = np.asarray(jax.random.randint(jax.random.key(2), (2, 16), 0, tiny_cfg.vocab_size))
     report = down_proj_sensitivity(tiny_params, tiny_cfg, ids)
-    from qnpu_jax.models.quantized import tapped_forward
-    from qnpu_jax.pipeline.mixed_precision import CaptureTaps
+    from qnpu_jax.models.quantized import CaptureTaps, tapped_forward
 
     _, aux = tapped_forward(
         tiny_params, {"layers": None, "outer": None}, jnp.asarray(ids), cfg=tiny_cfg,

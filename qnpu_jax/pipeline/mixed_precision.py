@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,36 +21,13 @@ import numpy as np
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import Params, Tap, embed_rows, no_aux, no_tap
-from qnpu_jax.models.quantized import tapped_forward
+from qnpu_jax.models.llama import Params
+from qnpu_jax.models.quantized import CaptureTaps, tapped_forward
 from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.quant.fake_quant import fake_quant
 from qnpu_jax.quant.plan import QuantPlan, TensorQuant
 
 SENSITIVITY_EPS = 1e-8  # eq. (4)'s guard against |x| = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class CaptureTaps:
-    """Return the activations `names` of every layer as auxiliary output ([L, ...] stacked)."""
-
-    names: frozenset[str]
-
-    def layer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
-        seen: dict[str, jax.Array] = {}
-
-        def tap(name: str, x: jax.Array, where: jax.Array | None = None) -> jax.Array:
-            if name in self.names:
-                seen[name] = x
-            return x
-
-        return tap, lambda: dict(seen)
-
-    def outer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
-        return no_tap, no_aux
-
-    def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
-        return embed_rows(table, tokens)
 
 
 def relative_error_sum(
