@@ -1,10 +1,12 @@
-"""Atomic file writes: a reader sees the old file or the whole new one, never half of one."""
+"""Atomic file writes (a reader sees the old file or the whole new one, never half of one) and
+JSON-lines reading with errors that name the file and line."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +48,19 @@ def write_bytes_atomic(path: Path, data: bytes) -> Path:
 
 def write_json_atomic(path: Path, obj: Any) -> Path:
     return write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) of every non-blank line of a JSON-lines file; a line that is not
+    a JSON object is a QnpuError naming path:line."""
+    path = Path(path)
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise QnpuError(f"{path}:{lineno}: not JSON: {e}") from e
+        if not isinstance(row, dict):
+            raise QnpuError(f"{path}:{lineno}: expected a JSON object")
+        yield lineno, row

@@ -95,10 +95,7 @@ def main() -> int:
         args.json,
         {
             "run": str(args.run),
-            "method": config.method,
-            "bits": f"W{config.w_bits}A{config.a_bits}KV{config.kv_bits}",
-            "prefix": config.prefix,
-            "seq_len": config.seq_len,
+            **config.summary(),
             "eval": {"data": "wiki (eval split)", "windows": len(windows)},
             "sweep": "reuses the run; down_proj inputs recalibrated with Max-Min at 8/16 bits",
             "sensitivity_ratios": ratios,

@@ -105,7 +105,7 @@ def main() -> int:
         engines = ["emulator", "jax"] if args.jax_engine else ["emulator"]
         entry: dict[str, Any] = {
             "method": config.method,
-            "bits": f"W{config.w_bits}A{config.a_bits}KV{config.kv_bits}",
+            "bits": config.bits_name,
             "artifact": str(art),
             "export_seconds": export_s,
             "fake_quant": fake,

@@ -308,3 +308,71 @@ def test_init_study_markdown_and_claims(ist):
     md = ist.render_markdown(report)
     assert "| 4-bit + with rotation | 500.00 | 40.00 | 140.00 | Mean (μ±3σ) |" in md
     assert "| 8-bit + without rotation | 20.00 | 900.00 | – | Max-Min |" in md
+
+
+@pytest.fixture(scope="module")
+def tc():
+    return _load("table_cost")
+
+
+def test_table_cost_variants_change_only_the_table_tensors(tc, tiny_cfg, tiny_params):
+    from qnpu_jax import QnpuError
+    from qnpu_jax.pipeline import calibrate
+    from qnpu_jax.pipeline.run import evaluate
+    from qnpu_jax.quant import default_plan
+
+    plan = default_plan(tiny_cfg.num_layers, w_bits=4, a_bits=8)
+    tokens = np.asarray(jax.random.randint(jax.random.key(5), (4, 24), 0, tiny_cfg.vocab_size))
+    state = calibrate(tiny_params, tiny_cfg, plan, tokens)
+    variants = {v.key: v for v in tc.table_variants(plan, state, tiny_params, tiny_cfg)}
+    assert next(iter(variants)) == "run" and variants["run"].plan is plan
+    assert variants["float-all"].plan.get("embed_tokens") is None
+    assert {p for p, _ in plan.entries} - {p for p, _ in variants["float-all"].plan.entries} == {
+        "embed_tokens", "embed_out", "final_norm_out", "lm_head"
+    }  # fmt: skip
+    assert set(variants["float-all"].state["outer"]) == set()  # only table tensors are outer
+    w16 = variants["lm_head-w16"]
+    assert w16.plan.get("lm_head").bits == 16 and w16.plan.get("embed_tokens").bits == 8
+    head = np.asarray(tiny_params["lm_head"])
+    np.testing.assert_allclose(
+        np.asarray(w16.state["outer"]["lm_head"]["scale"])[:, 0],
+        np.abs(head).max(axis=1) / 32767,
+        rtol=1e-6,
+    )
+    assert float(w16.state["outer"]["lm_head"]["qmax"]) == 32767
+    assert w16.state["layers"] is state["layers"]
+    # fewer bits on a table cost perplexity on these windows; float tables are the 16-bit ones'
+    ppl = {
+        k: evaluate(tiny_params, v.state, v.plan, tiny_cfg, tokens, ())["ppl"]
+        for k, v in variants.items()
+    }
+    assert ppl["embed_tokens-w4"] != ppl["run"]
+    assert abs(ppl["lm_head-w16"] / ppl["float-lm_head"] - 1) < 1e-3
+    assert tc.table_bytes(10, 8, 4) == 40 + 40 and tc.table_bytes(10, 8, None) == 320
+    with pytest.raises(QnpuError, match="embed_tokens"):
+        tc.table_variants(variants["float-embed_tokens"].plan, state, tiny_params, tiny_cfg)
+
+
+def test_error_budget_groups_drop_what_they_name(tiny_cfg):
+    from qnpu_jax.quant import default_plan
+
+    eb = _load("error_budget")
+    plan = default_plan(tiny_cfg.num_layers, w_bits=4, a_bits=8)
+    paths = [p for p, _ in plan.entries]
+    state = {
+        "layers": {p[7:]: p for p in paths if p.startswith("layers/")},
+        "outer": {p: p for p in paths if not p.startswith("layers/")},
+    }
+    dropped = {}
+    for key, (_, drop) in eb.groups().items():
+        kept_plan, kept_state = eb.without(plan, state, drop)
+        gone = {p for p, _ in plan.entries} - {p for p, _ in kept_plan.entries}
+        assert gone and all(drop(p) for p in gone)
+        assert set(kept_state["layers"]) | set(kept_state["outer"]) == {
+            p.removeprefix("layers/") for p, _ in kept_plan.entries
+        }
+        dropped[key] = gone
+    assert dropped["down_in"] == {"layers/down_in"}
+    assert dropped["kv"] == {"layers/k_rope", "layers/v_out"}
+    assert "lm_head" not in dropped["weights"] and "layers/q_proj" in dropped["weights"]
+    assert dropped["weights"].isdisjoint(dropped["activations"])

@@ -148,3 +148,32 @@ def test_log_scale_parameterization(tiny_cfg, setup):
     small = learned_scales(far, "log")["layers"]["q_proj"]["scale"]
     np.testing.assert_allclose(small, after * np.exp(-5.0), rtol=1e-5)
     assert bool(jnp.all(small > 1e-8))
+
+
+@pytest.mark.parametrize("prefix", [(), (5,)])
+def test_float_tables_rotate_activations_not_tables(tiny_cfg, setup, prefix):
+    """Rotating the gathered embedding rows and the final hidden state (stage 1's fast path)
+    gives the loss and the gradients of rotating both [V, D] tables."""
+    from qnpu_jax.models.quantized import FakeQuantTaps
+    from qnpu_jax.pipeline.stage1 import stage1_loss
+
+    ids, fused, r1, r2, plan, state = setup
+    assert plan.get("embed_tokens") is None and plan.get("lm_head") is None
+    config = _config()
+    ts = init_train_state(r1, r2, state, plan, config)
+    taps = FakeQuantTaps(plan, lsq_grad_scaling=True, cfg=tiny_cfg, local_loss=True)
+    tokens = jnp.asarray(step_batch(ids, 0, config, 16, jax.random.key(1)))[0]
+    kw = dict(cfg=tiny_cfg, taps=taps, prefix=prefix, remat=True)
+
+    def run(float_tables):
+        fn = jax.value_and_grad(stage1_loss, has_aux=True)
+        return fn(ts["params"], fused, state, tokens, 1.0, **kw, float_tables=float_tables)
+
+    (loss_fast, parts_fast), grads_fast = run(True)
+    (loss_full, parts_full), grads_full = run(False)
+    assert float(parts_fast["local"]) > 0
+    np.testing.assert_allclose(float(loss_fast), float(loss_full), rtol=1e-5)
+    np.testing.assert_allclose(float(parts_fast["local"]), float(parts_full["local"]), rtol=1e-4)
+    for fast, full in zip(jax.tree.leaves(grads_fast), jax.tree.leaves(grads_full), strict=True):
+        np.testing.assert_allclose(fast, full, rtol=2e-3, atol=1e-5 * float(jnp.abs(full).max()))
+    assert float(jnp.abs(grads_fast["r1"]).max()) > 0

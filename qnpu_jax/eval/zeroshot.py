@@ -18,7 +18,6 @@ winogrande/preprocess_winogrande.py, lambada/lambada_openai.yaml}`, `lm_eval/api
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 import time
@@ -34,6 +33,7 @@ from tqdm import tqdm
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.eval.perplexity import NllFn
+from qnpu_jax.files import iter_jsonl
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, forward, next_token_nll, token_nll
 
@@ -122,18 +122,7 @@ def _require(path: Path) -> Path:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    for lineno, line in enumerate(_require(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise QnpuError(f"{path}:{lineno}: not JSON: {e}") from e
-        if not isinstance(row, dict):
-            raise QnpuError(f"{path}:{lineno}: expected a JSON object")
-        rows.append(row)
-    return rows
+    return [row for _, row in iter_jsonl(_require(path))]
 
 
 def _field(row: dict[str, Any], key: str, path: Path, i: int) -> Any:

@@ -197,11 +197,16 @@ def forward_tapped(
     cfg: ModelConfig,
     taps: Taps | None = None,
     remat: bool = False,
+    residual_rotation: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache, Any]:
     """Run `tokens` [B, T] at positions start..start+T-1, writing K/V into `cache`.
 
     `remat` recomputes each decoder layer in the backward pass (`jax.checkpoint`), so training
     memory stays flat in depth.
+    `residual_rotation`: R1 of params rotated with `apply_rotations(..., tables=False)`: the
+    embedding rows are rotated after the gather, the final hidden state is rotated back
+    before lm_head. That equals rotating the [V, D] tables at T·D² instead of V·D² FLOPs, and
+    is valid only while the taps quantize neither table (stage 1 keeps both float).
 
     Returns float32 logits [B, T, V], the updated cache and the taps' auxiliary output
     ({"layers": stacked per-layer aux, **outer aux}). Prefill, decode, full-sequence forward,
@@ -215,6 +220,8 @@ def forward_tapped(
         x = taps.embed(state["outer"], params["embed_tokens"], tokens)
     else:
         x = embed_rows(params["embed_tokens"], tokens)
+    if residual_rotation is not None:
+        x = x @ residual_rotation
     x = outer_tap("embed_out", x)
     cos, sin = rope_cos_sin(start + jnp.broadcast_to(jnp.arange(t), (b, t)), cfg)
 
@@ -227,6 +234,8 @@ def forward_tapped(
     xs = (params["layers"], cache["k"], cache["v"], state["layers"])
     x, (k_new, v_new, layer_aux) = jax.lax.scan(jax.checkpoint(body) if remat else body, x, xs)
     x = outer_tap("final_norm_out", rms_norm(x, params["norm"], cfg.rms_norm_eps))
+    if residual_rotation is not None:
+        x = x @ residual_rotation.T
     logits = linear(x, outer_tap("lm_head", lm_head_weight(params)))
     return logits, {"k": k_new, "v": v_new}, {"layers": layer_aux, **outer_aux()}
 

@@ -224,6 +224,7 @@ def tapped_forward(
     taps: Any,
     prefix: tuple[int, ...] = (),
     remat: bool = False,
+    residual_rotation: jax.Array | None = None,
 ) -> tuple[jax.Array, Any]:
     """Full-sequence forward under `taps`: logits [B, T, V] and the taps' auxiliary output.
 
@@ -231,7 +232,8 @@ def tapped_forward(
     massive "attention sink" activations on the first position; with the prefix computed
     offline in float (PrefixQuant), only its K/V cache entries are quantized, and the static
     ranges of every device-computed tensor exclude the sink. `tokens` start at position P.
-    `taps=None` is the float model; `remat` recomputes layers in the backward pass.
+    `taps=None` is the float model; `remat` recomputes layers in the backward pass;
+    `residual_rotation` as in `forward_tapped` (tables left unrotated, rotated on the fly).
     """
     b, t = tokens.shape
     n = len(prefix)
@@ -241,13 +243,28 @@ def tapped_forward(
         sink = jnp.broadcast_to(jnp.asarray(prefix, jnp.int32), (b, n))
         prefix_taps = CacheOnlyTaps(taps) if taps is not None else None
         _, cache, prefix_aux = forward_tapped(
-            params, sink, cache, start, tap_state, cfg=cfg, taps=prefix_taps
+            params,
+            sink,
+            cache,
+            start,
+            tap_state,
+            cfg=cfg,
+            taps=prefix_taps,
+            residual_rotation=residual_rotation,
         )
         if taps is not None:
             tap_state = _carry_state(taps, tap_state, prefix_aux)
         start = jnp.int32(n)
     logits, _, aux = forward_tapped(
-        params, tokens, cache, start, tap_state, cfg=cfg, taps=taps, remat=remat
+        params,
+        tokens,
+        cache,
+        start,
+        tap_state,
+        cfg=cfg,
+        taps=taps,
+        remat=remat,
+        residual_rotation=residual_rotation,
     )
     return logits, aux
 
@@ -341,6 +358,37 @@ class CaptureTaps:
 
     def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
         return embed_rows(table, tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class HessianTaps:
+    """`inner`'s forward, returning Σ xᵀx over the tokens of the per-layer tensors `names`
+    (linear inputs such as "attn_in", "down_in") as {"layers": {name: [L, in, in]}}. x is
+    taken after `inner`'s tap, i.e. the input the linear multiplies (fake-quantized when
+    `inner` quantizes it): the Hessians of GPTQ (`qnpu_jax.quant.gptq`)."""
+
+    inner: Any
+    names: frozenset[str]
+
+    def layer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
+        inner_tap, _ = self.inner.layer(state)
+        hessians: dict[str, jax.Array] = {}
+
+        def tap(name: str, x: jax.Array, where: jax.Array | None = None) -> jax.Array:
+            y = inner_tap(name, x, where)
+            if name in self.names:
+                rows = y.reshape(-1, y.shape[-1]).astype(jnp.float32)
+                hessians[name] = rows.T @ rows
+            return y
+
+        return tap, lambda: dict(hessians)
+
+    def outer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
+        tap, _ = self.inner.outer(state)
+        return tap, no_aux
+
+    def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        return self.inner.embed(state, table, tokens)
 
 
 def sink_prefix(name: str, tokenizer: Any) -> tuple[int, ...]:

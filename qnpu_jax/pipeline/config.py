@@ -19,6 +19,7 @@ METHODS = ("rtn", "quarot", "spinquant", "quantnpu")
 PREFIXES = ("none", "bos")
 INIT_SCHEMES = ("aware", "max_min")
 SCOPES = ("full", "linears")
+WEIGHT_ROUNDINGS = ("rtn", "gptq")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,6 +33,8 @@ class QuantizeConfig:
     - quantnpu: sensitivity-guided mixed precision, stage 1 (rotations + input-activation and
       weight scales under static fake quantization, rotation-and-bit-width-aware init),
       stage 2 (static calibration of the rest).
+    `weight_rounding: gptq` (any method; not in the paper) re-chooses the linear weights'
+    integer codes with GPTQ on the scales stage 2 ends with.
     """
 
     model: str = "smollm2-135m"
@@ -45,6 +48,8 @@ class QuantizeConfig:
     init_scheme: str = "aware"  # quantnpu: rotation-and-bit-width-aware, or Max-Min everywhere
     selective: bool = True  # False: linear outputs and K/V scales are learned in stage 1 too
     scope: str = "full"  # "linears": only the linears' weights, inputs, outputs (Table 2)
+    weight_rounding: str = "rtn"  # "gptq": GPTQ codes on the same grid after stage 2
+    gptq_damp: float = 0.01  # GPTQ's dampening, a share of the Hessian's mean diagonal
     prefix: str = "bos"  # sink prefix computed offline (PrefixQuant); "none": the paper
     seed: int = 0
     calib_data: str = "wiki"  # the `wiki` calib split, or a user's calibration text
@@ -62,6 +67,12 @@ class QuantizeConfig:
             raise QnpuError(f"unknown init_scheme {self.init_scheme!r}; known: {INIT_SCHEMES}")
         if self.scope not in SCOPES:
             raise QnpuError(f"unknown scope {self.scope!r}; known: {SCOPES}")
+        if self.weight_rounding not in WEIGHT_ROUNDINGS:
+            raise QnpuError(
+                f"unknown weight_rounding {self.weight_rounding!r}; known: {WEIGHT_ROUNDINGS}"
+            )
+        if not isinstance(self.gptq_damp, int | float) or not 0 < self.gptq_damp < 1:
+            raise QnpuError(f"gptq_damp must be in (0, 1), got {self.gptq_damp!r}")
         for name in ("learn_down_in", "selective"):
             if not isinstance(getattr(self, name), bool):
                 raise QnpuError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -97,6 +108,20 @@ class QuantizeConfig:
             raise QnpuError(f"eval_data must be a list of data specs, got {self.eval_data!r}")
         if not isinstance(self.stage1, Stage1Config):
             raise QnpuError("stage1 must be a Stage1Config")
+
+    @property
+    def bits_name(self) -> str:
+        """ "W4A8KV8"."""
+        return f"W{self.w_bits}A{self.a_bits}KV{self.kv_bits}"
+
+    def summary(self) -> dict[str, Any]:
+        """What every report on a run repeats about it: method, bits, prefix, seq_len."""
+        return {
+            "method": self.method,
+            "bits": self.bits_name,
+            "prefix": self.prefix,
+            "seq_len": self.seq_len,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> QuantizeConfig:

@@ -5,7 +5,8 @@ run_dir/
   plan.json          the final quantization plan (mixed precision included)
   sensitivity.json   eq. (4) per layer and the promoted layers (when mixed precision runs)
   stage1/            orbax checkpoints of stage 1; metrics.jsonl per step
-  learned/           orbax: rotations R1/R2 and the full quantizer state after stage 2
+  learned/           orbax: rotations R1/R2, the full quantizer state after stage 2 and, with
+                     weight_rounding gptq, the linear weights' integer codes
   report.json        float and quantized perplexity, wall time of every stage
 """
 
@@ -45,6 +46,7 @@ from qnpu_jax.pipeline.stage1 import (
     merge_scales,
     run_stage1,
 )
+from qnpu_jax.pipeline.weight_rounding import gptq_round_weights, weights_from_codes
 from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, QuantRule, default_plan
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
@@ -160,8 +162,15 @@ def _check_run_dir(run_dir: Path, config: QuantizeConfig, resume: bool) -> None:
         raise QnpuError(f"{run_dir} is not empty; pass --resume to continue that run")
 
 
-def save_learned(run_dir: Path, r1: Any, r2: Any, state: QuantState) -> None:
-    """Write rotations (None: unrotated method) and the quantizer state to run_dir/learned."""
+def save_learned(
+    run_dir: Path,
+    r1: Any,
+    r2: Any,
+    state: QuantState,
+    weight_codes: dict[str, np.ndarray] | None = None,
+) -> None:
+    """Write rotations (None: unrotated method), the quantizer state and GPTQ's weight codes
+    (None: round-to-nearest, nothing to store) to run_dir/learned."""
     import orbax.checkpoint as ocp
 
     target = (run_dir / "learned").resolve()
@@ -169,7 +178,11 @@ def save_learned(run_dir: Path, r1: Any, r2: Any, state: QuantState) -> None:
     if tmp.exists():
         shutil.rmtree(tmp)
     with ocp.StandardCheckpointer() as ckpt:
-        tree = {"state": state} if r1 is None else {"r1": r1, "r2": r2, "state": state}
+        tree: dict[str, Any] = {"state": state}
+        if r1 is not None:
+            tree |= {"r1": r1, "r2": r2}
+        if weight_codes:
+            tree["weight_codes"] = weight_codes
         ckpt.save(tmp, tree)
     if target.exists():
         shutil.rmtree(target)
@@ -265,7 +278,15 @@ def quantize(
     if learned is not None:
         state = merge_scales(state, learned)
     seconds["stage2"] = time.perf_counter() - t0
-    save_learned(run_dir, r1, r2, state)
+    weight_codes = None
+    if config.weight_rounding == "gptq":
+        t0 = time.perf_counter()
+        weight_codes = gptq_round_weights(
+            final_params, state, plan, cfg, calib, damp=config.gptq_damp, prefix=prefix
+        )
+        final_params = weights_from_codes(final_params, state, weight_codes)
+        seconds["gptq"] = time.perf_counter() - t0
+    save_learned(run_dir, r1, r2, state, weight_codes)
 
     t0 = time.perf_counter()
     results: dict[str, Any] = {}
@@ -285,10 +306,7 @@ def quantize(
             raise QnpuError(f"quantized perplexity on {spec} is not finite")
     seconds["eval"] = time.perf_counter() - t0
     report = {
-        "method": config.method,
-        "bits": f"W{config.w_bits}A{config.a_bits}KV{config.kv_bits}",
-        "prefix": config.prefix,
-        "seq_len": config.seq_len,
+        **config.summary(),
         "eval_windows_cap": config.eval_windows,
         "calibration": {"data": config.calib_data, "windows": config.calib_windows},
         "stage1_steps": config.stage1.steps if config.method in TRAINED_METHODS else 0,
@@ -332,4 +350,6 @@ def load_run(run_dir: Path) -> tuple[QuantizeConfig, QuantPlan, Params, QuantSta
     else:
         params = model.params
     state = jax.tree.map(jnp.asarray, learned["state"])
+    if "weight_codes" in learned:
+        params = weights_from_codes(params, state, learned["weight_codes"])
     return config, plan, params, state, model

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.files import iter_jsonl
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STAGE1_METRICS = Path("stage1") / "metrics.jsonl"
@@ -49,15 +50,9 @@ def read_stage1_metrics(run_dir: Path) -> list[dict[str, float]] | None:
     if not path.is_file():
         return None
     steps: dict[int, dict[str, float]] = {}
-    for i, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise QnpuError(f"{path}:{i}: malformed JSON ({e})") from e
-        step, loss = (entry.get("step"), entry.get("loss")) if isinstance(entry, dict) else (0, 0)
-        if not isinstance(entry, dict) or not isinstance(step, int) or not _is_number(loss):
+    for i, entry in iter_jsonl(path):
+        step, loss = entry.get("step"), entry.get("loss")
+        if not isinstance(step, int) or not _is_number(loss):
             raise QnpuError(f"{path}:{i}: expected an object with an integer 'step' and a 'loss'")
         steps[step] = {k: float(v) for k, v in entry.items() if _is_number(v)}
     return [steps[s] for s in sorted(steps)]

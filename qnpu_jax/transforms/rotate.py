@@ -72,11 +72,15 @@ def apply_rotations(
     cfg: ModelConfig,
     r1: jax.Array | None = None,
     r2: jax.Array | None = None,
+    *,
+    tables: bool = True,
 ) -> Params:
     """Rotate fused params: R1 [D, D] on the residual stream, R2 [L, hd, hd] per layer.
 
     `params` must come from `fuse_norms` (checked when the params are concrete; under a trace,
     e.g. learning R1/R2 in stage 1, only shapes are). The result has an explicit lm_head.
+    `tables=False` leaves embed_tokens and lm_head unrotated, for a forward that rotates the
+    gathered rows and the final hidden state instead (`residual_rotation` of the forward).
     """
     if "lm_head" not in params:
         raise QnpuError("apply_rotations needs fused params with an explicit lm_head: fuse_norms")
@@ -90,8 +94,9 @@ def apply_rotations(
             layers[name] = layers[name] @ r1
         for name in _WRITES_RESIDUAL:
             layers[name] = jnp.einsum("ji,ljk->lik", r1, layers[name])
-        out["embed_tokens"] = params["embed_tokens"] @ r1
-        out["lm_head"] = params["lm_head"] @ r1
+        if tables:
+            out["embed_tokens"] = params["embed_tokens"] @ r1
+            out["lm_head"] = params["lm_head"] @ r1
     if r2 is not None:
         hd = cfg.head_dim
         _check_rotation(r2, (cfg.num_layers, hd, hd), "R2")

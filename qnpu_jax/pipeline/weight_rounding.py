@@ -1,0 +1,119 @@
+"""Weight rounding after stage 2: round-to-nearest (the paper) or GPTQ onto the same grid.
+
+`gptq_round_weights` collects every linear input's Hessian in one calibration pass of the
+fake-quant model (all tensors at their static encodings, weights round-to-nearest) and then
+re-chooses the integer codes of every quantized linear weight with GPTQ, keeping the run's
+scales. The run stores those codes (`learned/weight_codes`), and `load_run` rebuilds the
+weights from them, so evaluation and export see exactly these codes.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import Params
+from qnpu_jax.models.quantized import FakeQuantTaps, HessianTaps, QuantState, tapped_forward
+from qnpu_jax.quant.gptq import gptq_layers
+from qnpu_jax.quant.plan import QuantPlan
+
+# the tensor each linear multiplies (a plan name of the decoder layer)
+LINEAR_INPUT = {
+    "q_proj": "attn_in",
+    "k_proj": "attn_in",
+    "v_proj": "attn_in",
+    "o_proj": "attn_out",
+    "gate_proj": "mlp_in",
+    "up_proj": "mlp_in",
+    "down_proj": "down_in",
+}
+
+
+def rounded_weights(plan: QuantPlan) -> tuple[str, ...]:
+    """The decoder-layer linears whose weights the plan quantizes (GPTQ's targets)."""
+    return tuple(n for n in LINEAR_INPUT if plan.get(f"layers/{n}") is not None)
+
+
+@partial(jax.jit, static_argnames=("cfg", "taps", "prefix"))
+def _hessian_step(
+    params: Params,
+    state: QuantState,
+    tokens: jax.Array,
+    totals: dict[str, jax.Array],
+    *,
+    cfg: ModelConfig,
+    taps: HessianTaps,
+    prefix: tuple[int, ...],
+) -> dict[str, jax.Array]:
+    _, aux = tapped_forward(params, state, tokens, cfg=cfg, taps=taps, prefix=prefix)
+    return {name: totals[name] + aux["layers"][name] for name in totals}
+
+
+def collect_hessians(
+    params: Params,
+    state: QuantState,
+    plan: QuantPlan,
+    cfg: ModelConfig,
+    windows: np.ndarray,
+    *,
+    prefix: tuple[int, ...] = (),
+    progress: bool = False,
+) -> dict[str, jax.Array]:
+    """Σ xᵀx [L, in, in] of every input a quantized linear weight multiplies, over `windows`,
+    with x as the fake-quant model feeds it to the linear."""
+    names = frozenset(LINEAR_INPUT[n] for n in rounded_weights(plan))
+    taps = HessianTaps(FakeQuantTaps(plan), names)
+    widths = {"down_in": cfg.intermediate_size, "attn_out": cfg.q_size}
+    totals = {}
+    for name in sorted(names):
+        width = widths.get(name, cfg.hidden_size)
+        totals[name] = jnp.zeros((cfg.num_layers, width, width), jnp.float32)
+    for i in tqdm(range(len(windows)), desc="gptq hessians", disable=not progress):
+        tokens = jnp.asarray(windows[i : i + 1])
+        totals = _hessian_step(params, state, tokens, totals, cfg=cfg, taps=taps, prefix=prefix)
+    return totals
+
+
+def gptq_round_weights(
+    params: Params,
+    state: QuantState,
+    plan: QuantPlan,
+    cfg: ModelConfig,
+    windows: np.ndarray,
+    *,
+    damp: float = 0.01,
+    prefix: tuple[int, ...] = (),
+    progress: bool = False,
+) -> dict[str, np.ndarray]:
+    """GPTQ codes {linear: int8 [L, out, in]} of every quantized linear weight, on the grid
+    of `state` (scales and zero points unchanged)."""
+    hessians = collect_hessians(params, state, plan, cfg, windows, prefix=prefix, progress=progress)
+    codes: dict[str, np.ndarray] = {}
+    for name in tqdm(rounded_weights(plan), desc="gptq", disable=not progress):
+        s = state["layers"][name]
+        q = gptq_layers(
+            params["layers"][name],
+            hessians[LINEAR_INPUT[name]],
+            s["scale"],
+            s["zero_point"],
+            s["qmin"],
+            s["qmax"],
+            damp=damp,
+        )
+        codes[name] = np.asarray(q).astype(np.int8 if float(jnp.max(s["qmax"])) < 128 else np.int16)
+    return codes
+
+
+def weights_from_codes(params: Params, state: QuantState, codes: dict[str, Any]) -> Params:
+    """`params` with each linear in `codes` replaced by its dequantized codes (on the grid)."""
+    layers = dict(params["layers"])
+    for name, q in codes.items():
+        s = state["layers"][name]
+        layers[name] = (jnp.asarray(q, jnp.float32) - s["zero_point"]) * s["scale"]
+    return {**params, "layers": layers}

@@ -1,0 +1,109 @@
+"""Where a run's perplexity goes: the run with one group of tensors back in float -> JSON.
+
+Each row drops one group from the run's plan (those tensors stay float, every other encoding
+is the run's) and evaluates the fake-quant model on the `wiki` eval split: the closer a row
+comes to float, the more that group costs. Groups: all weights (activations only), all
+activations (weights only), the down_proj input, the linear outputs, the rotated linear
+inputs, the K/V cache.
+
+    python scripts/error_budget.py --run runs/smollm2-135m-quantnpu-w4a8 --eval-windows 32 \
+        --json reports/error_budget.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+LINEAR_OUTPUTS = ("q_out", "k_out", "v_out", "o_out", "gate_out", "up_out", "down_out")
+ROTATED_INPUTS = ("attn_in", "attn_out", "mlp_in")
+
+
+def _name(path: str) -> str:
+    return path.removeprefix("layers/")
+
+
+def groups() -> dict[str, tuple[str, Callable[[str], bool]]]:
+    """key -> (label, predicate on a plan path: True = this tensor goes back to float)."""
+    from qnpu_jax.quant.plan import is_weight
+
+    return {
+        "weights": (
+            "linear weights float (activations only)",
+            lambda p: is_weight(p) and p.startswith("layers/"),
+        ),
+        "activations": ("activations float (weights only)", lambda p: not is_weight(p)),
+        "down_in": ("down_proj input float", lambda p: p == "layers/down_in"),
+        "linear_outputs": ("linear outputs float", lambda p: _name(p) in LINEAR_OUTPUTS),
+        "rotated_inputs": ("rotated linear inputs float", lambda p: _name(p) in ROTATED_INPUTS),
+        "kv": ("K/V cache float", lambda p: p in ("layers/k_rope", "layers/v_out")),
+    }
+
+
+def without(plan: Any, state: Any, drop: Callable[[str], bool]) -> tuple[Any, Any]:
+    """The plan and state with the tensors `drop` selects removed (kept in float)."""
+    from qnpu_jax.quant.plan import QuantPlan
+
+    kept = QuantPlan(tuple(e for e in plan.entries if not drop(e[0])), plan.num_layers)
+    return kept, {
+        "layers": {k: v for k, v in state["layers"].items() if kept.get(f"layers/{k}")},
+        "outer": {k: v for k, v in state["outer"].items() if kept.get(k)},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run", type=Path, required=True)
+    parser.add_argument("--eval-windows", type=int, default=32)
+    parser.add_argument("--json", default="reports/error_budget.json")
+    args = parser.parse_args(argv)
+    command = "python scripts/error_budget.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+    from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
+    from qnpu_jax.environment import environment_info
+    from qnpu_jax.files import write_json_atomic
+    from qnpu_jax.models.quantized import sink_prefix
+    from qnpu_jax.pipeline.run import evaluate, load_run
+
+    config, plan, params, state, model = load_run(args.run)
+    cfg = model.config
+    prefix = sink_prefix(config.prefix, model.tokenizer)
+    windows = eval_windows(
+        tokenize_documents(load_documents("wiki", "eval"), model.tokenizer),
+        config.seq_len,
+        args.eval_windows,
+    )
+    float_ppl = evaluate(model.params, None, None, cfg, windows, prefix)["ppl"]
+    run_ppl = evaluate(params, state, plan, cfg, windows, prefix)["ppl"]
+    print(f"float {float_ppl:.3f}, run {run_ppl:.3f}", flush=True)
+    rows = []
+    for key, (label, drop) in groups().items():
+        dropped = [p for p, _ in plan.entries if drop(p)]
+        if not dropped:
+            continue
+        kept_plan, kept_state = without(plan, state, drop)
+        ppl = evaluate(params, kept_state, kept_plan, cfg, windows, prefix)["ppl"]
+        rows.append({"group": key, "label": label, "dropped": dropped, "ppl": ppl})
+        print(f"{label}: {ppl:.3f}", flush=True)
+    write_json_atomic(
+        Path(args.json),
+        {
+            "run": str(args.run),
+            **config.summary(),
+            "eval": {"data": "wiki (eval split)", "windows": len(windows)},
+            "float_ppl": float_ppl,
+            "run_ppl": run_ppl,
+            "rows": rows,
+            "environment": environment_info(),
+            "command": command,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""GPTQ against round-to-nearest on the weight grids of a finished run -> JSON.
+
+For each weight grid — the run's own scales ("learned": stage 1's for Quant.npu, stage 2's
+for the others), or the per-channel scales recomputed with Max-Min or the MSE search — the
+run's fake-quant perplexity on the `wiki` eval split with the linear weights rounded to
+nearest and with GPTQ codes (`qnpu_jax.quant.gptq`; Hessians from one calibration pass of
+the run's fake-quant model, the run's calibration windows). Every activation encoding stays
+the run's. `qnpu quantize` with `weight_rounding: gptq` is the "learned" column.
+
+    python scripts/gptq_study.py --run runs/smollm2-135m-quarot-w4a8 \
+        --grids learned,mse,max_min --json reports/gptq_study.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+GRIDS = ("learned", "mse", "max_min")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from qnpu_jax.cli import comma_choices
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run", type=Path, required=True)
+    parser.add_argument("--grids", type=comma_choices(GRIDS), default=GRIDS)
+    parser.add_argument("--eval-windows", type=int, default=32)
+    parser.add_argument("--damp", type=float, default=0.01)
+    parser.add_argument("--json", default="reports/gptq_study.json")
+    args = parser.parse_args(argv)
+    command = "python scripts/gptq_study.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+    from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
+    from qnpu_jax.environment import environment_info
+    from qnpu_jax.files import write_json_atomic
+    from qnpu_jax.models.quantized import sink_prefix, state_entry
+    from qnpu_jax.pipeline.calibrate import weight_encodings
+    from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run
+    from qnpu_jax.pipeline.weight_rounding import (
+        LINEAR_INPUT,
+        collect_hessians,
+        rounded_weights,
+        weights_from_codes,
+    )
+    from qnpu_jax.quant.gptq import gptq_layers
+    from qnpu_jax.quant.plan import QuantPlan
+
+    config, plan, params, state, model = load_run(args.run)
+    cfg = model.config
+    prefix = sink_prefix(config.prefix, model.tokenizer)
+    _, calib = calibration_data(config, model.tokenizer)
+    windows = eval_windows(
+        tokenize_documents(load_documents("wiki", "eval"), model.tokenizer),
+        config.seq_len,
+        args.eval_windows,
+    )
+    t0 = time.perf_counter()
+    hessians = collect_hessians(params, state, plan, cfg, calib, prefix=prefix)
+    hessian_s = time.perf_counter() - t0
+    rows: list[dict[str, Any]] = []
+    for grid in args.grids:
+        grid_state = {"layers": dict(state["layers"]), "outer": state["outer"]}
+        if grid != "learned":
+            for name in rounded_weights(plan):
+                path = f"layers/{name}"
+                tq = dataclasses.replace(plan.get(path), init=grid)
+                single = QuantPlan(((path, tq),), cfg.num_layers)
+                enc = weight_encodings(params, cfg, single)[path]
+                grid_state["layers"][name] = state_entry(tq, *enc, layers=cfg.num_layers)
+        rtn = evaluate(params, grid_state, plan, cfg, windows, prefix)["ppl"]
+        t0 = time.perf_counter()
+        codes = {}
+        for name in rounded_weights(plan):
+            s = grid_state["layers"][name]
+            codes[name] = gptq_layers(
+                params["layers"][name],
+                hessians[LINEAR_INPUT[name]],
+                s["scale"],
+                s["zero_point"],
+                s["qmin"],
+                s["qmax"],
+                damp=args.damp,
+            )
+        gptq_s = time.perf_counter() - t0
+        gptq_params = weights_from_codes(params, grid_state, codes)
+        gptq = evaluate(gptq_params, grid_state, plan, cfg, windows, prefix)["ppl"]
+        rows.append({"grid": grid, "rtn_ppl": rtn, "gptq_ppl": gptq, "gptq_seconds": gptq_s})
+        print(f"{grid}: round-to-nearest {rtn:.3f}, GPTQ {gptq:.3f} ({gptq_s:.0f} s)", flush=True)
+    write_json_atomic(
+        Path(args.json),
+        {
+            "run": str(args.run),
+            **config.summary(),
+            "eval": {"data": "wiki (eval split)", "windows": len(windows)},
+            "damp": args.damp,
+            "hessian_seconds": hessian_s,
+            "rows": rows,
+            "environment": environment_info(),
+            "command": command,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Stage 2 of a finished run again under other plan rules, without a new stage 1 -> JSON.
+
+`--config` must equal the run's config except for `rules`, and the new rules must leave the
+tensors stage 1 learned (the linears' inputs and weights) as they were. The tensors whose
+entry changes are recalibrated on the run's rotated model and calibration windows, everything
+else keeps the run's encodings, and both plans are evaluated on the same `wiki` eval windows.
+Because stage 1 never sees the other tensors, the result equals what `qnpu quantize
+--config CONFIG` gives (same seed, same stage 1), at the cost of one calibration and two
+evaluations.
+
+    python scripts/restage2.py --run runs/smollm2-135m-quantnpu-w4a8 \
+        --config configs/smollm2-135m-quantnpu-w4a8-clip.yaml --json reports/restage2_clip.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def changed_entries(old: Any, new: Any) -> list[str]:
+    """Paths whose TensorQuant differs between two plans (added, removed or changed)."""
+    a, b = dict(old.entries), dict(new.entries)
+    return sorted(p for p in set(a) | set(b) if a.get(p) != b.get(p))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run", type=Path, required=True)
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--eval-windows", type=int, default=32)
+    parser.add_argument("--json", default="reports/restage2.json")
+    args = parser.parse_args(argv)
+    command = "python scripts/restage2.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+    from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
+    from qnpu_jax.environment import environment_info
+    from qnpu_jax.errors import QnpuError
+    from qnpu_jax.files import write_json_atomic
+    from qnpu_jax.models.quantized import sink_prefix
+    from qnpu_jax.pipeline.calibrate import calibrate
+    from qnpu_jax.pipeline.config import load_config
+    from qnpu_jax.pipeline.run import (
+        STAGE1_TENSORS,
+        build_plan,
+        calibration_data,
+        evaluate,
+        load_run,
+    )
+    from qnpu_jax.quant.plan import QuantPlan
+
+    try:
+        config, plan, params, state, model = load_run(args.run)
+        new_config = load_config(args.config)
+        if dataclasses.replace(new_config, rules=config.rules) != config:
+            raise QnpuError(f"{args.config} differs from the run's config in more than `rules`")
+        down_in = plan.get("layers/down_in")
+        layer_bits = down_in.layer_bits if down_in is not None else None
+        new_plan = build_plan(new_config, plan.num_layers, layer_bits)
+        changed = changed_entries(plan, new_plan)
+        learned = [p for p in changed if p.removeprefix("layers/") in STAGE1_TENSORS]
+        if learned:
+            raise QnpuError(f"the rules change stage-1 tensors {learned}: run qnpu quantize")
+        if not changed:
+            raise QnpuError("the new rules change no tensor of the plan")
+    except QnpuError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg = model.config
+    prefix = sink_prefix(config.prefix, model.tokenizer)
+    _, calib = calibration_data(config, model.tokenizer)
+    recalibrate = QuantPlan(
+        tuple(e for e in new_plan.entries if e[0] in changed), new_plan.num_layers
+    )
+    fresh = calibrate(params, cfg, recalibrate, calib, prefix=prefix)
+    new_state: dict[str, Any] = {
+        group: {
+            **{
+                name: entry
+                for name, entry in state[group].items()
+                if new_plan.get(("layers/" if group == "layers" else "") + name) is not None
+            },
+            **fresh[group],
+        }
+        for group in ("layers", "outer")
+    }
+    windows = eval_windows(
+        tokenize_documents(load_documents("wiki", "eval"), model.tokenizer),
+        config.seq_len,
+        args.eval_windows,
+    )
+    run_ppl = evaluate(params, state, plan, cfg, windows, prefix)["ppl"]
+    new_ppl = evaluate(params, new_state, new_plan, cfg, windows, prefix)["ppl"]
+    print(f"run {run_ppl:.3f} -> {new_ppl:.3f} ({', '.join(changed)})", flush=True)
+    write_json_atomic(
+        Path(args.json),
+        {
+            "run": str(args.run),
+            "config": str(args.config),
+            **config.summary(),
+            "eval": {"data": "wiki (eval split)", "windows": len(windows)},
+            "recalibrated": changed,
+            "run_ppl": run_ppl,
+            "new_ppl": new_ppl,
+            "environment": environment_info(),
+            "command": command,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

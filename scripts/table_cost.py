@@ -1,0 +1,167 @@
+"""Perplexity cost of the embedding and lm_head precisions of a finished run -> JSON + markdown.
+
+DESIGN.md §3 quantizes the embedding table at 8 bits per row and lm_head at W8 per row with a
+16-bit input (final_norm_out); the embedding's output (embed_out) is 16-bit. This script
+re-evaluates one finished `qnpu quantize` run with only those tensors changed: each of them
+back in float, all of them in float, and each table at 4 and 16 bits per row (Max-Min from
+the run's rotated weights). Every other encoding stays as the run learned/calibrated it, on
+the same `wiki` eval windows, so each row's difference to the run's row is the cost (or the
+saving) of that one choice. The tables' storage in bytes is listed beside (codes + one
+float32 scale per row), because they are 21% of SmolLM2-135M's parameters.
+
+    python scripts/table_cost.py --run runs/smollm2-135m-quantnpu-w4a8 --eval-windows 32 \
+        --json reports/table_cost.json --md reports/table_cost.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+TABLES = ("embed_tokens", "lm_head")
+# the tensors around the tables whose precision DESIGN.md §3 fixes
+TABLE_TENSORS = ("embed_tokens", "embed_out", "final_norm_out", "lm_head")
+TABLE_BITS = (4, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    key: str
+    label: str
+    plan: Any  # QuantPlan
+    state: Any  # QuantState
+
+
+def table_variants(plan: Any, state: Any, params: Any, cfg: Any) -> list[Variant]:
+    """The run itself, then one change of the table tensors per variant (pure)."""
+    from qnpu_jax.errors import QnpuError
+    from qnpu_jax.models.quantized import state_entry
+    from qnpu_jax.pipeline.calibrate import weight_encodings
+    from qnpu_jax.quant.plan import QuantPlan
+
+    missing = [p for p in TABLE_TENSORS if plan.get(p) is None]
+    if missing:
+        raise QnpuError(f"the run keeps {', '.join(missing)} in float: nothing to measure")
+
+    def without(*paths: str) -> tuple[Any, Any]:
+        kept = QuantPlan(tuple(e for e in plan.entries if e[0] not in paths), plan.num_layers)
+        outer = {k: v for k, v in state["outer"].items() if k not in paths}
+        return kept, {"layers": state["layers"], "outer": outer}
+
+    def with_bits(path: str, bits: int) -> tuple[Any, Any]:
+        tq = dataclasses.replace(plan.get(path), bits=bits, init="max_min")
+        single = QuantPlan(((path, tq),), plan.num_layers)
+        scale, zero_point = weight_encodings(params, cfg, single)[path]
+        changed = QuantPlan(
+            tuple((p, tq if p == path else t) for p, t in plan.entries), plan.num_layers
+        )
+        outer = {**state["outer"], path: state_entry(tq, scale, zero_point, layers=None)}
+        return changed, {"layers": state["layers"], "outer": outer}
+
+    names = {
+        "embed_tokens": "embedding table",
+        "embed_out": "embedding output",
+        "final_norm_out": "lm_head input",
+        "lm_head": "lm_head weight",
+    }
+    out = [Variant("run", "as the run (DESIGN.md §3)", plan, state)]
+    for path in TABLE_TENSORS:
+        out.append(Variant(f"float-{path}", f"{names[path]} in float", *without(path)))
+    out.append(Variant("float-all", "all four in float", *without(*TABLE_TENSORS)))
+    for path in TABLES:
+        for bits in TABLE_BITS:
+            label = f"{names[path]} at {bits} bits per row"
+            out.append(Variant(f"{path}-w{bits}", label, *with_bits(path, bits)))
+    return out
+
+
+def table_bytes(rows: int, cols: int, bits: int | None) -> int:
+    """Storage of a [rows, cols] table: float32, or `bits`-bit codes + a float32 scale a row."""
+    if bits is None:
+        return 4 * rows * cols
+    return (rows * cols * bits + 7) // 8 + 4 * rows
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"# Cost of the embedding / lm_head precisions: {report['run']}",
+        "",
+        f"{report['method']} {report['bits']}, prefix {report['prefix']}, wiki eval split, "
+        f"{report['eval']['windows']} windows of {report['seq_len']} tokens. Float model: "
+        f"{report['float_ppl']:.3f}.",
+        "",
+        "| variant | embedding | lm_head | PPL | vs run | vs float |",
+        "|---|---|---|---|---|---|",
+    ]
+    run_ppl = report["rows"][0]["ppl"]
+    for row in report["rows"]:
+        diff = "" if row["key"] == "run" else f"{100 * (row['ppl'] / run_ppl - 1):+.2f}%"
+        mb = [f"{row['table_bytes'][t] / 2**20:.1f} MiB" for t in ("embed_tokens", "lm_head")]
+        lines.append(
+            f"| {row['label']} | {mb[0]} | {mb[1]} | {row['ppl']:.3f} | {diff} | "
+            f"{row['ppl'] / report['float_ppl']:.3f}× |"
+        )
+    lines += ["", f"`{report['command']}`", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run", type=Path, required=True)
+    parser.add_argument("--eval-windows", type=int, default=32)
+    parser.add_argument("--json", default="reports/table_cost.json")
+    parser.add_argument("--md", default="reports/table_cost.md")
+    args = parser.parse_args(argv)
+    command = "python scripts/table_cost.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+    from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
+    from qnpu_jax.environment import environment_info
+    from qnpu_jax.errors import QnpuError
+    from qnpu_jax.files import write_bytes_atomic, write_json_atomic
+    from qnpu_jax.models.quantized import sink_prefix
+    from qnpu_jax.pipeline.run import evaluate, load_run
+
+    try:
+        config, plan, params, state, model = load_run(args.run)
+        cfg = model.config
+        variants = table_variants(plan, state, params, cfg)
+    except QnpuError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prefix = sink_prefix(config.prefix, model.tokenizer)
+    windows = eval_windows(
+        tokenize_documents(load_documents("wiki", "eval"), model.tokenizer),
+        config.seq_len,
+        args.eval_windows,
+    )
+    float_ppl = evaluate(model.params, None, None, cfg, windows, prefix)["ppl"]
+    print(f"float: {float_ppl:.3f}", flush=True)
+    rows = []
+    for v in variants:
+        ppl = evaluate(params, v.state, v.plan, cfg, windows, prefix)["ppl"]
+        sizes = {}
+        for t in TABLES:
+            tq = v.plan.get(t)
+            sizes[t] = table_bytes(cfg.vocab_size, cfg.hidden_size, tq.bits if tq else None)
+        rows.append({"key": v.key, "label": v.label, "ppl": ppl, "table_bytes": sizes})
+        print(f"{v.label}: {ppl:.3f}", flush=True)
+    report = {
+        "run": str(args.run),
+        **config.summary(),
+        "eval": {"data": "wiki (eval split)", "windows": len(windows)},
+        "float_ppl": float_ppl,
+        "rows": rows,
+        "environment": environment_info(),
+        "command": command,
+    }
+    write_json_atomic(Path(args.json), report)
+    write_bytes_atomic(Path(args.md), render_markdown(report).encode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""GPTQ rounding: round-to-nearest when the Hessian carries no correlation, a lower layer
+error than round-to-nearest when it does, equal to a plain numpy GPTQ, and wired into runs."""
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qnpu_jax import QnpuError
+from qnpu_jax.quant.gptq import gptq_codes, gptq_layers, layer_error
+
+
+def _grid(w, bits=4):
+    qmax = 2 ** (bits - 1) - 1
+    scale = np.abs(w).max(axis=1, keepdims=True) / qmax
+    return scale.astype(np.float32), np.zeros_like(scale), np.float32(-qmax - 1), np.float32(qmax)
+
+
+def _rtn(w, scale, zp, qmin, qmax):
+    return np.clip(np.round(w / scale) + zp, qmin, qmax)
+
+
+def _numpy_gptq(w, h, scale, zp, qmin, qmax, damp):
+    """GPTQ in the OBQ form: the inverse Hessian updated after every column (no Cholesky)."""
+    w = w.astype(np.float64).copy()
+    h = h.astype(np.float64) + damp * np.mean(np.diag(h)) * np.eye(len(h))
+    h_inv = np.linalg.inv(h)
+    codes = np.zeros_like(w)
+    for i in range(w.shape[1]):
+        q = np.clip(np.round(w[:, i] / scale[:, 0]) + zp[:, 0], qmin, qmax)
+        codes[:, i] = q
+        err = (w[:, i] - (q - zp[:, 0]) * scale[:, 0]) / h_inv[i, i]
+        w[:, i + 1 :] -= np.outer(err, h_inv[i, i + 1 :])
+        h_inv -= np.outer(h_inv[:, i], h_inv[i, :]) / h_inv[i, i]
+    return codes
+
+
+@pytest.fixture(scope="module")
+def problem():
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(24, 32)).astype(np.float32)
+    mix = rng.normal(size=(32, 32)) + 3 * np.eye(32)
+    x = (rng.normal(size=(400, 32)) @ mix).astype(np.float32)  # correlated inputs
+    return w, (x.T @ x).astype(np.float32)
+
+
+def test_uncorrelated_inputs_give_round_to_nearest(problem):
+    w, _ = problem
+    grid = _grid(w)
+    codes = gptq_codes(w, 7.0 * np.eye(32, dtype=np.float32), *grid)
+    np.testing.assert_array_equal(np.asarray(codes), _rtn(w, *grid))
+
+
+def test_gptq_lowers_the_layer_error_and_matches_numpy(problem):
+    w, h = problem
+    grid = _grid(w)
+    scale, zp = grid[0], grid[1]
+    codes = np.asarray(gptq_codes(w, h, *grid, damp=0.01))
+    assert codes.min() >= grid[2] and codes.max() <= grid[3]
+    assert np.array_equal(codes, np.round(codes))
+    reference = _numpy_gptq(w, h, *grid, damp=0.01)
+    assert np.mean(codes == reference) > 0.99  # float32 vs float64: rare ties may differ
+    for block in (1, 5, 32):  # lazy batch updates: the same codes whatever the block size
+        blocked = np.asarray(gptq_codes(w, h, *grid, damp=0.01, block=block))
+        assert np.mean(blocked == codes) > 0.99
+    err_gptq = float(layer_error(w, (codes - zp) * scale, h))
+    err_rtn = float(layer_error(w, (_rtn(w, *grid) - zp) * scale, h))
+    assert err_gptq < 0.7 * err_rtn
+    assert np.mean(codes != _rtn(w, *grid)) > 0.05  # it did move codes
+
+
+def test_dead_columns_and_stacked_layers(problem):
+    w, h = problem
+    h = h.copy()
+    h[5, :] = h[:, 5] = 0.0  # an input that is always zero
+    grid = _grid(w)
+    codes = np.asarray(gptq_codes(w, h, *grid))
+    assert np.all(codes[:, 5] == 0)  # its weights do not matter: zero (the zero point)
+    stacked = gptq_layers(
+        jnp.stack([w, 2 * w]),
+        jnp.stack([h, h]),
+        jnp.stack([grid[0], 2 * grid[0]]),
+        jnp.zeros((2, 24, 1)),
+        jnp.full((2,), grid[2]),
+        jnp.full((2,), grid[3]),
+    )
+    np.testing.assert_array_equal(np.asarray(stacked[0]), codes)
+    with pytest.raises(QnpuError, match="do not match"):
+        gptq_layers(jnp.stack([w]), jnp.stack([h, h]), *(jnp.zeros(1),) * 4)
+
+
+def test_hessians_are_the_quantized_linear_inputs(tiny_cfg, tiny_params):
+    from qnpu_jax.pipeline import calibrate
+    from qnpu_jax.pipeline.calibrate import capture_activations
+    from qnpu_jax.pipeline.weight_rounding import collect_hessians, rounded_weights
+    from qnpu_jax.quant import default_plan
+    from qnpu_jax.quant.fake_quant import fake_quant
+    from qnpu_jax.quant.plan import QuantPlan
+
+    full = default_plan(tiny_cfg.num_layers, w_bits=4, a_bits=8)
+    # decoder layers only: layer 0's input is then the float norm output of the embedding
+    plan = QuantPlan(tuple(e for e in full.entries if e[0].startswith("layers/")), 2)
+    tokens = np.asarray(jax.random.randint(jax.random.key(3), (3, 20), 0, tiny_cfg.vocab_size))
+    state = calibrate(tiny_params, tiny_cfg, plan, tokens)
+    assert rounded_weights(plan) == (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+    )  # fmt: skip
+    hessians = collect_hessians(tiny_params, state, plan, tiny_cfg, tokens)
+    assert set(hessians) == {"attn_in", "attn_out", "mlp_in", "down_in"}
+    assert hessians["down_in"].shape == (2, tiny_cfg.intermediate_size, tiny_cfg.intermediate_size)
+    x = capture_activations(tiny_params, tiny_cfg, tokens, ("attn_in",), layer=0)["attn_in"]
+    s = state["layers"]["attn_in"]
+    xq = (
+        np.asarray(
+            fake_quant(
+                jnp.asarray(x), s["scale"][0], s["zero_point"][0], s["qmin"][0], s["qmax"][0]
+            )
+        )
+        .reshape(-1, x.shape[-1])
+        .astype(np.float64)
+    )
+    assert not np.allclose(xq, x.reshape(xq.shape))  # the linear sees the quantized input
+    np.testing.assert_allclose(np.asarray(hessians["attn_in"][0]), xq.T @ xq, rtol=1e-4, atol=1e-4)
+
+
+GPTQ_RUN = {
+    "method": "quarot", "w_bits": 4, "a_bits": 8, "mixed_precision": 0.0, "seq_len": 32,
+    "calib_windows": 2, "eval_windows": 2, "weight_rounding": "gptq",
+}  # fmt: skip
+
+
+def _script(name):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def gptq_run(two_layer_dir, tmp_path_factory):
+    """A quick QuaRot run with weight_rounding gptq on the two-layer model."""
+    import yaml
+
+    from qnpu_jax.cli import main
+
+    tmp = tmp_path_factory.mktemp("gptq_run")
+    (tmp / "c.yaml").write_text(yaml.safe_dump({"model": str(two_layer_dir), **GPTQ_RUN}))
+    out = tmp / "run"
+    args = ["quantize", "--config", str(tmp / "c.yaml"), "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    return out
+
+
+def test_gptq_run_stores_codes_that_eval_and_export_use(gptq_run, tmp_path):
+    """The weights load_run rebuilds are on the grid, and the artifact holds exactly the
+    stored codes."""
+    import orbax.checkpoint as ocp
+
+    from qnpu_jax.cli import main
+    from qnpu_jax.export.artifact import read_artifact
+    from qnpu_jax.pipeline.run import load_run
+
+    out = gptq_run
+    report = json.loads((out / "report.json").read_text())
+    assert "gptq" in report["seconds"]
+    with ocp.StandardCheckpointer() as ckpt:
+        codes = ckpt.restore((out / "learned").resolve())["weight_codes"]
+    assert set(codes) == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+    }  # fmt: skip
+    _, _, params, state, _ = load_run(out)
+    s = state["layers"]["down_proj"]
+    on_grid = np.asarray(params["layers"]["down_proj"]) / np.asarray(s["scale"])
+    np.testing.assert_allclose(on_grid, np.asarray(codes["down_proj"]), atol=1e-3)
+    art = tmp_path / "art"
+    export = ["export", "--run", str(out), "--out", str(art), "--max-context", "64"]
+    assert main([*export, "--prefill-chunk", "16"]) == 0
+    for name, q in codes.items():  # the artifact holds GPTQ's codes, not re-rounded ones
+        np.testing.assert_array_equal(read_artifact(art).tensor(f"layers.{name}.weight"), q)
+
+
+def test_gptq_study_on_a_gptq_run(gptq_run, tmp_path):
+    """The run's weights are on the grid already, so GPTQ keeps every code: both columns of
+    scripts/gptq_study.py give the run's own perplexity on the run's windows."""
+    study = _script("gptq_study")
+    args = ["--run", str(gptq_run), "--grids", "learned,max_min", "--eval-windows", "2"]
+    assert study.main([*args, "--json", str(tmp_path / "g.json")]) == 0
+    rows = {r["grid"]: r for r in json.loads((tmp_path / "g.json").read_text())["rows"]}
+    report = json.loads((gptq_run / "report.json").read_text())
+    wiki = report["perplexity"]["wiki"]["quantized_ppl"]
+    assert rows["learned"]["rtn_ppl"] == pytest.approx(wiki, rel=1e-6)
+    assert rows["learned"]["gptq_ppl"] == pytest.approx(wiki, rel=1e-6)
+    assert rows["max_min"]["gptq_ppl"] != rows["max_min"]["rtn_ppl"]
+
+
+def test_restage2_recalibrates_only_what_the_rules_change(gptq_run, two_layer_dir, tmp_path):
+    import yaml
+
+    restage2 = _script("restage2")
+    base = {"model": str(two_layer_dir), **GPTQ_RUN}
+
+    def run(extra, name):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**base, **extra}))
+        args = ["--run", str(gptq_run), "--config", str(tmp_path / f"{name}.yaml")]
+        return restage2.main([*args, "--eval-windows", "2", "--json", str(tmp_path / name)])
+
+    clip = {"rules": [{"pattern": "layers/(up_out|down_out)", "init": "percentile"}]}
+    assert run(clip, "clip") == 0
+    out = json.loads((tmp_path / "clip").read_text())
+    assert out["recalibrated"] == ["layers/down_out", "layers/up_out"]
+    report = json.loads((gptq_run / "report.json").read_text())
+    assert out["run_ppl"] == pytest.approx(report["perplexity"]["wiki"]["quantized_ppl"], rel=1e-6)
+    assert out["new_ppl"] != out["run_ppl"]
+    assert run({**clip, "seed": 1}, "seed") == 2  # more than the rules differ
+    assert run({"rules": [{"pattern": "layers/attn_in", "init": "mean_std"}]}, "s1") == 2
+    assert run({}, "same") == 2  # nothing to recalibrate
+    assert not (tmp_path / "seed").exists()
+
+
+def test_config_names_bad_weight_rounding():
+    from qnpu_jax.pipeline.config import QuantizeConfig
+
+    with pytest.raises(QnpuError, match="weight_rounding"):
+        QuantizeConfig(weight_rounding="awq")
+    with pytest.raises(QnpuError, match="gptq_damp"):
+        QuantizeConfig(weight_rounding="gptq", gptq_damp=0.0)
+    assert QuantizeConfig.from_dict({"weight_rounding": "gptq"}).weight_rounding == "gptq"
