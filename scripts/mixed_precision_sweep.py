@@ -1,9 +1,11 @@
 """Perplexity against the share of down_proj inputs promoted to 16 bits (paper Figure 4) -> JSON.
 
 The cheaper sweep the pipeline issue allows: one finished `qnpu quantize` run is reused. Its
-rotations and every encoding stay as learned/calibrated, except the down_proj inputs, which
-are recalibrated with static Max-Min at 8 or 16 bits per layer, promoted in the order of the
-run's sensitivity ratios (eq. 4) for p = 0, 10, ..., 100%.
+rotations and every encoding stay as learned/calibrated; the down_proj inputs are promoted to
+16 bits in the order of the run's sensitivity ratios (eq. 4) for p = 0, 10, ..., 100%. A
+layer whose down_proj input keeps the run's bit-width keeps the run's (learned) encoding, a
+layer that changes bit-width gets a static Max-Min encoding at the new one; so the p of the
+run reproduces the run, and the other points have no stage 1 of their own.
 
     python scripts/mixed_precision_sweep.py --run runs/w4a8 --eval-windows 32 \
         --json reports/mixed_precision_sweep.json
@@ -63,14 +65,21 @@ def main() -> int:
     for p in (float(x) for x in args.steps.split(",")):
         layer_bits = mixed_layer_bits(ratios, p)
         promoted = np.array([b == 16 for b in layer_bits])
-        entry = {
-            field: jnp.where(promoted, encodings[16][field], encodings[8][field])
-            for field in ("scale", "zero_point", "qmin", "qmax")
-        }
-        swept_state = {"layers": {**state["layers"], "down_in": entry}, "outer": state["outer"]}
         tq = plan.get("layers/down_in")
         if tq is None:
             raise QnpuError(f"{args.run}: the run does not quantize the down_proj inputs")
+        # a layer at the run's own bit-width keeps the run's (possibly learned) encoding
+        keep = np.array([tq.bits_for_layer(i) == b for i, b in enumerate(layer_bits)])
+        run_entry = state["layers"]["down_in"]
+        entry = {
+            field: jnp.where(
+                keep,
+                run_entry[field],
+                jnp.where(promoted, encodings[16][field], encodings[8][field]),
+            )
+            for field in ("scale", "zero_point", "qmin", "qmax")
+        }
+        swept_state = {"layers": {**state["layers"], "down_in": entry}, "outer": state["outer"]}
         swept_plan = QuantPlan(
             tuple(
                 (
@@ -97,7 +106,8 @@ def main() -> int:
             "run": str(args.run),
             **config.summary(),
             "eval": {"data": "wiki (eval split)", "windows": len(windows)},
-            "sweep": "reuses the run; down_proj inputs recalibrated with Max-Min at 8/16 bits",
+            "sweep": "reuses the run; a down_proj input at the run's bit-width keeps its encoding, "
+            "one that changes bit-width gets Max-Min at the new one",
             "sensitivity_ratios": ratios,
             "float_ppl": float_ppl,
             "rows": rows,

@@ -231,3 +231,22 @@ def test_config_names_bad_weight_rounding():
     with pytest.raises(QnpuError, match="gptq_damp"):
         QuantizeConfig(weight_rounding="gptq", gptq_damp=0.0)
     assert QuantizeConfig.from_dict({"weight_rounding": "gptq"}).weight_rounding == "gptq"
+
+
+def test_mixed_precision_sweep_reproduces_the_run_at_its_own_share(gptq_run, tmp_path):
+    """p = 0 keeps every down_proj input at the run's 8 bits and encodings: the run's own
+    perplexity; p = 100% promotes both layers to 16-bit Max-Min."""
+    sweep = _script("mixed_precision_sweep")
+    args = ["--run", str(gptq_run), "--eval-windows", "2", "--steps", "0,1.0"]
+    sys_argv = ["mixed_precision_sweep.py", *args, "--json", str(tmp_path / "s.json")]
+    import sys
+
+    old, sys.argv = sys.argv, sys_argv
+    try:
+        assert sweep.main() == 0
+    finally:
+        sys.argv = old
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    report = json.loads((gptq_run / "report.json").read_text())
+    assert rows[0]["ppl"] == pytest.approx(report["perplexity"]["wiki"]["quantized_ppl"], rel=1e-6)
+    assert rows[1]["promoted_layers"] == [0, 1] and rows[1]["ppl"] != rows[0]["ppl"]
