@@ -36,30 +36,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = "python scripts/gptq_study.py " + shlex.join(sys.argv[1:] if argv is None else argv)
 
-    from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
     from qnpu_jax.environment import environment_info
     from qnpu_jax.files import write_json_atomic
     from qnpu_jax.models.quantized import sink_prefix, state_entry
     from qnpu_jax.pipeline.calibrate import weight_encodings
-    from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run
+    from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
     from qnpu_jax.pipeline.weight_rounding import (
-        LINEAR_INPUT,
         collect_hessians,
+        gptq_weight_codes,
         rounded_weights,
         weights_from_codes,
     )
-    from qnpu_jax.quant.gptq import gptq_layers
     from qnpu_jax.quant.plan import QuantPlan
 
     config, plan, params, state, model = load_run(args.run)
     cfg = model.config
     prefix = sink_prefix(config.prefix, model.tokenizer)
     _, calib = calibration_data(config, model.tokenizer)
-    windows = eval_windows(
-        tokenize_documents(load_documents("wiki", "eval"), model.tokenizer),
-        config.seq_len,
-        args.eval_windows,
-    )
+    windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
     t0 = time.perf_counter()
     hessians = collect_hessians(params, state, plan, cfg, calib, prefix=prefix)
     hessian_s = time.perf_counter() - t0
@@ -75,18 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 grid_state["layers"][name] = state_entry(tq, *enc, layers=cfg.num_layers)
         rtn = evaluate(params, grid_state, plan, cfg, windows, prefix)["ppl"]
         t0 = time.perf_counter()
-        codes = {}
-        for name in rounded_weights(plan):
-            s = grid_state["layers"][name]
-            codes[name] = gptq_layers(
-                params["layers"][name],
-                hessians[LINEAR_INPUT[name]],
-                s["scale"],
-                s["zero_point"],
-                s["qmin"],
-                s["qmax"],
-                damp=args.damp,
-            )
+        codes = gptq_weight_codes(params, grid_state, plan, hessians, damp=args.damp)
         gptq_s = time.perf_counter() - t0
         gptq_params = weights_from_codes(params, grid_state, codes)
         gptq = evaluate(gptq_params, grid_state, plan, cfg, windows, prefix)["ppl"]

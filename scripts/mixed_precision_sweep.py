@@ -23,14 +23,13 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.environment import environment_info
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models.quantized import sink_prefix
 from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.pipeline.mixed_precision import down_proj_sensitivity, mixed_layer_bits
-from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run
+from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
 from qnpu_jax.quant.plan import QuantPlan, TensorQuant
 
 
@@ -55,11 +54,7 @@ def main() -> int:
     for bits in (8, 16):
         single = QuantPlan((("layers/down_in", TensorQuant(bits=bits)),), cfg.num_layers)
         encodings[bits] = calibrate(params, cfg, single, calib, prefix=prefix)["layers"]["down_in"]
-    windows = eval_windows(
-        tokenize_documents(load_documents("wiki", "eval"), model.tokenizer),
-        config.seq_len,
-        args.eval_windows,
-    )
+    windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
     float_ppl = evaluate(model.params, None, None, cfg, windows, prefix)["ppl"]
     rows: list[dict[str, Any]] = []
     for p in (float(x) for x in args.steps.split(",")):

@@ -37,7 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = "python scripts/restage2.py " + shlex.join(sys.argv[1:] if argv is None else argv)
 
-    from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
     from qnpu_jax.environment import environment_info
     from qnpu_jax.errors import QnpuError
     from qnpu_jax.files import write_json_atomic
@@ -50,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         calibration_data,
         evaluate,
         load_run,
+        wiki_eval_windows,
     )
     from qnpu_jax.quant.plan import QuantPlan
 
@@ -88,11 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for group in ("layers", "outer")
     }
-    windows = eval_windows(
-        tokenize_documents(load_documents("wiki", "eval"), model.tokenizer),
-        config.seq_len,
-        args.eval_windows,
-    )
+    windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
     run_ppl = evaluate(params, state, plan, cfg, windows, prefix)["ppl"]
     new_ppl = evaluate(params, new_state, new_plan, cfg, windows, prefix)["ppl"]
     print(f"run {run_ppl:.3f} -> {new_ppl:.3f} ({', '.join(changed)})", flush=True)

@@ -118,12 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = "python scripts/table_cost.py " + shlex.join(sys.argv[1:] if argv is None else argv)
 
-    from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
     from qnpu_jax.environment import environment_info
     from qnpu_jax.errors import QnpuError
     from qnpu_jax.files import write_bytes_atomic, write_json_atomic
     from qnpu_jax.models.quantized import sink_prefix
-    from qnpu_jax.pipeline.run import evaluate, load_run
+    from qnpu_jax.pipeline.run import evaluate, load_run, wiki_eval_windows
 
     try:
         config, plan, params, state, model = load_run(args.run)
@@ -133,11 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     prefix = sink_prefix(config.prefix, model.tokenizer)
-    windows = eval_windows(
-        tokenize_documents(load_documents("wiki", "eval"), model.tokenizer),
-        config.seq_len,
-        args.eval_windows,
-    )
+    windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
     float_ppl = evaluate(model.params, None, None, cfg, windows, prefix)["ppl"]
     print(f"float: {float_ppl:.3f}", flush=True)
     rows = []

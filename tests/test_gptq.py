@@ -2,6 +2,7 @@
 error than round-to-nearest when it does, equal to a plain numpy GPTQ, and wired into runs."""
 
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -138,8 +139,9 @@ def _script(name):
     path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)  # dataclasses look their module up while built
     spec.loader.exec_module(module)
-    return module
+    return sys.modules[name]
 
 
 @pytest.fixture(scope="module")
@@ -239,8 +241,6 @@ def test_mixed_precision_sweep_reproduces_the_run_at_its_own_share(gptq_run, tmp
     sweep = _script("mixed_precision_sweep")
     args = ["--run", str(gptq_run), "--eval-windows", "2", "--steps", "0,1.0"]
     sys_argv = ["mixed_precision_sweep.py", *args, "--json", str(tmp_path / "s.json")]
-    import sys
-
     old, sys.argv = sys.argv, sys_argv
     try:
         assert sweep.main() == 0
@@ -250,3 +250,24 @@ def test_mixed_precision_sweep_reproduces_the_run_at_its_own_share(gptq_run, tmp
     report = json.loads((gptq_run / "report.json").read_text())
     assert rows[0]["ppl"] == pytest.approx(report["perplexity"]["wiki"]["quantized_ppl"], rel=1e-6)
     assert rows[1]["promoted_layers"] == [0, 1] and rows[1]["ppl"] != rows[0]["ppl"]
+
+
+def test_table_cost_and_error_budget_on_a_run(gptq_run, tmp_path):
+    """Both scripts end to end on a finished run: their unchanged row is the run's own
+    perplexity on the run's windows, and every other row is a real, finite number."""
+    report = json.loads((gptq_run / "report.json").read_text())
+    wiki = report["perplexity"]["wiki"]["quantized_ppl"]
+    tc = _script("table_cost")
+    args = ["--run", str(gptq_run), "--eval-windows", "2"]
+    assert tc.main([*args, "--json", str(tmp_path / "t.json"), "--md", str(tmp_path / "t.md")]) == 0
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert rows[0]["key"] == "run" and rows[0]["ppl"] == pytest.approx(wiki, rel=1e-6)
+    assert len(rows) == 10 and all(np.isfinite(r["ppl"]) for r in rows)
+    assert "lm_head weight at 4 bits per row" in (tmp_path / "t.md").read_text()
+    eb = _script("error_budget")
+    assert eb.main([*args, "--json", str(tmp_path / "e.json")]) == 0
+    budget = json.loads((tmp_path / "e.json").read_text())
+    assert budget["run_ppl"] == pytest.approx(wiki, rel=1e-6)
+    assert {r["group"] for r in budget["rows"]} == {
+        "weights", "activations", "down_in", "linear_outputs", "rotated_inputs", "kv"
+    }  # fmt: skip

@@ -126,6 +126,13 @@ def calibration_data(config: QuantizeConfig, tokenizer: Any) -> tuple[np.ndarray
     return ids, windows
 
 
+def wiki_eval_windows(config: QuantizeConfig, tokenizer: Any, cap: int | None) -> np.ndarray:
+    """The first `cap` windows of the `wiki` eval split at the run's seq_len: the evaluation
+    protocol of the scripts that re-evaluate a run."""
+    ids = tokenize_documents(load_documents("wiki", "eval"), tokenizer)
+    return eval_windows(ids, config.seq_len, cap)
+
+
 def _ppl(nll_fn: Any, windows: np.ndarray) -> dict[str, Any]:
     from qnpu_jax.eval import perplexity
 

@@ -80,20 +80,17 @@ def collect_hessians(
     return totals
 
 
-def gptq_round_weights(
+def gptq_weight_codes(
     params: Params,
     state: QuantState,
     plan: QuantPlan,
-    cfg: ModelConfig,
-    windows: np.ndarray,
+    hessians: dict[str, jax.Array],
     *,
     damp: float = 0.01,
-    prefix: tuple[int, ...] = (),
     progress: bool = False,
 ) -> dict[str, np.ndarray]:
     """GPTQ codes {linear: int8 [L, out, in]} of every quantized linear weight, on the grid
-    of `state` (scales and zero points unchanged)."""
-    hessians = collect_hessians(params, state, plan, cfg, windows, prefix=prefix, progress=progress)
+    of `state` (scales and zero points unchanged), given `collect_hessians`' Hessians."""
     codes: dict[str, np.ndarray] = {}
     for name in tqdm(rounded_weights(plan), desc="gptq", disable=not progress):
         s = state["layers"][name]
@@ -106,8 +103,25 @@ def gptq_round_weights(
             s["qmax"],
             damp=damp,
         )
-        codes[name] = np.asarray(q).astype(np.int8 if float(jnp.max(s["qmax"])) < 128 else np.int16)
+        dtype = np.int8 if float(jnp.max(s["qmax"])) < 128 else np.int16
+        codes[name] = np.asarray(q).astype(dtype)
     return codes
+
+
+def gptq_round_weights(
+    params: Params,
+    state: QuantState,
+    plan: QuantPlan,
+    cfg: ModelConfig,
+    windows: np.ndarray,
+    *,
+    damp: float = 0.01,
+    prefix: tuple[int, ...] = (),
+    progress: bool = False,
+) -> dict[str, np.ndarray]:
+    """`gptq_weight_codes` with Hessians from `windows` (calibration) of the fake-quant model."""
+    hessians = collect_hessians(params, state, plan, cfg, windows, prefix=prefix, progress=progress)
+    return gptq_weight_codes(params, state, plan, hessians, damp=damp, progress=progress)
 
 
 def weights_from_codes(params: Params, state: QuantState, codes: dict[str, Any]) -> Params:
