@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from qnpu_jax.environment import environment_info
     from qnpu_jax.files import write_json_atomic
-    from qnpu_jax.models.quantized import sink_prefix, state_entry
-    from qnpu_jax.pipeline.calibrate import weight_encodings
+    from qnpu_jax.models.quantized import sink_prefix
+    from qnpu_jax.pipeline.calibrate import reencode_weight
     from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
     from qnpu_jax.pipeline.weight_rounding import (
         collect_hessians,
@@ -47,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
         rounded_weights,
         weights_from_codes,
     )
-    from qnpu_jax.quant.plan import QuantPlan
 
     config, plan, params, state, model = load_run(args.run)
     cfg = model.config
@@ -59,14 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     hessian_s = time.perf_counter() - t0
     rows: list[dict[str, Any]] = []
     for grid in args.grids:
-        grid_state = {"layers": dict(state["layers"]), "outer": state["outer"]}
+        grid_state = state
         if grid != "learned":
             for name in rounded_weights(plan):
                 path = f"layers/{name}"
                 tq = dataclasses.replace(plan.get(path), init=grid)
-                single = QuantPlan(((path, tq),), cfg.num_layers)
-                enc = weight_encodings(params, cfg, single)[path]
-                grid_state["layers"][name] = state_entry(tq, *enc, layers=cfg.num_layers)
+                grid_state = reencode_weight(params, cfg, grid_state, path, tq)
         rtn = evaluate(params, grid_state, plan, cfg, windows, prefix)["ppl"]
         t0 = time.perf_counter()
         codes = gptq_weight_codes(params, grid_state, plan, hessians, damp=args.damp)

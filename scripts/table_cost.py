@@ -39,8 +39,7 @@ class Variant:
 def table_variants(plan: Any, state: Any, params: Any, cfg: Any) -> list[Variant]:
     """The run itself, then one change of the table tensors per variant (pure)."""
     from qnpu_jax.errors import QnpuError
-    from qnpu_jax.models.quantized import state_entry
-    from qnpu_jax.pipeline.calibrate import weight_encodings
+    from qnpu_jax.pipeline.calibrate import reencode_weight
     from qnpu_jax.quant.plan import QuantPlan
 
     missing = [p for p in TABLE_TENSORS if plan.get(p) is None]
@@ -54,13 +53,10 @@ def table_variants(plan: Any, state: Any, params: Any, cfg: Any) -> list[Variant
 
     def with_bits(path: str, bits: int) -> tuple[Any, Any]:
         tq = dataclasses.replace(plan.get(path), bits=bits, init="max_min")
-        single = QuantPlan(((path, tq),), plan.num_layers)
-        scale, zero_point = weight_encodings(params, cfg, single)[path]
         changed = QuantPlan(
             tuple((p, tq if p == path else t) for p, t in plan.entries), plan.num_layers
         )
-        outer = {**state["outer"], path: state_entry(tq, scale, zero_point, layers=None)}
-        return changed, {"layers": state["layers"], "outer": outer}
+        return changed, reencode_weight(params, cfg, state, path, tq)
 
     names = {
         "embed_tokens": "embedding table",

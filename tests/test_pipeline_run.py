@@ -129,6 +129,9 @@ def test_config_errors_name_the_problem(tmp_path):
         QuantizeConfig.from_dict({"method": "gptq"})
     with pytest.raises(QnpuError, match="never below 8"):
         QuantizeConfig.from_dict({"down_in_bits": 4})
+    for alpha in (0.0, 1.5, True, "half"):
+        with pytest.raises(QnpuError, match="smooth_mlp"):
+            QuantizeConfig.from_dict({"smooth_mlp": alpha})
     bad = tmp_path / "bad.yaml"
     bad.write_text("w_bits: [4\n")
     with pytest.raises(QnpuError, match=r"bad\.yaml"):

@@ -361,6 +361,31 @@ class CaptureTaps:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChannelAbsMaxTaps:
+    """The float forward, returning each per-layer tensor of `names` reduced to its max |x|
+    per channel (the last axis) over batch and positions: {"layers": {name: [L, C]}}."""
+
+    names: frozenset[str]
+
+    def layer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
+        absmax: dict[str, jax.Array] = {}
+
+        def tap(name: str, x: jax.Array, where: jax.Array | None = None) -> jax.Array:
+            if name in self.names:
+                rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+                absmax[name] = jnp.max(jnp.abs(rows), axis=0)
+            return x
+
+        return tap, lambda: dict(absmax)
+
+    def outer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
+        return no_tap, no_aux
+
+    def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        return embed_rows(table, tokens)
+
+
+@dataclasses.dataclass(frozen=True)
 class HessianTaps:
     """`inner`'s forward, returning Σ xᵀx over the tokens of the per-layer tensors `names`
     (linear inputs such as "attn_in", "down_in") as {"layers": {name: [L, in, in]}}. x is

@@ -21,6 +21,7 @@ from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, lm_head_weight
 from qnpu_jax.models.quantized import (
     CaptureTaps,
+    ChannelAbsMaxTaps,
     ObserveTaps,
     QuantState,
     state_entry,
@@ -147,6 +148,52 @@ def capture_activations(
     return {name: np.concatenate(parts[name]) for name in names}
 
 
+@partial(jax.jit, static_argnames=("cfg", "taps", "prefix"))
+def _absmax_step(
+    params: Params,
+    running: dict[str, jax.Array],
+    tokens: jax.Array,
+    *,
+    cfg: ModelConfig,
+    taps: ChannelAbsMaxTaps,
+    prefix: tuple[int, ...],
+) -> dict[str, jax.Array]:
+    _, aux = tapped_forward(params, None, tokens, cfg=cfg, taps=taps, prefix=prefix)
+    return {name: jnp.maximum(running[name], aux["layers"][name]) for name in running}
+
+
+def channel_absmax(
+    params: Params,
+    cfg: ModelConfig,
+    windows: np.ndarray,
+    names: tuple[str, ...],
+    *,
+    batch_size: int = 1,
+    prefix: tuple[int, ...] = (),
+) -> dict[str, np.ndarray]:
+    """Per-channel max |x| [L, C] of the per-layer activations `names` over `windows` [N, T]
+    (after the sink `prefix`, which is not counted), on the same forward as the calibration."""
+    unknown = sorted(set(names) - set(LAYER_ACTIVATIONS))
+    if unknown:
+        raise QnpuError(f"unknown layer activation(s) {unknown}; known: {LAYER_ACTIVATIONS}")
+    if len(windows) == 0:
+        raise QnpuError("no windows to measure channel ranges on")
+    taps = ChannelAbsMaxTaps(frozenset(names))
+    first = jnp.asarray(windows[:batch_size])
+    shapes = jax.eval_shape(
+        lambda t: tapped_forward(params, None, t, cfg=cfg, taps=taps, prefix=prefix)[1], first
+    )["layers"]
+    running = {name: jnp.zeros(shapes[name].shape, jnp.float32) for name in names}
+    for i in range(0, len(windows), batch_size):
+        batch = jnp.asarray(windows[i : i + batch_size])
+        running = _absmax_step(params, running, batch, cfg=cfg, taps=taps, prefix=prefix)
+    out = {name: np.asarray(x) for name, x in running.items()}
+    for name, x in out.items():
+        if not np.all(np.isfinite(x)):
+            raise QnpuError(f"calibration produced non-finite values in {name}")
+    return out
+
+
 def _encoding(path: str, layer: int | None, compute: Callable[[], Any]) -> Encoding:
     """Run one initializer; its errors name the tensor (and layer) they are about."""
     try:
@@ -196,6 +243,22 @@ def weight_encodings(params: Params, cfg: ModelConfig, plan: QuantPlan) -> dict[
             w = params["embed_tokens"] if path == "embed_tokens" else lm_head_weight(params)
             out[path] = _weight_encoding(path, w, tq, None)
     return out
+
+
+def reencode_weight(
+    params: Params, cfg: ModelConfig, state: QuantState, path: str, tq: TensorQuant
+) -> QuantState:
+    """`state` with the weight `path` re-encoded from the weights under `tq` (pure; the
+    other entries are shared, not copied)."""
+    if not is_weight(path):
+        raise QnpuError(f"{path} is not a weight")
+    single = QuantPlan(((path, tq),), cfg.num_layers)
+    scale, zero_point = weight_encodings(params, cfg, single)[path]
+    if path.startswith("layers/"):
+        entry = state_entry(tq, scale, zero_point, layers=cfg.num_layers)
+        return {**state, "layers": {**state["layers"], path.removeprefix("layers/"): entry}}
+    entry = state_entry(tq, scale, zero_point, layers=None)
+    return {**state, "outer": {**state["outer"], path: entry}}
 
 
 def activation_encodings(

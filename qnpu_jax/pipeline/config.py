@@ -34,7 +34,9 @@ class QuantizeConfig:
       weight scales under static fake quantization, rotation-and-bit-width-aware init),
       stage 2 (static calibration of the rest).
     `weight_rounding: gptq` (any method; not in the paper) re-chooses the linear weights'
-    integer codes with GPTQ on the scales stage 2 ends with.
+    integer codes with GPTQ on the scales stage 2 ends with. `smooth_mlp: α` (any method;
+    MobileQuant's SmoothQuant-Edge) moves range from the unrotated down_proj input into
+    down_proj's weight columns, fused offline into up_proj/down_proj before everything else.
     """
 
     model: str = "smollm2-135m"
@@ -50,6 +52,7 @@ class QuantizeConfig:
     scope: str = "full"  # "linears": only the linears' weights, inputs, outputs (Table 2)
     weight_rounding: str = "rtn"  # "gptq": GPTQ codes on the same grid after stage 2
     gptq_damp: float = 0.01  # GPTQ's dampening, a share of the Hessian's mean diagonal
+    smooth_mlp: float | None = None  # α of up→down channel smoothing; None: off (the paper)
     prefix: str = "bos"  # sink prefix computed offline (PrefixQuant); "none": the paper
     seed: int = 0
     calib_data: str = "wiki"  # the `wiki` calib split, or a user's calibration text
@@ -73,6 +76,12 @@ class QuantizeConfig:
             )
         if not isinstance(self.gptq_damp, int | float) or not 0 < self.gptq_damp < 1:
             raise QnpuError(f"gptq_damp must be in (0, 1), got {self.gptq_damp!r}")
+        if self.smooth_mlp is not None and (
+            isinstance(self.smooth_mlp, bool)
+            or not isinstance(self.smooth_mlp, int | float)
+            or not 0 < self.smooth_mlp < 1
+        ):
+            raise QnpuError(f"smooth_mlp must be null or in (0, 1), got {self.smooth_mlp!r}")
         for name in ("learn_down_in", "selective"):
             if not isinstance(getattr(self, name), bool):
                 raise QnpuError(f"{name} must be true or false, got {getattr(self, name)!r}")

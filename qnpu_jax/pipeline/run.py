@@ -5,8 +5,9 @@ run_dir/
   plan.json          the final quantization plan (mixed precision included)
   sensitivity.json   eq. (4) per layer and the promoted layers (when mixed precision runs)
   stage1/            orbax checkpoints of stage 1; metrics.jsonl per step
-  learned/           orbax: rotations R1/R2, the full quantizer state after stage 2 and, with
-                     weight_rounding gptq, the linear weights' integer codes
+  learned/           orbax: rotations R1/R2, the full quantizer state after stage 2, with
+                     smooth_mlp the up→down smoothing scales and, with weight_rounding gptq,
+                     the linear weights' integer codes
   report.json        float and quantized perplexity, wall time of every stage
 """
 
@@ -37,7 +38,7 @@ from qnpu_jax.files import write_bytes_atomic, write_json_atomic
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
 from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
-from qnpu_jax.pipeline.calibrate import calibrate
+from qnpu_jax.pipeline.calibrate import calibrate, channel_absmax
 from qnpu_jax.pipeline.config import QuantizeConfig, load_config
 from qnpu_jax.pipeline.mixed_precision import down_proj_sensitivity, mixed_layer_bits
 from qnpu_jax.pipeline.stage1 import (
@@ -48,7 +49,13 @@ from qnpu_jax.pipeline.stage1 import (
 )
 from qnpu_jax.pipeline.weight_rounding import gptq_round_weights, weights_from_codes
 from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, QuantRule, default_plan
-from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
+from qnpu_jax.transforms import (
+    apply_rotations,
+    fuse_norms,
+    randomized_hadamard_rotations,
+    smooth_mlp,
+    smoothing_scales,
+)
 
 ROTATED_INPUTS = ("attn_in", "attn_out", "mlp_in")  # R1 (q/k/v, gate/up) and R2 (o_proj)
 STAGE1_TENSORS = (*WEIGHTS, *ROTATED_INPUTS, "down_in")  # the linears' inputs and weights
@@ -175,9 +182,11 @@ def save_learned(
     r2: Any,
     state: QuantState,
     weight_codes: dict[str, np.ndarray] | None = None,
+    smoothing: Any = None,
 ) -> None:
-    """Write rotations (None: unrotated method), the quantizer state and GPTQ's weight codes
-    (None: round-to-nearest, nothing to store) to run_dir/learned."""
+    """Write rotations (None: unrotated method), the quantizer state, GPTQ's weight codes
+    (None: round-to-nearest, nothing to store) and the up→down smoothing scales (None: no
+    smoothing) to run_dir/learned."""
     import orbax.checkpoint as ocp
 
     target = (run_dir / "learned").resolve()
@@ -190,6 +199,8 @@ def save_learned(
             tree |= {"r1": r1, "r2": r2}
         if weight_codes:
             tree["weight_codes"] = weight_codes
+        if smoothing is not None:
+            tree["mlp_smoothing"] = smoothing
         ckpt.save(tmp, tree)
     if target.exists():
         shutil.rmtree(target)
@@ -232,6 +243,16 @@ def quantize(
     if rotated:
         r1, r2 = randomized_hadamard_rotations(cfg, rotation_key)
     start_params = apply_rotations(base, cfg, r1, r2) if rotated else base
+    smoothing = None
+    if config.smooth_mlp is not None:
+        t0 = time.perf_counter()
+        # Weight ranges as quantized (after R1); the smoothing commutes with R1/R2.
+        absmax = channel_absmax(start_params, cfg, calib, ("down_in",), prefix=prefix)
+        w_down = start_params["layers"]["down_proj"]
+        smoothing = smoothing_scales(absmax["down_in"], w_down, config.smooth_mlp)
+        base = smooth_mlp(base, smoothing)
+        start_params = apply_rotations(base, cfg, r1, r2) if rotated else base
+        seconds["smooth_mlp"] = time.perf_counter() - t0
 
     down_in_bits = None
     sensitivity = None
@@ -293,7 +314,7 @@ def quantize(
         )
         final_params = weights_from_codes(final_params, state, weight_codes)
         seconds["gptq"] = time.perf_counter() - t0
-    save_learned(run_dir, r1, r2, state, weight_codes)
+    save_learned(run_dir, r1, r2, state, weight_codes, smoothing)
 
     t0 = time.perf_counter()
     results: dict[str, Any] = {}
@@ -347,15 +368,19 @@ def load_run(run_dir: Path) -> tuple[QuantizeConfig, QuantPlan, Params, QuantSta
     with ocp.StandardCheckpointer() as ckpt:
         learned = ckpt.restore((run_dir / "learned").resolve())
     rotated = config.method != "rtn"
+    params = fuse_norms(model.params, cfg) if rotated else model.params
+    if (config.smooth_mlp is not None) != ("mlp_smoothing" in learned):
+        raise QnpuError(
+            f"{run_dir / 'learned'} does not match config.yaml: smooth_mlp is "
+            f"{config.smooth_mlp!r} but the smoothing scales are "
+            f"{'present' if 'mlp_smoothing' in learned else 'missing'}"
+        )
+    if "mlp_smoothing" in learned:
+        params = smooth_mlp(params, jnp.asarray(learned["mlp_smoothing"]))
     if rotated:
         params = apply_rotations(
-            fuse_norms(model.params, cfg),
-            cfg,
-            jnp.asarray(learned["r1"]),
-            jnp.asarray(learned["r2"]),
+            params, cfg, jnp.asarray(learned["r1"]), jnp.asarray(learned["r2"])
         )
-    else:
-        params = model.params
     state = jax.tree.map(jnp.asarray, learned["state"])
     if "weight_codes" in learned:
         params = weights_from_codes(params, state, learned["weight_codes"])

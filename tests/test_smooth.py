@@ -1,0 +1,139 @@
+"""Up→down channel smoothing (SmoothQuant-Edge): model-equivalent, commutes with R1/R2, moves
+range from the down_proj input into down_proj's columns, and is wired into runs."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+
+from qnpu_jax import QnpuError
+from qnpu_jax.models import forward
+from qnpu_jax.pipeline.calibrate import capture_activations, channel_absmax
+from qnpu_jax.transforms import (
+    apply_rotations,
+    fuse_norms,
+    randomized_hadamard_rotations,
+    smooth_mlp,
+    smoothing_scales,
+)
+
+
+@pytest.fixture(scope="module")
+def windows(tiny_cfg):
+    return np.asarray(jax.random.randint(jax.random.key(5), (3, 16), 0, tiny_cfg.vocab_size))
+
+
+def test_channel_absmax_is_the_max_of_the_captured_values(tiny_cfg, tiny_params, windows):
+    prefix = (1,)
+    absmax = channel_absmax(tiny_params, tiny_cfg, windows, ("down_in", "attn_in"), prefix=prefix)
+    assert absmax["down_in"].shape == (tiny_cfg.num_layers, tiny_cfg.intermediate_size)
+    for layer in range(tiny_cfg.num_layers):
+        got = capture_activations(
+            tiny_params, tiny_cfg, windows, ("down_in", "attn_in"), layer=layer, prefix=prefix
+        )
+        for name in ("down_in", "attn_in"):
+            expected = np.abs(got[name]).max(axis=(0, 1))
+            np.testing.assert_allclose(absmax[name][layer], expected, rtol=1e-6)
+    with pytest.raises(QnpuError, match="unknown layer activation"):
+        channel_absmax(tiny_params, tiny_cfg, windows, ("down_input",))
+
+
+def test_smoothing_scales_formula_dead_channels_and_errors():
+    rng = np.random.default_rng(0)
+    act = rng.uniform(0.1, 9.0, size=(2, 6)).astype(np.float32)
+    down = rng.normal(size=(2, 4, 6)).astype(np.float32)
+    act[0, 2] = 0.0  # never active
+    down[1, :, 4] = 0.0  # no weight
+    s = np.asarray(smoothing_scales(act, down, 0.6))
+    w = np.abs(down).max(axis=1)
+    expected = act**0.6 / np.where(w > 0, w, 1.0) ** 0.4
+    expected[0, 2] = expected[1, 4] = 1.0
+    np.testing.assert_allclose(s, expected, rtol=1e-5)
+    for alpha in (0.0, 1.0, -0.5):
+        with pytest.raises(QnpuError, match="alpha"):
+            smoothing_scales(act, down, alpha)
+    with pytest.raises(QnpuError, match="do not match"):
+        smoothing_scales(act[:, :5], down, 0.5)
+    act[1, 1] = np.nan
+    with pytest.raises(QnpuError, match="not finite"):
+        smoothing_scales(act, down, 0.5)
+
+
+def test_smoothing_is_equivalent_commutes_with_rotations_and_balances_ranges(
+    tiny_cfg, tiny_params, windows
+):
+    base = fuse_norms(tiny_params, tiny_cfg)
+    r1, r2 = randomized_hadamard_rotations(tiny_cfg, jax.random.key(2))
+    rotated = apply_rotations(base, tiny_cfg, r1, r2)
+    absmax = channel_absmax(rotated, tiny_cfg, windows, ("down_in",))["down_in"]
+    s = smoothing_scales(absmax, rotated["layers"]["down_proj"], 0.5)
+    assert not np.allclose(s, 1.0)
+    smoothed = apply_rotations(smooth_mlp(base, s), tiny_cfg, r1, r2)
+    for name in ("up_proj", "down_proj"):
+        assert not np.allclose(smoothed["layers"][name], rotated["layers"][name])
+        np.testing.assert_allclose(  # smoothing before or after the rotations: the same
+            smoothed["layers"][name], smooth_mlp(rotated, s)["layers"][name], rtol=1e-5, atol=1e-6
+        )
+    tokens = jnp.asarray(windows)
+    np.testing.assert_allclose(
+        forward(smoothed, tokens, cfg=tiny_cfg),
+        forward(tiny_params, tokens, cfg=tiny_cfg),
+        atol=1e-4,
+    )
+    # α = 0.5 leaves every channel's activation range equal to its weight column's range
+    after = channel_absmax(smoothed, tiny_cfg, windows, ("down_in",))["down_in"]
+    np.testing.assert_allclose(after, absmax / np.asarray(s), rtol=1e-4)
+    w_cols = np.abs(np.asarray(smoothed["layers"]["down_proj"])).max(axis=1)
+    np.testing.assert_allclose(after, w_cols, rtol=1e-4)
+    with pytest.raises(QnpuError, match="do not match"):
+        smooth_mlp(base, s[:, :-1])
+    with pytest.raises(QnpuError, match="positive"):
+        smooth_mlp(base, s.at[0, 0].set(0.0))
+
+
+def test_smoothed_run_stores_scales_that_eval_and_export_use(two_layer_dir, tmp_path, capsys):
+    from qnpu_jax.cli import main
+    from qnpu_jax.pipeline.run import load_run
+
+    data = {
+        "model": str(two_layer_dir), "method": "quarot", "w_bits": 4, "a_bits": 8,
+        "mixed_precision": 0.0, "seq_len": 32, "calib_windows": 2, "eval_windows": 2,
+        "smooth_mlp": 0.5,
+    }  # fmt: skip
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
+    out = tmp_path / "run"
+    args = ["quantize", "--config", str(tmp_path / "c.yaml"), "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert "smooth_mlp" in report["seconds"]
+    wiki = report["perplexity"]["wiki"]
+    _, _, params, _, model = load_run(out)
+    fused = fuse_norms(model.params, model.config)
+    unsmoothed = np.abs(np.asarray(fused["layers"]["up_proj"])).max(axis=-1)
+    assert not np.allclose(np.abs(np.asarray(params["layers"]["up_proj"])).max(axis=-1), unsmoothed)
+    capsys.readouterr()
+    ev = ["eval", "--run", str(out), "--data", "wiki", "--seq-len", "32", "--max-windows", "2"]
+    assert main([*ev, "--no-progress", "--json", str(tmp_path / "e.json")]) == 0
+    evaluated = json.loads((tmp_path / "e.json").read_text())
+    assert evaluated["ppl"] == pytest.approx(wiki["quantized_ppl"], rel=1e-5)
+    # the integer artifact carries the smoothed weights: emulator == JAX engine, near fake-quant
+    art = tmp_path / "art"
+    export = ["export", "--run", str(out), "--out", str(art), "--max-context", "64"]
+    assert main([*export, "--prefill-chunk", "16"]) == 0
+    ppl = {}
+    for engine in ("emulator", "jax"):
+        ev = ["eval", "--artifact", str(art), "--engine", engine, "--data", "wiki"]
+        ev += ["--seq-len", "32", "--max-windows", "2", "--no-progress"]
+        assert main([*ev, "--json", str(tmp_path / f"{engine}.json")]) == 0
+        ppl[engine] = json.loads((tmp_path / f"{engine}.json").read_text())["ppl"]
+    assert ppl["emulator"] == ppl["jax"]
+    assert ppl["emulator"] == pytest.approx(wiki["quantized_ppl"], rel=0.1)
+    # a run whose config no longer matches its stored scales is refused
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    config["smooth_mlp"] = None
+    (out / "config.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(QnpuError, match="smoothing scales are present"):
+        load_run(out)
