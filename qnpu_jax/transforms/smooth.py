@@ -20,13 +20,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from qnpu_jax.errors import QnpuError
 
 Params = dict[str, Any]
 
 
-def smoothing_scales(act_absmax: jax.Array, down_proj: jax.Array, alpha: float) -> jax.Array:
+def smoothing_scales(act_absmax: ArrayLike, down_proj: ArrayLike, alpha: float) -> jax.Array:
     """s [L, I] from the down_proj inputs' per-channel max |x| [L, I] and the down_proj
     weights [L, D, I] (as they will be quantized, i.e. after any rotation). Channels that are
     never active or whose weights are all zero keep s = 1."""
@@ -47,7 +48,7 @@ def smoothing_scales(act_absmax: jax.Array, down_proj: jax.Array, alpha: float) 
     return jnp.where(live, safe_act**alpha / safe_w ** (1.0 - alpha), 1.0)
 
 
-def smooth_mlp(params: Params, scales: jax.Array) -> Params:
+def smooth_mlp(params: Params, scales: ArrayLike) -> Params:
     """Fold s [L, I] into up_proj (rows / s) and down_proj (columns * s); model-equivalent."""
     layers = dict(params["layers"])
     s = jnp.asarray(scales, jnp.float32)
