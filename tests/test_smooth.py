@@ -2,6 +2,8 @@
 range from the down_proj input into down_proj's columns, and is wired into runs."""
 
 import json
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,17 @@ from qnpu_jax.transforms import (
     smooth_mlp,
     smoothing_scales,
 )
+
+
+def _script(name):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +144,15 @@ def test_smoothed_run_stores_scales_that_eval_and_export_use(two_layer_dir, tmp_
         ppl[engine] = json.loads((tmp_path / f"{engine}.json").read_text())["ppl"]
     assert ppl["emulator"] == ppl["jax"]
     assert ppl["emulator"] == pytest.approx(wiki["quantized_ppl"], rel=0.1)
+    # scripts/smooth_study.py calibrates as the run does: its α = 0.5 row is the run
+    study = _script("smooth_study")
+    args = ["--model", str(two_layer_dir), "--alphas", "none,0.5", "--seq-len", "32"]
+    args += ["--calib-windows", "2", "--eval-windows", "2", "--json", str(tmp_path / "s.json")]
+    assert study.main(args) == 0
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert [r["alpha"] for r in rows] == [None, 0.5]
+    assert rows[1]["ppl"] == pytest.approx(wiki["quantized_ppl"], rel=1e-6)
+    assert rows[0]["ppl"] != rows[1]["ppl"]
     # a run whose config no longer matches its stored scales is refused
     config = yaml.safe_load((out / "config.yaml").read_text())
     config["smooth_mlp"] = None

@@ -207,6 +207,20 @@ def save_learned(
     tmp.rename(target)
 
 
+def mlp_smoothing(
+    params: Params,
+    cfg: ModelConfig,
+    windows: np.ndarray,
+    alpha: float,
+    *,
+    prefix: tuple[int, ...] = (),
+) -> jax.Array:
+    """Smoothing scales [L, I] for `params` as they will be quantized (after R1/R2, which the
+    smoothing commutes with): down_proj input ranges over the calibration `windows`."""
+    absmax = channel_absmax(params, cfg, windows, ("down_in",), prefix=prefix)["down_in"]
+    return smoothing_scales(absmax, params["layers"]["down_proj"], alpha)
+
+
 def quantize(
     config: QuantizeConfig,
     run_dir: Path,
@@ -246,10 +260,7 @@ def quantize(
     smoothing = None
     if config.smooth_mlp is not None:
         t0 = time.perf_counter()
-        # Weight ranges as quantized (after R1); the smoothing commutes with R1/R2.
-        absmax = channel_absmax(start_params, cfg, calib, ("down_in",), prefix=prefix)
-        w_down = start_params["layers"]["down_proj"]
-        smoothing = smoothing_scales(absmax["down_in"], w_down, config.smooth_mlp)
+        smoothing = mlp_smoothing(start_params, cfg, calib, config.smooth_mlp, prefix=prefix)
         base = smooth_mlp(base, smoothing)
         start_params = apply_rotations(base, cfg, r1, r2) if rotated else base
         seconds["smooth_mlp"] = time.perf_counter() - t0

@@ -1,0 +1,142 @@
+"""Up→down channel smoothing (`smooth_mlp: α`) across α for a training-free method -> JSON.
+
+One method recipe (`rtn` or `quarot`, no stage 1) with every down_proj input at 8 bits (no
+promotion: the tensor smoothing is for), calibrated once per α exactly as `qnpu quantize`
+calibrates it (the run's calibration windows, seed, rotations and sink prefix), evaluated on
+the first `--eval-windows` windows of the `wiki` eval split. "none" is the method without
+smoothing. A stage-1 method is measured with a full run instead
+(configs/smollm2-135m-quantnpu-w4a8-smooth.yaml).
+
+    python scripts/smooth_study.py --method quarot --bits W4A8 \
+        --alphas none,0.2,0.3,0.5,0.7 --eval-windows 16 --json reports/smooth_study.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _alphas(text: str) -> tuple[float | None, ...]:
+    out: list[float | None] = []
+    for part in text.split(","):
+        if part == "none":
+            out.append(None)
+            continue
+        try:
+            alpha = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is neither 'none' nor a number") from None
+        if not 0 < alpha < 1:
+            raise argparse.ArgumentTypeError(f"alpha {alpha} is not in (0, 1)")
+        out.append(alpha)
+    return tuple(out)
+
+
+def _bits(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"W(\d+)A(\d+)", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not of the form W4A8")
+    return int(match[1]), int(match[2])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--method", choices=("rtn", "quarot"), default="quarot")
+    parser.add_argument("--bits", type=_bits, default=(4, 8))
+    parser.add_argument("--alphas", type=_alphas, default=(None, 0.2, 0.3, 0.5, 0.7))
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--calib-windows", type=int, default=16)
+    parser.add_argument("--eval-windows", type=int, default=16)
+    parser.add_argument("--json", default="reports/smooth_study.json")
+    args = parser.parse_args(argv)
+    command = "python scripts/smooth_study.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+    from qnpu_jax.environment import environment_info
+    from qnpu_jax.files import write_json_atomic
+    from qnpu_jax.models import load_model
+    from qnpu_jax.models.quantized import sink_prefix
+    from qnpu_jax.pipeline.calibrate import calibrate
+    from qnpu_jax.pipeline.config import QuantizeConfig
+    from qnpu_jax.pipeline.run import (
+        build_plan,
+        calibration_data,
+        evaluate,
+        mlp_smoothing,
+        run_keys,
+        wiki_eval_windows,
+    )
+    from qnpu_jax.transforms import (
+        apply_rotations,
+        fuse_norms,
+        randomized_hadamard_rotations,
+        smooth_mlp,
+    )
+
+    config = QuantizeConfig(
+        model=args.model,
+        method=args.method,
+        w_bits=args.bits[0],
+        a_bits=args.bits[1],
+        mixed_precision=0.0,
+        seq_len=args.seq_len,
+        calib_windows=args.calib_windows,
+    )
+    model = load_model(config.model)
+    cfg = model.config
+    prefix = sink_prefix(config.prefix, model.tokenizer)
+    _, calib = calibration_data(config, model.tokenizer)
+    windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
+    rotated = config.method == "quarot"
+    base = fuse_norms(model.params, cfg) if rotated else model.params
+    r1 = r2 = None
+    if rotated:
+        r1, r2 = randomized_hadamard_rotations(cfg, run_keys(config.seed)[1])
+
+    def place(p: Any) -> Any:
+        return apply_rotations(p, cfg, r1, r2) if rotated else p
+
+    start = place(base)
+    plan = build_plan(config, cfg.num_layers, None)
+    rows: list[dict[str, Any]] = []
+    for alpha in args.alphas:
+        t0 = time.perf_counter()
+        params = start
+        if alpha is not None:
+            scales = mlp_smoothing(start, cfg, calib, alpha, prefix=prefix)
+            params = place(smooth_mlp(base, scales))
+        state = calibrate(params, cfg, plan, calib, prefix=prefix)
+        down_in = state["layers"]["down_in"]["scale"]
+        ppl = evaluate(params, state, plan, cfg, windows, prefix)["ppl"]
+        rows.append(
+            {
+                "alpha": alpha,
+                "ppl": ppl,
+                "down_in_scale_max": float(down_in.max()),
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+        print(f"alpha {alpha}: {ppl:.3f}", flush=True)
+    write_json_atomic(
+        Path(args.json),
+        {
+            **config.summary(),
+            "down_in_bits": config.down_in_bits,
+            "calibration": {"data": config.calib_data, "windows": config.calib_windows},
+            "eval": {"data": "wiki (eval split)", "windows": len(windows)},
+            "rows": rows,
+            "environment": environment_info(),
+            "command": command,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
