@@ -3,12 +3,12 @@ error than round-to-nearest when it does, equal to a plain numpy GPTQ, and wired
 
 import json
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import load_script  # tests/ is on sys.path (rootdir conftest)
 
 from qnpu_jax import QnpuError
 from qnpu_jax.quant.gptq import gptq_codes, gptq_layers, layer_error
@@ -133,17 +133,6 @@ GPTQ_RUN = {
 }  # fmt: skip
 
 
-def _script(name):
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)  # dataclasses look their module up while built
-    spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 @pytest.fixture(scope="module")
 def gptq_run(two_layer_dir, tmp_path_factory):
     """A quick QuaRot run with weight_rounding gptq on the two-layer model."""
@@ -190,7 +179,7 @@ def test_gptq_run_stores_codes_that_eval_and_export_use(gptq_run, tmp_path):
 def test_gptq_study_on_a_gptq_run(gptq_run, tmp_path):
     """The run's weights are on the grid already, so GPTQ keeps every code: both columns of
     scripts/gptq_study.py give the run's own perplexity on the run's windows."""
-    study = _script("gptq_study")
+    study = load_script("gptq_study")
     args = ["--run", str(gptq_run), "--grids", "learned,max_min", "--eval-windows", "2"]
     assert study.main([*args, "--json", str(tmp_path / "g.json")]) == 0
     rows = {r["grid"]: r for r in json.loads((tmp_path / "g.json").read_text())["rows"]}
@@ -204,7 +193,7 @@ def test_gptq_study_on_a_gptq_run(gptq_run, tmp_path):
 def test_restage2_recalibrates_only_what_the_rules_change(gptq_run, two_layer_dir, tmp_path):
     import yaml
 
-    restage2 = _script("restage2")
+    restage2 = load_script("restage2")
     base = {"model": str(two_layer_dir), **GPTQ_RUN}
 
     def run(extra, name):
@@ -238,7 +227,7 @@ def test_config_names_bad_weight_rounding():
 def test_mixed_precision_sweep_reproduces_the_run_at_its_own_share(gptq_run, tmp_path):
     """p = 0 keeps every down_proj input at the run's 8 bits and encodings: the run's own
     perplexity; p = 100% promotes both layers to 16-bit Max-Min."""
-    sweep = _script("mixed_precision_sweep")
+    sweep = load_script("mixed_precision_sweep")
     args = ["--run", str(gptq_run), "--eval-windows", "2", "--steps", "0,1.0"]
     sys_argv = ["mixed_precision_sweep.py", *args, "--json", str(tmp_path / "s.json")]
     old, sys.argv = sys.argv, sys_argv
@@ -257,14 +246,14 @@ def test_table_cost_and_error_budget_on_a_run(gptq_run, tmp_path):
     perplexity on the run's windows, and every other row is a real, finite number."""
     report = json.loads((gptq_run / "report.json").read_text())
     wiki = report["perplexity"]["wiki"]["quantized_ppl"]
-    tc = _script("table_cost")
+    tc = load_script("table_cost")
     args = ["--run", str(gptq_run), "--eval-windows", "2"]
     assert tc.main([*args, "--json", str(tmp_path / "t.json"), "--md", str(tmp_path / "t.md")]) == 0
     rows = json.loads((tmp_path / "t.json").read_text())["rows"]
     assert rows[0]["key"] == "run" and rows[0]["ppl"] == pytest.approx(wiki, rel=1e-6)
     assert len(rows) == 10 and all(np.isfinite(r["ppl"]) for r in rows)
     assert "lm_head weight at 4 bits per row" in (tmp_path / "t.md").read_text()
-    eb = _script("error_budget")
+    eb = load_script("error_budget")
     assert eb.main([*args, "--json", str(tmp_path / "e.json")]) == 0
     budget = json.loads((tmp_path / "e.json").read_text())
     assert budget["run_ppl"] == pytest.approx(wiki, rel=1e-6)

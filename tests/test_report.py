@@ -486,16 +486,12 @@ def test_capture_activations_on_tiny_model(tiny_cfg, tiny_params):
 def test_plot_activations_script_ranges():
     """The script's range helpers without a model: the plan initializer on given values and
     the run's stored encoding of one layer."""
-    import importlib.util
-
     import jax.numpy as jnp
+    from conftest import load_script
 
     from qnpu_jax.quant.plan import TensorQuant
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "plot_activations.py"
-    spec = importlib.util.spec_from_file_location("plot_activations", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("plot_activations")
     values = np.array([-2.0, -1.0, 0.0, 0.5, 4.0], np.float32)
     r = script.init_range(values, TensorQuant(bits=8), 0, "max_min")
     assert (r.lo, r.hi) == pytest.approx((-4.0 * 128 / 127, 4.0))  # s = max|x| / 127

@@ -4,35 +4,20 @@ model runs here; the scripts' docstrings give the full commands)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def _load(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script  # tests/ is on sys.path (rootdir conftest)
 
 
 @pytest.fixture(scope="module")
 def cm():
-    return _load("compare_methods")
+    return load_script("compare_methods")
 
 
 @pytest.fixture(scope="module")
 def ist():
-    return _load("init_study")
+    return load_script("init_study")
 
 
 def test_compare_grid_matches_the_settings(cm, tmp_path):
@@ -312,7 +297,7 @@ def test_init_study_markdown_and_claims(ist):
 
 @pytest.fixture(scope="module")
 def tc():
-    return _load("table_cost")
+    return load_script("table_cost")
 
 
 def test_table_cost_variants_change_only_the_table_tensors(tc, tiny_cfg, tiny_params):
@@ -356,7 +341,7 @@ def test_table_cost_variants_change_only_the_table_tensors(tc, tiny_cfg, tiny_pa
 def test_error_budget_groups_drop_what_they_name(tiny_cfg):
     from qnpu_jax.quant import default_plan
 
-    eb = _load("error_budget")
+    eb = load_script("error_budget")
     plan = default_plan(tiny_cfg.num_layers, w_bits=4, a_bits=8)
     paths = [p for p, _ in plan.entries]
     state = {

@@ -2,14 +2,13 @@
 range from the down_proj input into down_proj's columns, and is wired into runs."""
 
 import json
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
+from conftest import load_script  # tests/ is on sys.path (rootdir conftest)
 
 from qnpu_jax import QnpuError
 from qnpu_jax.models import forward
@@ -21,17 +20,6 @@ from qnpu_jax.transforms import (
     smooth_mlp,
     smoothing_scales,
 )
-
-
-def _script(name):
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)
-    spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +133,7 @@ def test_smoothed_run_stores_scales_that_eval_and_export_use(two_layer_dir, tmp_
     assert ppl["emulator"] == ppl["jax"]
     assert ppl["emulator"] == pytest.approx(wiki["quantized_ppl"], rel=0.1)
     # scripts/smooth_study.py calibrates as the run does: its α = 0.5 row is the run
-    study = _script("smooth_study")
+    study = load_script("smooth_study")
     args = ["--model", str(two_layer_dir), "--alphas", "none,0.5", "--seq-len", "32"]
     args += ["--calib-windows", "2", "--eval-windows", "2", "--json", str(tmp_path / "s.json")]
     assert study.main(args) == 0
