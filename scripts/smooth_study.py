@@ -112,16 +112,13 @@ def main(argv: list[str] | None = None) -> int:
             scales = mlp_smoothing(start, cfg, calib, alpha, prefix=prefix)
             params = place(smooth_mlp(base, scales))
         state = calibrate(params, cfg, plan, calib, prefix=prefix)
-        down_in = state["layers"]["down_in"]["scale"]
         ppl = evaluate(params, state, plan, cfg, windows, prefix)["ppl"]
-        rows.append(
-            {
-                "alpha": alpha,
-                "ppl": ppl,
-                "down_in_scale_max": float(down_in.max()),
-                "seconds": time.perf_counter() - t0,
-            }
-        )
+        # smoothing also rescales up_proj's (8-bit) output channels by 1/s
+        scales = {
+            f"{name}_scale_max": [float(x) for x in state["layers"][name]["scale"]]
+            for name in ("down_in", "up_out")
+        }
+        rows.append({"alpha": alpha, "ppl": ppl, **scales, "seconds": time.perf_counter() - t0})
         print(f"alpha {alpha}: {ppl:.3f}", flush=True)
     write_json_atomic(
         Path(args.json),

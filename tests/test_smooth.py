@@ -38,8 +38,9 @@ def test_channel_absmax_is_the_max_of_the_captured_values(tiny_cfg, tiny_params,
         for name in ("down_in", "attn_in"):
             expected = np.abs(got[name]).max(axis=(0, 1))
             np.testing.assert_allclose(absmax[name][layer], expected, rtol=1e-6)
-    with pytest.raises(QnpuError, match="unknown layer activation"):
-        channel_absmax(tiny_params, tiny_cfg, windows, ("down_input",))
+    for name in ("down_input", "scores"):
+        with pytest.raises(QnpuError, match="no channel ranges"):
+            channel_absmax(tiny_params, tiny_cfg, windows, (name,))
 
 
 def test_smoothing_scales_formula_dead_channels_and_errors():
@@ -96,8 +97,10 @@ def test_smoothing_is_equivalent_commutes_with_rotations_and_balances_ranges(
 
 
 def test_smoothed_run_stores_scales_that_eval_and_export_use(two_layer_dir, tmp_path, capsys):
+    import orbax.checkpoint as ocp
+
     from qnpu_jax.cli import main
-    from qnpu_jax.pipeline.run import load_run
+    from qnpu_jax.pipeline.run import load_run, save_learned
 
     data = {
         "model": str(two_layer_dir), "method": "quarot", "w_bits": 4, "a_bits": 8,
@@ -112,9 +115,19 @@ def test_smoothed_run_stores_scales_that_eval_and_export_use(two_layer_dir, tmp_
     assert "smooth_mlp" in report["seconds"]
     wiki = report["perplexity"]["wiki"]
     _, _, params, _, model = load_run(out)
-    fused = fuse_norms(model.params, model.config)
-    unsmoothed = np.abs(np.asarray(fused["layers"]["up_proj"])).max(axis=-1)
-    assert not np.allclose(np.abs(np.asarray(params["layers"]["up_proj"])).max(axis=-1), unsmoothed)
+    with ocp.StandardCheckpointer() as ckpt:
+        learned = ckpt.restore((out / "learned").resolve())
+    assert float(learned["mlp_smoothing_alpha"]) == 0.5
+    scales = np.load(out / "mlp_smoothing.npy")
+    np.testing.assert_array_equal(learned["mlp_smoothing"], scales)
+    r1, r2 = jnp.asarray(learned["r1"]), jnp.asarray(learned["r2"])
+    plain = apply_rotations(fuse_norms(model.params, model.config), model.config, r1, r2)
+    smoothed = apply_rotations(
+        smooth_mlp(fuse_norms(model.params, model.config), scales), model.config, r1, r2
+    )
+    for name in ("up_proj", "down_proj"):  # load_run rebuilds the smoothed weights
+        assert not np.allclose(params["layers"][name], plain["layers"][name], atol=1e-4)
+        np.testing.assert_allclose(params["layers"][name], smoothed["layers"][name], atol=1e-6)
     capsys.readouterr()
     ev = ["eval", "--run", str(out), "--data", "wiki", "--seq-len", "32", "--max-windows", "2"]
     assert main([*ev, "--no-progress", "--json", str(tmp_path / "e.json")]) == 0
@@ -141,9 +154,30 @@ def test_smoothed_run_stores_scales_that_eval_and_export_use(two_layer_dir, tmp_
     assert [r["alpha"] for r in rows] == [None, 0.5]
     assert rows[1]["ppl"] == pytest.approx(wiki["quantized_ppl"], rel=1e-6)
     assert rows[0]["ppl"] != rows[1]["ppl"]
+    # --resume reuses the scales written before stage 1 instead of recomputing them
+    np.save(out / "mlp_smoothing.npy", 2 * scales)
+    args = ["quantize", "--config", str(tmp_path / "c.yaml"), "--out", str(out), "--resume"]
+    assert main([*args, "--no-progress"]) == 0
+    with ocp.StandardCheckpointer() as ckpt:
+        resumed = ckpt.restore((out / "learned").resolve())["mlp_smoothing"]
+    np.testing.assert_allclose(resumed, 2 * scales)
     # a run whose config no longer matches its stored scales is refused
     config = yaml.safe_load((out / "config.yaml").read_text())
-    config["smooth_mlp"] = None
+    for alpha, match in ((None, "scales are present"), (0.3, "made with 0.5")):
+        (out / "config.yaml").write_text(yaml.safe_dump({**config, "smooth_mlp": alpha}))
+        with pytest.raises(QnpuError, match=match):
+            load_run(out)
     (out / "config.yaml").write_text(yaml.safe_dump(config))
-    with pytest.raises(QnpuError, match="smoothing scales are present"):
+    save_learned(out, learned["r1"], learned["r2"], learned["state"])  # scales dropped
+    with pytest.raises(QnpuError, match="scales are missing"):
         load_run(out)
+
+
+def test_report_labels_name_the_options_beyond_the_paper():
+    from qnpu_jax.pipeline.config import QuantizeConfig
+    from qnpu_jax.report.table import run_label
+
+    assert run_label("quantnpu", QuantizeConfig()) == "Quant.npu"
+    both = QuantizeConfig(smooth_mlp=0.3, weight_rounding="gptq")
+    assert run_label("quantnpu", both) == "Quant.npu + smoothing α=0.3 + GPTQ"
+    assert both.summary()["smooth_mlp"] == 0.3

@@ -124,12 +124,15 @@ class QuantizeConfig:
         return f"W{self.w_bits}A{self.a_bits}KV{self.kv_bits}"
 
     def summary(self) -> dict[str, Any]:
-        """What every report on a run repeats about it: method, bits, prefix, seq_len."""
+        """What every report on a run repeats about it: method, bits, prefix, seq_len and the
+        options beyond the paper (weight rounding, up→down smoothing)."""
         return {
             "method": self.method,
             "bits": self.bits_name,
             "prefix": self.prefix,
             "seq_len": self.seq_len,
+            "weight_rounding": self.weight_rounding,
+            "smooth_mlp": self.smooth_mlp,
         }
 
     @classmethod

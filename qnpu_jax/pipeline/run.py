@@ -4,6 +4,7 @@ run_dir/
   config.yaml        the QuantizeConfig (a resumed run must match it)
   plan.json          the final quantization plan (mixed precision included)
   sensitivity.json   eq. (4) per layer and the promoted layers (when mixed precision runs)
+  mlp_smoothing.npy  with smooth_mlp: the up→down smoothing scales (made before stage 1)
   stage1/            orbax checkpoints of stage 1; metrics.jsonl per step
   learned/           orbax: rotations R1/R2, the full quantizer state after stage 2, with
                      smooth_mlp the up→down smoothing scales and, with weight_rounding gptq,
@@ -14,6 +15,7 @@ run_dir/
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import shutil
@@ -62,6 +64,7 @@ STAGE1_TENSORS = (*WEIGHTS, *ROTATED_INPUTS, "down_in")  # the linears' inputs a
 LINEAR_OUTPUTS = ("q_out", "k_out", "v_out", "o_out", "gate_out", "up_out", "down_out")
 KV_TENSORS = ("k_rope", "v_out")
 TRAINED_METHODS = ("quantnpu", "spinquant")  # the methods with a stage 1
+SMOOTHING_FILE = "mlp_smoothing.npy"  # written before stage 1, reused by --resume
 
 
 def init_rules(w_bits: int, a_bits: int) -> list[QuantRule]:
@@ -183,6 +186,7 @@ def save_learned(
     state: QuantState,
     weight_codes: dict[str, np.ndarray] | None = None,
     smoothing: Any = None,
+    smoothing_alpha: float | None = None,
 ) -> None:
     """Write rotations (None: unrotated method), the quantizer state, GPTQ's weight codes
     (None: round-to-nearest, nothing to store) and the up→down smoothing scales (None: no
@@ -201,10 +205,18 @@ def save_learned(
             tree["weight_codes"] = weight_codes
         if smoothing is not None:
             tree["mlp_smoothing"] = smoothing
+            tree["mlp_smoothing_alpha"] = np.asarray(smoothing_alpha, np.float32)
         ckpt.save(tmp, tree)
     if target.exists():
         shutil.rmtree(target)
     tmp.rename(target)
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise QnpuError(f"{path}: not a readable .npy array: {e}") from e
 
 
 def mlp_smoothing(
@@ -260,7 +272,14 @@ def quantize(
     smoothing = None
     if config.smooth_mlp is not None:
         t0 = time.perf_counter()
-        smoothing = mlp_smoothing(start_params, cfg, calib, config.smooth_mlp, prefix=prefix)
+        saved = run_dir / SMOOTHING_FILE
+        if resume and saved.is_file():  # stage 1 continues on exactly the base it started on
+            smoothing = jnp.asarray(_load_npy(saved))
+        else:
+            smoothing = mlp_smoothing(start_params, cfg, calib, config.smooth_mlp, prefix=prefix)
+            buf = io.BytesIO()
+            np.save(buf, np.asarray(smoothing))
+            write_bytes_atomic(saved, buf.getvalue())
         base = smooth_mlp(base, smoothing)
         start_params = apply_rotations(base, cfg, r1, r2) if rotated else base
         seconds["smooth_mlp"] = time.perf_counter() - t0
@@ -325,7 +344,7 @@ def quantize(
         )
         final_params = weights_from_codes(final_params, state, weight_codes)
         seconds["gptq"] = time.perf_counter() - t0
-    save_learned(run_dir, r1, r2, state, weight_codes, smoothing)
+    save_learned(run_dir, r1, r2, state, weight_codes, smoothing, config.smooth_mlp)
 
     t0 = time.perf_counter()
     results: dict[str, Any] = {}
@@ -385,6 +404,12 @@ def load_run(run_dir: Path) -> tuple[QuantizeConfig, QuantPlan, Params, QuantSta
             f"{run_dir / 'learned'} does not match config.yaml: smooth_mlp is "
             f"{config.smooth_mlp!r} but the smoothing scales are "
             f"{'present' if 'mlp_smoothing' in learned else 'missing'}"
+        )
+    alpha = float(learned.get("mlp_smoothing_alpha", config.smooth_mlp or 0.0))  # older runs: none
+    if config.smooth_mlp is not None and abs(alpha - config.smooth_mlp) > 1e-6:
+        raise QnpuError(
+            f"{run_dir / 'learned'} does not match config.yaml: smooth_mlp is "
+            f"{config.smooth_mlp!r} but the scales were made with {alpha:.6g}"
         )
     if "mlp_smoothing" in learned:
         params = smooth_mlp(params, jnp.asarray(learned["mlp_smoothing"]))

@@ -219,6 +219,16 @@ def _down_in_text(plan: Any) -> str:
     return f"{low}; {'/'.join(map(str, bits))} in {layers} {', '.join(map(str, high))}"
 
 
+def run_label(method: str, config: Any) -> str:
+    """The method's label plus the options beyond the paper that the run used."""
+    label = METHOD_LABELS.get(method, method)
+    if config.smooth_mlp is not None:
+        label += f" + smoothing α={config.smooth_mlp:g}"
+    if config.weight_rounding != "rtn":
+        label += f" + {config.weight_rounding.upper()}"
+    return label
+
+
 def load_run_row(run_dir: Path) -> Row:
     """The row of a finished `qnpu quantize` run: report.json, config.yaml and plan.json."""
     from qnpu_jax.pipeline.config import load_config
@@ -260,7 +270,7 @@ def load_run_row(run_dir: Path) -> Row:
         )
     return Row(
         kind="run",
-        method=METHOD_LABELS.get(method, method),
+        method=run_label(method, config),
         source=str(run_dir),
         bits=bits,
         granularity=_granularity(plan),
