@@ -4,7 +4,7 @@ Each row drops one group from the run's plan (those tensors stay float, every ot
 is the run's) and evaluates the fake-quant model on the `wiki` eval split: the closer a row
 comes to float, the more that group costs. Groups: all weights (activations only), all
 activations (weights only), the down_proj input, the linear outputs, the rotated linear
-inputs, the K/V cache.
+inputs, the K/V cache; `--rows outputs`: each linear output alone.
 
     python scripts/error_budget.py --run runs/smollm2-135m-quantnpu-w4a8 --eval-windows 32 \
         --json reports/error_budget.json
@@ -41,7 +41,16 @@ def groups() -> dict[str, tuple[str, Callable[[str], bool]]]:
         "linear_outputs": ("linear outputs float", lambda p: _name(p) in LINEAR_OUTPUTS),
         "rotated_inputs": ("rotated linear inputs float", lambda p: _name(p) in ROTATED_INPUTS),
         "kv": ("K/V cache float", lambda p: p in ("layers/k_rope", "layers/v_out")),
+        **{  # each linear output alone (the "linear_outputs" group split up)
+            name: (f"{name} float", lambda p, n=name: p == f"layers/{n}") for name in LINEAR_OUTPUTS
+        },
     }
+
+
+GROUP_SETS = {
+    "groups": ("weights", "activations", "down_in", "linear_outputs", "rotated_inputs", "kv"),
+    "outputs": LINEAR_OUTPUTS,
+}
 
 
 def without(plan: Any, state: Any, drop: Callable[[str], bool]) -> tuple[Any, Any]:
@@ -59,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run", type=Path, required=True)
     parser.add_argument("--eval-windows", type=int, default=32)
+    parser.add_argument(
+        "--rows",
+        choices=sorted(GROUP_SETS),
+        default="groups",
+        help="groups: the tensor groups; outputs: each linear output alone",
+    )
     parser.add_argument("--json", default="reports/error_budget.json")
     args = parser.parse_args(argv)
     command = "python scripts/error_budget.py " + shlex.join(sys.argv[1:] if argv is None else argv)
@@ -76,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     run_ppl = evaluate(params, state, plan, cfg, windows, prefix)["ppl"]
     print(f"float {float_ppl:.3f}, run {run_ppl:.3f}", flush=True)
     rows = []
-    for key, (label, drop) in groups().items():
+    for key in GROUP_SETS[args.rows]:
+        label, drop = groups()[key]
         dropped = [p for p, _ in plan.entries if drop(p)]
         if not dropped:
             continue

@@ -361,3 +361,7 @@ def test_error_budget_groups_drop_what_they_name(tiny_cfg):
     assert dropped["kv"] == {"layers/k_rope", "layers/v_out"}
     assert "lm_head" not in dropped["weights"] and "layers/q_proj" in dropped["weights"]
     assert dropped["weights"].isdisjoint(dropped["activations"])
+    assert dropped["down_out"] == {"layers/down_out"}  # the per-output rows split the group
+    outputs = set().union(*(dropped[k] for k in eb.GROUP_SETS["outputs"]))
+    assert outputs == dropped["linear_outputs"]
+    assert set(eb.GROUP_SETS["groups"]) | set(eb.GROUP_SETS["outputs"]) == set(eb.groups())
