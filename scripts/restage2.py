@@ -58,9 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         new_config = load_config(args.config)
         if dataclasses.replace(new_config, rules=config.rules) != config:
             raise QnpuError(f"{args.config} differs from the run's config in more than `rules`")
-        down_in = plan.get("layers/down_in")
-        layer_bits = down_in.layer_bits if down_in is not None else None
-        new_plan = build_plan(new_config, plan.num_layers, layer_bits)
+        layer_bits = {}  # the run's per-layer promotions (sensitivity scans) stay
+        for name in ("down_in", "down_out"):
+            entry = plan.get(f"layers/{name}")
+            layer_bits[name] = entry.layer_bits if entry is not None else None
+        new_plan = build_plan(
+            new_config, plan.num_layers, layer_bits["down_in"], layer_bits["down_out"]
+        )
         changed = changed_entries(plan, new_plan)
         learned = [p for p in changed if p.removeprefix("layers/") in STAGE1_TENSORS]
         if learned:

@@ -16,6 +16,7 @@ from qnpu_jax.pipeline.mixed_precision import (
     mixed_layer_bits,
     promoted_layers,
     relative_error_sum,
+    tensor_sensitivity,
 )
 from qnpu_jax.quant import QuantPlan, default_plan
 
@@ -111,6 +112,41 @@ def _export_and_run_the_artifact(run, tmp_path, fake_quant_ppl, capsys):
     assert encodings["version"] == "1.0.0" and encodings["param_encodings"]
 
 
+def test_down_out_promotion_runs_through_eval_and_the_integer_artifact(
+    two_layer_dir, tmp_path, capsys
+):
+    """down_out_mixed_precision: the scan's top layer gets a 16-bit down_proj output, and the
+    exported artifact (16-bit codes feeding the residual add) runs bit-exactly."""
+    over = {"method": "quarot", "mixed_precision": 0.0, "down_out_mixed_precision": 0.5}
+    config = _config_file(tmp_path / "c.yaml", two_layer_dir, **over)
+    out = tmp_path / "run"
+    assert main(["quantize", "--config", str(config), "--out", str(out), "--no-progress"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    scan = json.loads((out / "sensitivity_down_out.json").read_text())
+    assert report["down_out_sensitivity"] == scan and report["sensitivity"] is None
+    top = int(np.argmax(scan["ratios"]))
+    assert scan["promoted_layers"] == [top]  # ceil(50% of 2) = 1
+    plan = QuantPlan.from_dict(json.loads((out / "plan.json").read_text()))
+    assert plan.get("layers/down_out").layer_bits == tuple(16 if i == top else 8 for i in range(2))
+    assert plan.get("layers/down_in").layer_bits in (None, (8, 8))
+    capsys.readouterr()
+    ev = ["eval", "--run", str(out), "--data", "wiki", "--seq-len", "32", "--max-windows", "2"]
+    assert main([*ev, "--no-progress", "--json", str(tmp_path / "e.json")]) == 0
+    fake_quant_ppl = json.loads((tmp_path / "e.json").read_text())["ppl"]
+    assert fake_quant_ppl == pytest.approx(report["perplexity"]["wiki"]["quantized_ppl"], rel=1e-5)
+    art = tmp_path / "art"
+    export = ["export", "--run", str(out), "--out", str(art), "--max-context", "64"]
+    assert main([*export, "--prefill-chunk", "16"]) == 0
+    ppl = {}
+    for engine in ("emulator", "jax"):
+        ev = ["eval", "--artifact", str(art), "--engine", engine, "--data", "wiki"]
+        ev += ["--seq-len", "32", "--max-windows", "2", "--no-progress"]
+        assert main([*ev, "--json", str(tmp_path / f"{engine}.json")]) == 0
+        ppl[engine] = json.loads((tmp_path / f"{engine}.json").read_text())["ppl"]
+    assert ppl["emulator"] == ppl["jax"]
+    assert ppl["emulator"] == pytest.approx(fake_quant_ppl, rel=0.1)
+
+
 def test_rtn_run_has_no_stage1(two_layer_dir, tmp_path):
     config = _config_file(tmp_path / "c.yaml", two_layer_dir, method="rtn", mixed_precision=0.0)
     out = tmp_path / "run"
@@ -129,6 +165,8 @@ def test_config_errors_name_the_problem(tmp_path):
         QuantizeConfig.from_dict({"method": "gptq"})
     with pytest.raises(QnpuError, match="never below 8"):
         QuantizeConfig.from_dict({"down_in_bits": 4})
+    with pytest.raises(QnpuError, match="down_out_mixed_precision"):
+        QuantizeConfig.from_dict({"down_out_mixed_precision": 1.5})
     for alpha in (0.0, 1.5, True, "half"):
         with pytest.raises(QnpuError, match="smooth_mlp"):
             QuantizeConfig.from_dict({"smooth_mlp": alpha})
@@ -167,19 +205,27 @@ def test_relative_error_by_hand_and_vmap_matches_a_loop(tiny_cfg, tiny_params):
     got = relative_error_sum(x, jnp.float32(0.5), jnp.float32(-128), jnp.float32(127))
     assert float(got) == pytest.approx(0.25 / (0.25 + 1e-8))
     ids = np.asarray(jax.random.randint(jax.random.key(2), (2, 16), 0, tiny_cfg.vocab_size))
-    report = down_proj_sensitivity(tiny_params, tiny_cfg, ids)
     from qnpu_jax.models.quantized import CaptureTaps, tapped_forward
 
     _, aux = tapped_forward(
         tiny_params, {"layers": None, "outer": None}, jnp.asarray(ids), cfg=tiny_cfg,
-        taps=CaptureTaps(frozenset({"down_in"})),
+        taps=CaptureTaps(frozenset({"down_in", "down_out"})),
     )  # fmt: skip
-    acts = np.asarray(aux["layers"]["down_in"])
-    for layer, ratio in enumerate(report.ratios):
-        a, s = acts[layer], report.scales[layer]
-        dq = np.clip(np.round(a / s), -128, 127) * s
-        want = np.mean(np.abs(dq - a) / (np.abs(a) + 1e-8))
-        assert ratio == pytest.approx(want, rel=1e-4)
+    reports = {
+        "down_in": down_proj_sensitivity(tiny_params, tiny_cfg, ids),
+        "down_out": tensor_sensitivity(tiny_params, tiny_cfg, ids, "down_out"),
+    }
+    for name, report in reports.items():
+        acts = np.asarray(aux["layers"][name])
+        for layer, ratio in enumerate(report.ratios):
+            a, s = acts[layer], report.scales[layer]
+            assert s == pytest.approx(np.abs(a).max() / 127, rel=1e-6)  # Max-Min at 8 bits
+            dq = np.clip(np.round(a / s), -128, 127) * s
+            want = np.mean(np.abs(dq - a) / (np.abs(a) + 1e-8))
+            assert ratio == pytest.approx(want, rel=1e-4)
+    assert reports["down_in"].ratios != reports["down_out"].ratios
+    with pytest.raises(QnpuError, match="no sensitivity scan"):
+        tensor_sensitivity(tiny_params, tiny_cfg, ids, "q_out")
 
 
 def test_default_plan_round_trips_through_json():

@@ -37,6 +37,9 @@ class QuantizeConfig:
     integer codes with GPTQ on the scales stage 2 ends with. `smooth_mlp: α` (any method;
     MobileQuant's SmoothQuant-Edge) moves range from the unrotated down_proj input into
     down_proj's weight columns, fused offline into up_proj/down_proj before everything else.
+    `down_out_mixed_precision: p` (any method; not in the paper) runs eq. (4)'s scan on the
+    down_proj outputs too and moves the most sensitive p of them to 16 bits: the layers that
+    write massive activations into the residual stream.
     """
 
     model: str = "smollm2-135m"
@@ -46,6 +49,7 @@ class QuantizeConfig:
     kv_bits: int = 8
     down_in_bits: int = 8  # base precision of the down_proj inputs (16: the paper's Table 1)
     mixed_precision: float = 0.10  # share of down_proj inputs promoted to 16 bits
+    down_out_mixed_precision: float = 0.0  # share of down_proj outputs promoted (not the paper)
     learn_down_in: bool = True  # §4.3.1's literal text; Appendix E argues for False
     init_scheme: str = "aware"  # quantnpu: rotation-and-bit-width-aware, or Max-Min everywhere
     selective: bool = True  # False: linear outputs and K/V scales are learned in stage 1 too
@@ -99,10 +103,10 @@ class QuantizeConfig:
                 raise QnpuError(f"{name} must be a non-negative integer, got {value!r}")
         if self.seq_len < 2 or self.calib_windows < 1:
             raise QnpuError("seq_len must be >= 2 and calib_windows >= 1")
-        if not isinstance(self.mixed_precision, int | float) or not (
-            0.0 <= self.mixed_precision <= 1.0
-        ):
-            raise QnpuError(f"mixed_precision must be in [0, 1], got {self.mixed_precision!r}")
+        for name in ("mixed_precision", "down_out_mixed_precision"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+                raise QnpuError(f"{name} must be in [0, 1], got {value!r}")
         if self.eval_windows is not None and (
             isinstance(self.eval_windows, bool)
             or not isinstance(self.eval_windows, int)

@@ -7,6 +7,8 @@ calibration windows, and its sensitivity is the mean relative error
 
 over all N calibration elements; the most sensitive `fraction` of layers (rounded up) moves
 to 16 bits. The per-layer computation is one `jax.vmap` over the stacked layers.
+`tensor_sensitivity` runs the same scan on another per-layer tensor: the down_proj output
+(not in the paper), which carries the layers' massive activations into the residual stream.
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ def relative_error_sum(
     return jnp.sum(err / (jnp.abs(x) + SENSITIVITY_EPS))
 
 
-@partial(jax.jit, static_argnames=("cfg", "prefix"))
+SCANNED_TENSORS = ("down_in", "down_out")  # per-layer tensors whose bits the scan may raise
+
+
+@partial(jax.jit, static_argnames=("cfg", "prefix", "name"))
 def _layer_error_sums(
     params: Params,
     tokens: jax.Array,
@@ -49,12 +54,14 @@ def _layer_error_sums(
     *,
     cfg: ModelConfig,
     prefix: tuple[int, ...],
-) -> jax.Array:
-    taps = CaptureTaps(frozenset({"down_in"}))
+    name: str,
+) -> tuple[jax.Array, int]:
+    taps = CaptureTaps(frozenset({name}))
     _, aux = tapped_forward(
         params, {"layers": None, "outer": None}, tokens, cfg=cfg, taps=taps, prefix=prefix
     )
-    return jax.vmap(relative_error_sum)(aux["layers"]["down_in"], scale, qmin, qmax)
+    x = aux["layers"][name]
+    return jax.vmap(relative_error_sum)(x, scale, qmin, qmax), x[0].size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +69,50 @@ class SensitivityReport:
     ratios: tuple[float, ...]  # per layer, eq. (4)
     bits: int  # the precision the ratios were measured at
     scales: tuple[float, ...]  # the static Max-Min scales used
+
+
+def tensor_sensitivity(
+    params: Params,
+    cfg: ModelConfig,
+    windows: np.ndarray,
+    name: str,
+    *,
+    bits: int = 8,
+    batch_size: int = 1,
+    prefix: tuple[int, ...] = (),
+) -> SensitivityReport:
+    """Eq. (4) for every layer's tensor `name` at `bits`, static Max-Min over `windows`."""
+    if name not in SCANNED_TENSORS:
+        raise QnpuError(f"no sensitivity scan for {name!r}; known: {SCANNED_TENSORS}")
+    tq = TensorQuant(bits=bits, init="max_min")
+    plan = QuantPlan(((f"layers/{name}", tq),), cfg.num_layers)
+    entry = calibrate(params, cfg, plan, windows, batch_size=batch_size, prefix=prefix)["layers"][
+        name
+    ]
+    total = jnp.zeros((cfg.num_layers,), jnp.float32)
+    count = 0
+    for i in range(0, len(windows), batch_size):
+        batch = jnp.asarray(windows[i : i + batch_size])
+        sums, size = _layer_error_sums(
+            params,
+            batch,
+            entry["scale"],
+            entry["qmin"],
+            entry["qmax"],
+            cfg=cfg,
+            prefix=prefix,
+            name=name,
+        )
+        total = total + sums
+        count += int(size)
+    ratios = np.asarray(total, np.float64) / count
+    if not np.isfinite(ratios).all():
+        raise QnpuError(f"{name} sensitivity: non-finite ratio (NaN in calibration data?)")
+    return SensitivityReport(
+        ratios=tuple(float(r) for r in ratios),
+        bits=bits,
+        scales=tuple(float(s) for s in np.asarray(entry["scale"]).ravel()),
+    )
 
 
 def down_proj_sensitivity(
@@ -73,27 +124,9 @@ def down_proj_sensitivity(
     batch_size: int = 1,
     prefix: tuple[int, ...] = (),
 ) -> SensitivityReport:
-    """Eq. (4) for every layer's down_proj input at `bits`, static Max-Min over `windows`."""
-    tq = TensorQuant(bits=bits, init="max_min")
-    plan = QuantPlan((("layers/down_in", tq),), cfg.num_layers)
-    entry = calibrate(params, cfg, plan, windows, batch_size=batch_size, prefix=prefix)["layers"][
-        "down_in"
-    ]
-    total = jnp.zeros((cfg.num_layers,), jnp.float32)
-    count = 0
-    for i in range(0, len(windows), batch_size):
-        batch = jnp.asarray(windows[i : i + batch_size])
-        total = total + _layer_error_sums(
-            params, batch, entry["scale"], entry["qmin"], entry["qmax"], cfg=cfg, prefix=prefix
-        )
-        count += int(batch.shape[0] * batch.shape[1]) * cfg.intermediate_size
-    ratios = np.asarray(total, np.float64) / count
-    if not np.isfinite(ratios).all():
-        raise QnpuError("down_proj sensitivity: non-finite ratio (NaN in calibration data?)")
-    return SensitivityReport(
-        ratios=tuple(float(r) for r in ratios),
-        bits=bits,
-        scales=tuple(float(s) for s in np.asarray(entry["scale"]).ravel()),
+    """Eq. (4) for every layer's down_proj input (the paper's scan)."""
+    return tensor_sensitivity(
+        params, cfg, windows, "down_in", bits=bits, batch_size=batch_size, prefix=prefix
     )
 
 
@@ -109,8 +142,8 @@ def promoted_layers(ratios: tuple[float, ...] | list[float], fraction: float) ->
 def mixed_layer_bits(
     ratios: tuple[float, ...] | list[float], fraction: float, base_bits: int = 8
 ) -> tuple[int, ...]:
-    """Per-layer down_proj input bits: 16 for the promoted layers, `base_bits` elsewhere."""
+    """Per-layer bits of a scanned tensor: 16 for the promoted layers, `base_bits` elsewhere."""
     if base_bits < 8:
-        raise QnpuError("the unrotated down_proj input is never below 8 bits")
+        raise QnpuError("the unrotated down_proj input and output are never below 8 bits")
     promoted = set(promoted_layers(ratios, fraction))
     return tuple(16 if i in promoted else base_bits for i in range(len(ratios)))

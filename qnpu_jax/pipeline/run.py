@@ -4,6 +4,7 @@ run_dir/
   config.yaml        the QuantizeConfig (a resumed run must match it)
   plan.json          the final quantization plan (mixed precision included)
   sensitivity.json   eq. (4) per layer and the promoted layers (when mixed precision runs)
+  sensitivity_down_out.json  the same for the down_proj outputs (down_out_mixed_precision)
   mlp_smoothing.npy  with smooth_mlp: the up→down smoothing scales (made before stage 1)
   stage1/            orbax checkpoints of stage 1; metrics.jsonl per step
   learned/           orbax: rotations R1/R2, the full quantizer state after stage 2, with
@@ -42,7 +43,11 @@ from qnpu_jax.models.llama import Params
 from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline.calibrate import calibrate, channel_absmax
 from qnpu_jax.pipeline.config import QuantizeConfig, load_config
-from qnpu_jax.pipeline.mixed_precision import down_proj_sensitivity, mixed_layer_bits
+from qnpu_jax.pipeline.mixed_precision import (
+    down_proj_sensitivity,
+    mixed_layer_bits,
+    tensor_sensitivity,
+)
 from qnpu_jax.pipeline.stage1 import (
     init_train_state,
     learned_scales,
@@ -80,9 +85,13 @@ def init_rules(w_bits: int, a_bits: int) -> list[QuantRule]:
 
 
 def build_plan(
-    config: QuantizeConfig, num_layers: int, down_in_bits: tuple[int, ...] | None
+    config: QuantizeConfig,
+    num_layers: int,
+    down_in_bits: tuple[int, ...] | None,
+    down_out_bits: tuple[int, ...] | None = None,
 ) -> QuantPlan:
-    """The deployment plan of a method: DESIGN §3's table, init rules, mixed precision, rules."""
+    """The deployment plan of a method: DESIGN §3's table, init rules, mixed precision (per-layer
+    bits of the down_proj inputs and outputs), rules."""
     rules: list[QuantRule] = []
     if config.scope == "linears":  # Table 2: the linears' weights, inputs and outputs only
         keep = "|".join((*STAGE1_TENSORS, *LINEAR_OUTPUTS))
@@ -91,6 +100,8 @@ def build_plan(
         rules += init_rules(config.w_bits, config.a_bits)
     if down_in_bits is not None:
         rules.append(QuantRule(pattern="layers/down_in", layer_bits=down_in_bits))
+    if down_out_bits is not None:
+        rules.append(QuantRule(pattern="layers/down_out", layer_bits=down_out_bits))
     rules += config.rules
     return default_plan(
         num_layers,
@@ -299,7 +310,22 @@ def quantize(
         }
         write_json_atomic(run_dir / "sensitivity.json", sensitivity)
         seconds["mixed_precision"] = time.perf_counter() - t0
-    plan = build_plan(config, cfg.num_layers, down_in_bits)
+    down_out_bits = None
+    down_out_sensitivity = None
+    if config.down_out_mixed_precision > 0:
+        t0 = time.perf_counter()
+        scan = tensor_sensitivity(start_params, cfg, calib, "down_out", prefix=prefix)
+        down_out_bits = mixed_layer_bits(scan.ratios, config.down_out_mixed_precision)
+        down_out_sensitivity = {
+            "ratios": list(scan.ratios),
+            "bits_measured": scan.bits,
+            "fraction": config.down_out_mixed_precision,
+            "promoted_layers": [i for i, b in enumerate(down_out_bits) if b == 16],
+            "layer_bits": list(down_out_bits),
+        }
+        write_json_atomic(run_dir / "sensitivity_down_out.json", down_out_sensitivity)
+        seconds["down_out_mixed_precision"] = time.perf_counter() - t0
+    plan = build_plan(config, cfg.num_layers, down_in_bits, down_out_bits)
     write_json_atomic(run_dir / "plan.json", plan.to_dict())
 
     learned = None
@@ -369,6 +395,7 @@ def quantize(
         "calibration": {"data": config.calib_data, "windows": config.calib_windows},
         "stage1_steps": config.stage1.steps if config.method in TRAINED_METHODS else 0,
         "sensitivity": sensitivity,
+        "down_out_sensitivity": down_out_sensitivity,
         "perplexity": results,
         "seconds": seconds,
         "environment": environment_info(),
