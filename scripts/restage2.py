@@ -1,7 +1,10 @@
 """Stage 2 of a finished run again under other plan rules, without a new stage 1 -> JSON.
 
-`--config` must equal the run's config except for `rules`, and the new rules must leave the
-tensors stage 1 learned (the linears' inputs and weights) as they were. The tensors whose
+`--config` must equal the run's config except for `rules` and `down_out_mixed_precision`, and
+the change must leave the tensors stage 1 learned (the linears' inputs and weights) as they
+were. A changed `down_out_mixed_precision` runs its scan on the run's final model, as `qnpu
+quantize` does. A run with GPTQ codes keeps them (a full run would re-choose them under the new
+plan; the JSON says so). The tensors whose
 entry changes are recalibrated on the run's rotated model and calibration windows, everything
 else keeps the run's encodings, and both plans are evaluated on the same `wiki` eval windows.
 Because stage 1 never sees the other tensors, the result equals what `qnpu quantize
@@ -47,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         STAGE1_TENSORS,
         build_plan,
         calibration_data,
+        down_out_promotion,
         evaluate,
         load_run,
         wiki_eval_windows,
@@ -56,12 +60,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, plan, params, state, model = load_run(args.run)
         new_config = load_config(args.config)
-        if dataclasses.replace(new_config, rules=config.rules) != config:
-            raise QnpuError(f"{args.config} differs from the run's config in more than `rules`")
+        same = dataclasses.replace(
+            new_config,
+            rules=config.rules,
+            down_out_mixed_precision=config.down_out_mixed_precision,
+        )
+        if same != config:
+            raise QnpuError(
+                f"{args.config} differs from the run's config in more than `rules` and "
+                "`down_out_mixed_precision`"
+            )
         layer_bits = {}  # the run's per-layer promotions (sensitivity scans) stay
         for name in ("down_in", "down_out"):
             entry = plan.get(f"layers/{name}")
             layer_bits[name] = entry.layer_bits if entry is not None else None
+        promotion = None
+        if new_config.down_out_mixed_precision != config.down_out_mixed_precision:
+            layer_bits["down_out"] = None
+            if new_config.down_out_mixed_precision > 0:
+                _, calib = calibration_data(config, model.tokenizer)
+                prefix = sink_prefix(config.prefix, model.tokenizer)
+                promotion = down_out_promotion(params, model.config, calib, new_config, prefix)
+                layer_bits["down_out"] = tuple(promotion["layer_bits"])
         new_plan = build_plan(
             new_config, plan.num_layers, layer_bits["down_in"], layer_bits["down_out"]
         )
@@ -104,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
             **config.summary(),
             "eval": {"data": "wiki (eval split)", "windows": len(windows)},
             "recalibrated": changed,
+            "down_out_promotion": promotion,
+            # GPTQ's Hessians depend on the plan: a full run would re-choose the codes
+            "gptq_codes_kept": config.weight_rounding == "gptq",
             "run_ppl": run_ppl,
             "new_ppl": new_ppl,
             "environment": environment_info(),

@@ -208,6 +208,12 @@ def test_restage2_recalibrates_only_what_the_rules_change(gptq_run, two_layer_di
     report = json.loads((gptq_run / "report.json").read_text())
     assert out["run_ppl"] == pytest.approx(report["perplexity"]["wiki"]["quantized_ppl"], rel=1e-6)
     assert out["new_ppl"] != out["run_ppl"]
+    assert out["gptq_codes_kept"] is True and out["down_out_promotion"] is None
+    assert run({"down_out_mixed_precision": 0.5}, "dout") == 0  # the scan on the final model
+    out = json.loads((tmp_path / "dout").read_text())
+    assert out["recalibrated"] == ["layers/down_out"]
+    assert len(out["down_out_promotion"]["promoted_layers"]) == 1
+    assert sorted(out["down_out_promotion"]["layer_bits"]) == [8, 16]
     assert run({**clip, "seed": 1}, "seed") == 2  # more than the rules differ
     assert run({"rules": [{"pattern": "layers/attn_in", "init": "mean_std"}]}, "s1") == 2
     assert run({}, "same") == 2  # nothing to recalibrate

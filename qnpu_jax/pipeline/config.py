@@ -38,8 +38,9 @@ class QuantizeConfig:
     MobileQuant's SmoothQuant-Edge) moves range from the unrotated down_proj input into
     down_proj's weight columns, fused offline into up_proj/down_proj before everything else.
     `down_out_mixed_precision: p` (any method; not in the paper) runs eq. (4)'s scan on the
-    down_proj outputs too and moves the most sensitive p of them to 16 bits: the layers that
-    write massive activations into the residual stream.
+    down_proj outputs of the final model (after stage 1, before stage 2) and moves the most
+    sensitive p of them to 16 bits: the layers that write massive activations into the residual
+    stream.
     """
 
     model: str = "smollm2-135m"
@@ -107,6 +108,11 @@ class QuantizeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
                 raise QnpuError(f"{name} must be in [0, 1], got {value!r}")
+        if self.down_out_mixed_precision > 0 and not self.selective:
+            raise QnpuError(
+                "down_out_mixed_precision needs selective: true (the scan runs after stage 1, "
+                "which must not learn the down_proj output scales)"
+            )
         if self.eval_windows is not None and (
             isinstance(self.eval_windows, bool)
             or not isinstance(self.eval_windows, int)

@@ -244,6 +244,26 @@ def mlp_smoothing(
     return smoothing_scales(absmax, params["layers"]["down_proj"], alpha)
 
 
+def down_out_promotion(
+    params: Params,
+    cfg: ModelConfig,
+    windows: np.ndarray,
+    config: QuantizeConfig,
+    prefix: tuple[int, ...],
+) -> dict[str, Any]:
+    """Eq. (4)'s scan on the down_proj outputs of `params` (the model stage 2 calibrates) and
+    the per-layer bits it gives at `config.down_out_mixed_precision`."""
+    scan = tensor_sensitivity(params, cfg, windows, "down_out", prefix=prefix)
+    bits = mixed_layer_bits(scan.ratios, config.down_out_mixed_precision)
+    return {
+        "ratios": list(scan.ratios),
+        "bits_measured": scan.bits,
+        "fraction": config.down_out_mixed_precision,
+        "promoted_layers": [i for i, b in enumerate(bits) if b == 16],
+        "layer_bits": list(bits),
+    }
+
+
 def quantize(
     config: QuantizeConfig,
     run_dir: Path,
@@ -310,22 +330,7 @@ def quantize(
         }
         write_json_atomic(run_dir / "sensitivity.json", sensitivity)
         seconds["mixed_precision"] = time.perf_counter() - t0
-    down_out_bits = None
-    down_out_sensitivity = None
-    if config.down_out_mixed_precision > 0:
-        t0 = time.perf_counter()
-        scan = tensor_sensitivity(start_params, cfg, calib, "down_out", prefix=prefix)
-        down_out_bits = mixed_layer_bits(scan.ratios, config.down_out_mixed_precision)
-        down_out_sensitivity = {
-            "ratios": list(scan.ratios),
-            "bits_measured": scan.bits,
-            "fraction": config.down_out_mixed_precision,
-            "promoted_layers": [i for i, b in enumerate(down_out_bits) if b == 16],
-            "layer_bits": list(down_out_bits),
-        }
-        write_json_atomic(run_dir / "sensitivity_down_out.json", down_out_sensitivity)
-        seconds["down_out_mixed_precision"] = time.perf_counter() - t0
-    plan = build_plan(config, cfg.num_layers, down_in_bits, down_out_bits)
+    plan = build_plan(config, cfg.num_layers, down_in_bits)
     write_json_atomic(run_dir / "plan.json", plan.to_dict())
 
     learned = None
@@ -356,8 +361,17 @@ def quantize(
             learned = learned_scales(train_state["params"]["scales"], s1_config.scale_param)
         seconds["stage1"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
     final_params = apply_rotations(base, cfg, r1, r2) if rotated else base
+    down_out_sensitivity = None
+    if config.down_out_mixed_precision > 0:  # a stage-2 tensor: scanned on the final model
+        t0 = time.perf_counter()
+        down_out_sensitivity = down_out_promotion(final_params, cfg, calib, config, prefix)
+        plan = build_plan(config, cfg.num_layers, down_in_bits, down_out_sensitivity["layer_bits"])
+        write_json_atomic(run_dir / "sensitivity_down_out.json", down_out_sensitivity)
+        write_json_atomic(run_dir / "plan.json", plan.to_dict())
+        seconds["down_out_mixed_precision"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
     state = calibrate(final_params, cfg, plan, calib, prefix=prefix)
     if learned is not None:
         state = merge_scales(state, learned)
