@@ -6,7 +6,11 @@ same seed, hence the same windows and the same randomized-Hadamard start for eve
 one evaluation protocol (the `wiki` eval split and WikiText-2 test, seq_len 512, the first
 `--eval-windows` non-overlapping windows of each). A cell whose run directory already holds a
 report.json (with the same config) is read back instead of re-run, and a killed run resumes
-from its stage-1 checkpoint, so the script can be killed and restarted. The reports cover
+from its stage-1 checkpoint, so the script can be killed and restarted. With an FP32 row
+(`float` among the methods, or one from an earlier invocation) the cells take their float
+perplexity from it instead of evaluating the float model again on the same windows
+(`quantize(float_reference=...)` checks windows and tokens match); that halves a
+training-free cell's evaluation. The reports cover
 every finished cell of the grid, also those of earlier invocations with other `--methods`.
 
 Zero-shot columns (`--tasks`, default none): every selected cell and the FP32 row (the float
@@ -257,7 +261,23 @@ def finished_report(cell: Cell) -> dict[str, Any] | None:
         return None
 
 
-def run_cell(cell: Cell, args: argparse.Namespace, command: str) -> tuple[str, Any]:
+def float_reference(
+    float_report: Mapping[str, Any] | None, specs: Mapping[str, str]
+) -> dict[str, Any] | None:
+    """The FP32 row as `quantize`'s float reference ({spec: ppl/windows/tokens}): the cells
+    then skip their own float evaluation of the same windows (quantize checks they match)."""
+    if float_report is None:
+        return None
+    measured = float_report.get("perplexity", {})
+    return {spec: measured[name] for name, spec in specs.items() if name in measured}
+
+
+def run_cell(
+    cell: Cell,
+    args: argparse.Namespace,
+    command: str,
+    reference: Mapping[str, Any] | None = None,
+) -> tuple[str, Any]:
     """("reused" | "ran", report) or ("error", message)."""
     from qnpu_jax.errors import QnpuError
     from qnpu_jax.pipeline.config import load_config
@@ -275,7 +295,12 @@ def run_cell(cell: Cell, args: argparse.Namespace, command: str) -> tuple[str, A
             return "reused", report
         resume = saved.is_file()  # a killed run: stage 1 continues from its checkpoint
         report = quantize(
-            cell.config, cell.run_dir, resume=resume, progress=args.progress, command=command
+            cell.config,
+            cell.run_dir,
+            resume=resume,
+            progress=args.progress,
+            command=command,
+            float_reference=reference,
         )
         return "ran", report
     except QnpuError as e:
@@ -996,7 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
         todo = [c for c in cells if selected(c, args)]
         for i, cell in enumerate(todo, 1):
             print(f"[{i}/{len(todo)}] {cell.run_dir.name}", flush=True)
-            status, payload = run_cell(cell, args, command)
+            status, payload = run_cell(cell, args, command, float_reference(float_report, specs))
             row = row_of(cell, status, payload, specs)
             results[cell.run_dir] = row
             if status == "error":

@@ -154,6 +154,19 @@ def test_rtn_run_has_no_stage1(two_layer_dir, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert "stage1" not in report["seconds"] and not (out / "stage1").exists()
     assert report["sensitivity"] is None
+    # a float reference on the same windows replaces the float evaluation; other windows fail
+    from qnpu_jax.pipeline.run import quantize
+
+    wiki = report["perplexity"]["wiki"]
+    reference = {"ppl": 123.0, "windows": wiki["windows"], "tokens": wiki["tokens"]}
+    again = quantize(load_config(config), tmp_path / "again", float_reference={"wiki": reference})
+    assert again["perplexity"]["wiki"]["float_ppl"] == 123.0  # taken, not measured
+    assert again["perplexity"]["wiki"]["float_from_reference"] is True
+    assert again["perplexity"]["wiki"]["quantized_ppl"] == wiki["quantized_ppl"]
+    assert wiki["float_from_reference"] is False
+    other = {"wiki": {**reference, "windows": wiki["windows"] + 1}}
+    with pytest.raises(QnpuError, match="not the same evaluation"):
+        quantize(load_config(config), tmp_path / "other", float_reference=other)
 
 
 def test_config_errors_name_the_problem(tmp_path):

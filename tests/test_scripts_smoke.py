@@ -365,3 +365,11 @@ def test_error_budget_groups_drop_what_they_name(tiny_cfg):
     outputs = set().union(*(dropped[k] for k in eb.GROUP_SETS["outputs"]))
     assert outputs == dropped["linear_outputs"]
     assert set(eb.GROUP_SETS["groups"]) | set(eb.GROUP_SETS["outputs"]) == set(eb.groups())
+
+
+def test_compare_passes_the_fp32_row_as_float_reference(cm):
+    specs = {"wiki": "wiki", "wikitext2": "wikitext:/data/wiki.test.raw"}
+    row = {"ppl": 15.2, "windows": 32, "tokens": 16352}
+    got = cm.float_reference({"perplexity": {"wiki": row}}, specs)
+    assert got == {"wiki": row}  # keyed by the spec quantize evaluates; missing sets omitted
+    assert cm.float_reference(None, specs) is None

@@ -21,6 +21,7 @@ import json
 import math
 import shutil
 import time
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -271,8 +272,13 @@ def quantize(
     resume: bool = False,
     progress: bool = True,
     command: str | None = None,
+    float_reference: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Run the method of `config` into `run_dir`; returns the report (also report.json)."""
+    """Run the method of `config` into `run_dir`; returns the report (also report.json).
+
+    `float_reference` ({eval spec: {"ppl", "windows", "tokens"}}) is the float model measured
+    on the same evaluation windows (e.g. a comparison's FP32 row): it replaces the float
+    evaluation of those specs, and must cover the same windows and tokens as the run's."""
     import yaml
 
     from qnpu_jax.models import load_model
@@ -391,14 +397,28 @@ def quantize(
     for spec in config.eval_data:
         ids = _token_ids(spec, _eval_split(spec), model.tokenizer)
         windows = eval_windows(ids, config.seq_len, config.eval_windows)
-        float_r = evaluate(model.params, None, None, cfg, windows, prefix)
         quant_r = evaluate(final_params, state, plan, cfg, windows, prefix)
+        reference = (float_reference or {}).get(spec)
+        if reference is None:
+            float_r = evaluate(model.params, None, None, cfg, windows, prefix)
+        elif (reference.get("windows"), reference.get("tokens")) != (
+            quant_r["windows"],
+            quant_r["tokens"],
+        ):
+            raise QnpuError(
+                f"the float reference for {spec} covers {reference.get('windows')} windows / "
+                f"{reference.get('tokens')} tokens, the run {quant_r['windows']} / "
+                f"{quant_r['tokens']}: not the same evaluation"
+            )
+        else:
+            float_r = dict(reference)
         results[spec] = {
             "float_ppl": float_r["ppl"],
             "quantized_ppl": quant_r["ppl"],
             "ratio": quant_r["ppl"] / float_r["ppl"],
             "windows": quant_r["windows"],
             "tokens": quant_r["tokens"],
+            "float_from_reference": reference is not None,
         }
         if not math.isfinite(quant_r["ppl"]):
             raise QnpuError(f"quantized perplexity on {spec} is not finite")
