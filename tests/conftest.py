@@ -32,6 +32,25 @@ def load_script(name: str) -> Any:
     return sys.modules[name]
 
 
+def run_artifact_ppl(run: Path, out: Path, *, seq_len: int = 32, windows: int = 2) -> dict:
+    """`qnpu export` of a run into `out`, then `qnpu eval --artifact` on the emulator and on
+    the JAX integer engine (wiki, the first `windows` windows): {engine: perplexity}."""
+    import json
+
+    from qnpu_jax.cli import main
+
+    art = out / "artifact"
+    export = ["export", "--run", str(run), "--out", str(art), "--max-context", "64"]
+    assert main([*export, "--prefill-chunk", "16"]) == 0
+    ppl = {}
+    for engine in ("emulator", "jax"):
+        ev = ["eval", "--artifact", str(art), "--engine", engine, "--data", "wiki"]
+        ev += ["--seq-len", str(seq_len), "--max-windows", str(windows), "--no-progress"]
+        assert main([*ev, "--json", str(out / f"{engine}.json")]) == 0
+        ppl[engine] = json.loads((out / f"{engine}.json").read_text())["ppl"]
+    return ppl
+
+
 @pytest.fixture(scope="session")
 def smollm() -> LoadedModel:
     return load_model("smollm2-135m")

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
+from conftest import run_artifact_ppl  # tests/ is on sys.path (rootdir conftest)
 
 from qnpu_jax import QnpuError
 from qnpu_jax.cli import main
@@ -134,15 +135,7 @@ def test_down_out_promotion_runs_through_eval_and_the_integer_artifact(
     assert main([*ev, "--no-progress", "--json", str(tmp_path / "e.json")]) == 0
     fake_quant_ppl = json.loads((tmp_path / "e.json").read_text())["ppl"]
     assert fake_quant_ppl == pytest.approx(report["perplexity"]["wiki"]["quantized_ppl"], rel=1e-5)
-    art = tmp_path / "art"
-    export = ["export", "--run", str(out), "--out", str(art), "--max-context", "64"]
-    assert main([*export, "--prefill-chunk", "16"]) == 0
-    ppl = {}
-    for engine in ("emulator", "jax"):
-        ev = ["eval", "--artifact", str(art), "--engine", engine, "--data", "wiki"]
-        ev += ["--seq-len", "32", "--max-windows", "2", "--no-progress"]
-        assert main([*ev, "--json", str(tmp_path / f"{engine}.json")]) == 0
-        ppl[engine] = json.loads((tmp_path / f"{engine}.json").read_text())["ppl"]
+    ppl = run_artifact_ppl(out, tmp_path)
     assert ppl["emulator"] == ppl["jax"]
     assert ppl["emulator"] == pytest.approx(fake_quant_ppl, rel=0.1)
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
-from conftest import load_script  # tests/ is on sys.path (rootdir conftest)
+from conftest import load_script, run_artifact_ppl  # tests/ is on sys.path (rootdir conftest)
 
 from qnpu_jax import QnpuError
 from qnpu_jax.models import forward
@@ -134,15 +134,7 @@ def test_smoothed_run_stores_scales_that_eval_and_export_use(two_layer_dir, tmp_
     evaluated = json.loads((tmp_path / "e.json").read_text())
     assert evaluated["ppl"] == pytest.approx(wiki["quantized_ppl"], rel=1e-5)
     # the integer artifact carries the smoothed weights: emulator == JAX engine, near fake-quant
-    art = tmp_path / "art"
-    export = ["export", "--run", str(out), "--out", str(art), "--max-context", "64"]
-    assert main([*export, "--prefill-chunk", "16"]) == 0
-    ppl = {}
-    for engine in ("emulator", "jax"):
-        ev = ["eval", "--artifact", str(art), "--engine", engine, "--data", "wiki"]
-        ev += ["--seq-len", "32", "--max-windows", "2", "--no-progress"]
-        assert main([*ev, "--json", str(tmp_path / f"{engine}.json")]) == 0
-        ppl[engine] = json.loads((tmp_path / f"{engine}.json").read_text())["ppl"]
+    ppl = run_artifact_ppl(out, tmp_path)
     assert ppl["emulator"] == ppl["jax"]
     assert ppl["emulator"] == pytest.approx(wiki["quantized_ppl"], rel=0.1)
     # scripts/smooth_study.py calibrates as the run does: its α = 0.5 row is the run
