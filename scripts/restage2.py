@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         STAGE1_TENSORS,
         build_plan,
         calibration_data,
-        down_out_promotion,
         evaluate,
+        layer_promotion,
         load_run,
         wiki_eval_windows,
     )
@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
             if new_config.down_out_mixed_precision > 0:
                 _, calib = calibration_data(config, model.tokenizer)
                 prefix = sink_prefix(config.prefix, model.tokenizer)
-                promotion = down_out_promotion(params, model.config, calib, new_config, prefix)
+                fraction = new_config.down_out_mixed_precision
+                promotion = layer_promotion(
+                    params, model.config, calib, "down_out", fraction, prefix
+                )
                 layer_bits["down_out"] = tuple(promotion["layer_bits"])
         new_plan = build_plan(
             new_config, plan.num_layers, layer_bits["down_in"], layer_bits["down_out"]

@@ -44,11 +44,7 @@ from qnpu_jax.models.llama import Params
 from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline.calibrate import calibrate, channel_absmax
 from qnpu_jax.pipeline.config import QuantizeConfig, load_config
-from qnpu_jax.pipeline.mixed_precision import (
-    down_proj_sensitivity,
-    mixed_layer_bits,
-    tensor_sensitivity,
-)
+from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits, tensor_sensitivity
 from qnpu_jax.pipeline.stage1 import (
     init_train_state,
     learned_scales,
@@ -245,21 +241,22 @@ def mlp_smoothing(
     return smoothing_scales(absmax, params["layers"]["down_proj"], alpha)
 
 
-def down_out_promotion(
+def layer_promotion(
     params: Params,
     cfg: ModelConfig,
     windows: np.ndarray,
-    config: QuantizeConfig,
+    name: str,
+    fraction: float,
     prefix: tuple[int, ...],
 ) -> dict[str, Any]:
-    """Eq. (4)'s scan on the down_proj outputs of `params` (the model stage 2 calibrates) and
-    the per-layer bits it gives at `config.down_out_mixed_precision`."""
-    scan = tensor_sensitivity(params, cfg, windows, "down_out", prefix=prefix)
-    bits = mixed_layer_bits(scan.ratios, config.down_out_mixed_precision)
+    """Eq. (4)'s scan on the per-layer tensor `name` of `params` and the per-layer bits that
+    promoting the top `fraction` gives (sensitivity.json / sensitivity_down_out.json)."""
+    scan = tensor_sensitivity(params, cfg, windows, name, prefix=prefix)
+    bits = mixed_layer_bits(scan.ratios, fraction)
     return {
         "ratios": list(scan.ratios),
         "bits_measured": scan.bits,
-        "fraction": config.down_out_mixed_precision,
+        "fraction": fraction,
         "promoted_layers": [i for i, b in enumerate(bits) if b == 16],
         "layer_bits": list(bits),
     }
@@ -325,15 +322,10 @@ def quantize(
     sensitivity = None
     if config.mixed_precision > 0 and config.down_in_bits == 8:
         t0 = time.perf_counter()
-        scan = down_proj_sensitivity(start_params, cfg, calib, prefix=prefix)
-        down_in_bits = mixed_layer_bits(scan.ratios, config.mixed_precision)
-        sensitivity = {
-            "ratios": list(scan.ratios),
-            "bits_measured": scan.bits,
-            "fraction": config.mixed_precision,
-            "promoted_layers": [i for i, b in enumerate(down_in_bits) if b == 16],
-            "layer_bits": list(down_in_bits),
-        }
+        sensitivity = layer_promotion(
+            start_params, cfg, calib, "down_in", config.mixed_precision, prefix
+        )
+        down_in_bits = tuple(sensitivity["layer_bits"])
         write_json_atomic(run_dir / "sensitivity.json", sensitivity)
         seconds["mixed_precision"] = time.perf_counter() - t0
     plan = build_plan(config, cfg.num_layers, down_in_bits)
@@ -371,7 +363,9 @@ def quantize(
     down_out_sensitivity = None
     if config.down_out_mixed_precision > 0:  # a stage-2 tensor: scanned on the final model
         t0 = time.perf_counter()
-        down_out_sensitivity = down_out_promotion(final_params, cfg, calib, config, prefix)
+        down_out_sensitivity = layer_promotion(
+            final_params, cfg, calib, "down_out", config.down_out_mixed_precision, prefix
+        )
         plan = build_plan(config, cfg.num_layers, down_in_bits, down_out_sensitivity["layer_bits"])
         write_json_atomic(run_dir / "sensitivity_down_out.json", down_out_sensitivity)
         write_json_atomic(run_dir / "plan.json", plan.to_dict())
