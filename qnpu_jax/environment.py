@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -22,3 +26,10 @@ def environment_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
     }
+
+
+def script_command(script: str, argv: Sequence[str] | None = None) -> str:
+    """The command line a report records to be re-run from the repository root:
+    `python scripts/NAME.py ARGS` (`script` is the script's `__file__`; argv None: sys.argv)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return shlex.join(["python", f"scripts/{Path(script).name}", *args])

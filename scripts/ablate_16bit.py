@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 from typing import Any
 
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
-from qnpu_jax.environment import environment_info
+from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models import load_model
 from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix, tapped_token_nll
@@ -116,7 +115,7 @@ def main() -> int:
             "float_ppl": math.exp(float_nll),
             "rows_by_rotation": results,
             "environment": environment_info(),
-            "command": "python scripts/ablate_16bit.py " + shlex.join(sys.argv[1:]),
+            "command": script_command(__file__),
         },
     )
     return 0

@@ -12,7 +12,6 @@ Writes a JSON report.
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 from qnpu_jax.cli import artifact_engine
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.emulator.engine import artifact_tokenizer, load_int_model
-from qnpu_jax.environment import environment_info
+from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models import forward, load_model
 
@@ -93,7 +92,7 @@ def main() -> int:
     report["prefill"]["float_jax"] = r
     print(f"float JAX: prefill {r['tokens_per_s']:.1f} tok/s")
     report["environment"] = environment_info()
-    report["command"] = "python " + shlex.join(sys.argv)
+    report["command"] = script_command(__file__)
     write_json_atomic(args.json, report)
     print(f"-> {args.json}")
     return 0

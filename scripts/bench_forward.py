@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import time
@@ -15,7 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from qnpu_jax.environment import environment_info
+from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models import forward, load_model
@@ -78,7 +77,7 @@ def main() -> int:
         "path": "float",
         "results": results,
         "environment": environment_info(),
-        "command": "python scripts/bench_forward.py " + shlex.join(sys.argv[1:]),
+        "command": script_command(__file__),
     }
     write_json_atomic(args.json, report)
     return 0

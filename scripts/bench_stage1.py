@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import resource
-import shlex
 import sys
 import time
 from typing import Any
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.data import load_documents, sample_windows, tokenize_documents
-from qnpu_jax.environment import environment_info
+from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models import load_model
 from qnpu_jax.pipeline import calibrate
@@ -128,7 +127,7 @@ def main() -> int:
         "peak_memory_source": memory_source,
         "final_loss": float(metrics["loss"]),
         "environment": environment_info(),
-        "command": "python scripts/bench_stage1.py " + shlex.join(sys.argv[1:]),
+        "command": script_command(__file__),
     }
     print(
         f"{seconds:.2f} s/step, {tokens / seconds:.0f} tokens/s, "

@@ -48,7 +48,6 @@ import argparse
 import dataclasses
 import json
 import math
-import shlex
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -961,10 +960,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    command = "python scripts/compare_methods.py " + shlex.join(
-        sys.argv[1:] if argv is None else argv
-    )
+    from qnpu_jax.environment import script_command
     from qnpu_jax.errors import QnpuError
+
+    command = script_command(__file__, argv)
 
     start = time.perf_counter()
     specs = eval_specs(args)

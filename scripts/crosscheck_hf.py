@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
-from qnpu_jax.environment import environment_info
+from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models import forward, load_model, save_hf_dir
@@ -81,7 +80,7 @@ def main() -> int:
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "environment": environment_info(),
-        "command": "python scripts/crosscheck_hf.py " + shlex.join(sys.argv[1:]),
+        "command": script_command(__file__),
     }
     print(
         f"ppl jax {ppl_ours:.4f} vs transformers {ppl_ref:.4f} "

@@ -13,7 +13,6 @@ inputs, the K/V cache; `--rows outputs`: each linear output alone.
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -76,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", default="reports/error_budget.json")
     args = parser.parse_args(argv)
-    command = "python scripts/error_budget.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    from qnpu_jax.environment import script_command
+
+    command = script_command(__file__, argv)
 
     from qnpu_jax.environment import environment_info
     from qnpu_jax.files import write_json_atomic

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--damp", type=float, default=0.01)
     parser.add_argument("--json", default="reports/gptq_study.json")
     args = parser.parse_args(argv)
-    command = "python scripts/gptq_study.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    from qnpu_jax.environment import script_command
+
+    command = script_command(__file__, argv)
 
     from qnpu_jax.environment import environment_info
     from qnpu_jax.files import write_json_atomic

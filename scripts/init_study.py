@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
 import sys
 import time
 from functools import partial
@@ -307,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", default="reports/init_study.md")
     parser.add_argument("--fresh", action="store_true", help="ignore rows of an existing --json")
     args = parser.parse_args(argv)
-    command = "python scripts/init_study.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    from qnpu_jax.environment import script_command
+
+    command = script_command(__file__, argv)
 
     from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
     from qnpu_jax.environment import environment_info

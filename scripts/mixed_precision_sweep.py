@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from qnpu_jax.environment import environment_info
+from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models.quantized import sink_prefix
@@ -107,7 +106,7 @@ def main() -> int:
             "float_ppl": float_ppl,
             "rows": rows,
             "environment": environment_info(),
-            "command": "python scripts/mixed_precision_sweep.py " + shlex.join(sys.argv[1:]),
+            "command": script_command(__file__),
         },
     )
     return 0

@@ -20,7 +20,6 @@ writes reports/NAME_acts/layer10.png and layer10.json (ranges and shares).
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.cli import _positive_int
+from qnpu_jax.environment import script_command
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_bytes_atomic, write_json_atomic
 from qnpu_jax.models.quantized import effective_state, sink_prefix
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
             "seq_len": t,
             "prefix": config.prefix,
             "panels": summary,
-            "command": "python scripts/plot_activations.py " + shlex.join(sys.argv[1:]),
+            "command": script_command(__file__),
         },
     )
     print(f"wrote {out / f'layer{args.layer}.png'} and {out / f'layer{args.layer}.json'}")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 import time
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import jax
 
 from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
-from qnpu_jax.environment import environment_info
+from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.eval import perplexity
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models import load_model
@@ -123,7 +122,7 @@ def main() -> int:
         "rows": rows,
         "seconds": time.perf_counter() - start,
         "environment": environment_info(),
-        "command": "python scripts/quant_baselines.py " + shlex.join(sys.argv[1:]),
+        "command": script_command(__file__),
     }
     assert all(math.isfinite(r["ppl"]) for r in rows)
     write_json_atomic(args.json, report)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--json", default="reports/restage2.json")
     args = parser.parse_args(argv)
-    command = "python scripts/restage2.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    from qnpu_jax.environment import script_command
+
+    command = script_command(__file__, argv)
 
     from qnpu_jax.environment import environment_info
     from qnpu_jax.errors import QnpuError

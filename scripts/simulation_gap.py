@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shlex
 import sys
 import time
 from functools import partial
@@ -28,7 +27,7 @@ import numpy as np
 from qnpu_jax.cli import artifact_engine
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.emulator.engine import load_int_model
-from qnpu_jax.environment import environment_info
+from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.eval import perplexity
 from qnpu_jax.export.exporter import export_run
 from qnpu_jax.files import write_json_atomic
@@ -77,7 +76,7 @@ def main() -> int:
         "windows": args.windows,
         "runs": {},
         "environment": environment_info(),
-        "command": "python " + shlex.join(sys.argv),
+        "command": script_command(__file__),
     }
     for run in args.runs:
         config, plan, params, state, model = load_run(run)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -56,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--json", default="reports/smooth_study.json")
     args = parser.parse_args(argv)
-    command = "python scripts/smooth_study.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    from qnpu_jax.environment import script_command
+
+    command = script_command(__file__, argv)
 
     from qnpu_jax.environment import environment_info
     from qnpu_jax.files import write_json_atomic

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -112,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="reports/table_cost.json")
     parser.add_argument("--md", default="reports/table_cost.md")
     args = parser.parse_args(argv)
-    command = "python scripts/table_cost.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    from qnpu_jax.environment import script_command
+
+    command = script_command(__file__, argv)
 
     from qnpu_jax.environment import environment_info
     from qnpu_jax.errors import QnpuError

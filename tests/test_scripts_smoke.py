@@ -373,3 +373,14 @@ def test_compare_passes_the_fp32_row_as_float_reference(cm):
     got = cm.float_reference({"perplexity": {"wiki": row}}, specs)
     assert got == {"wiki": row}  # keyed by the spec quantize evaluates; missing sets omitted
     assert cm.float_reference(None, specs) is None
+
+
+def test_script_command_records_a_rerunnable_line(monkeypatch):
+    from qnpu_jax.environment import script_command
+
+    line = script_command("/anywhere/scripts/restage2.py", ["--run", "runs/a b", "--json=x.json"])
+    assert line == "python scripts/restage2.py --run 'runs/a b' --json=x.json"
+    monkeypatch.setattr("sys.argv", ["/abs/path/scripts/bench_forward.py", "--windows", "4"])
+    assert script_command("/abs/path/scripts/bench_forward.py") == (
+        "python scripts/bench_forward.py --windows 4"
+    )

@@ -343,12 +343,15 @@ class CaptureTaps:
 
     names: frozenset[str]
 
+    def reduce(self, x: jax.Array) -> jax.Array:
+        return x
+
     def layer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
         captured: dict[str, jax.Array] = {}
 
         def tap(name: str, x: jax.Array, where: jax.Array | None = None) -> jax.Array:
             if name in self.names:
-                captured[name] = x
+                captured[name] = self.reduce(x)
             return x
 
         return tap, lambda: dict(captured)
@@ -361,28 +364,13 @@ class CaptureTaps:
 
 
 @dataclasses.dataclass(frozen=True)
-class ChannelAbsMaxTaps:
+class ChannelAbsMaxTaps(CaptureTaps):
     """The float forward, returning each per-layer tensor of `names` reduced to its max |x|
     per channel (the last axis) over batch and positions: {"layers": {name: [L, C]}}."""
 
-    names: frozenset[str]
-
-    def layer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
-        absmax: dict[str, jax.Array] = {}
-
-        def tap(name: str, x: jax.Array, where: jax.Array | None = None) -> jax.Array:
-            if name in self.names:
-                rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-                absmax[name] = jnp.max(jnp.abs(rows), axis=0)
-            return x
-
-        return tap, lambda: dict(absmax)
-
-    def outer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
-        return no_tap, no_aux
-
-    def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
-        return embed_rows(table, tokens)
+    def reduce(self, x: jax.Array) -> jax.Array:
+        rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+        return jnp.max(jnp.abs(rows), axis=0)
 
 
 @dataclasses.dataclass(frozen=True)
