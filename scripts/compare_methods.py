@@ -336,6 +336,7 @@ def row_of(cell: Cell, status: str, payload: Any, specs: dict[str, str]) -> dict
     sens = report.get("sensitivity")
     row["promoted_layers"] = sens["promoted_layers"] if sens else None
     row["seconds"] = report.get("seconds")
+    row["command"] = report.get("command")  # the invocation that ran it (maybe an earlier one)
     return row
 
 
@@ -687,6 +688,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"# Method comparison on {report['model']} (paper Table 1 shape) and Table 2 ablation",
         "",
         f"Command: `{report['command']}`",
+        *_earlier_commands(report),
         "",
         "Protocol (one for every row):",
         f"- evaluation: {', '.join(EVAL_LABELS[n] for n in EVAL_NAMES)}; seq_len {p['seq_len']}, "
@@ -769,6 +771,18 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "## Errors", "", *errors]
     lines.append("")
     return "\n".join(lines)
+
+
+def _earlier_commands(report: dict[str, Any]) -> list[str]:
+    """The other invocations whose finished cells this report reads back."""
+    rows = report["rows"] + report["ablation"]["rows"]
+    seen = [r.get("command") for r in rows if r.get("status") == "reused"]
+    earlier = sorted({c for c in seen if c and c != report["command"]})
+    if not earlier:
+        return []
+    return ["", "Cells read back from earlier invocations were run by:"] + [
+        f"- `{c}`" for c in earlier
+    ]
 
 
 def _wakv(row: dict[str, Any]) -> str:

@@ -103,6 +103,14 @@ def test_compare_target_checks_and_markdown(cm, tmp_path):
     assert "| Quant.npu | 8-8-8 | per-channel | 16 | 20.20 |" in md
     assert "— not met" in md and "— met" in md and "Command: `python" in md
     assert "PIQA" not in md and "zero-shot" not in md  # no --tasks: no zero-shot columns
+    assert "earlier invocations" not in md  # every cell ran in this one
+
+    rows[0] |= {"status": "reused", "command": "python scripts/compare_methods.py --bits W8A8"}
+    rows[1] |= {"status": "reused", "command": "python scripts/compare_methods.py"}  # this one
+    report = cm.build_report(args, rows, [], None, "python scripts/compare_methods.py", 1.0)
+    md = cm.render_markdown(report)
+    earlier = "- `python scripts/compare_methods.py --bits W8A8`\n\n"
+    assert "earlier invocations were run by:\n" + earlier in md
 
 
 def _task(name, metric, value, stderr):
