@@ -75,11 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", default="reports/error_budget.json")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import script_command
+    from qnpu_jax.environment import environment_info, script_command
 
     command = script_command(__file__, argv)
 
-    from qnpu_jax.environment import environment_info
     from qnpu_jax.files import write_json_atomic
     from qnpu_jax.models.quantized import sink_prefix
     from qnpu_jax.pipeline.run import evaluate, load_run, wiki_eval_windows

@@ -306,12 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", default="reports/init_study.md")
     parser.add_argument("--fresh", action="store_true", help="ignore rows of an existing --json")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import script_command
+    from qnpu_jax.environment import environment_info, script_command
 
     command = script_command(__file__, argv)
 
     from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
-    from qnpu_jax.environment import environment_info
     from qnpu_jax.files import write_bytes_atomic, write_json_atomic
     from qnpu_jax.models import load_model
     from qnpu_jax.models.quantized import sink_prefix

@@ -55,11 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--json", default="reports/smooth_study.json")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import script_command
+    from qnpu_jax.environment import environment_info, script_command
 
     command = script_command(__file__, argv)
 
-    from qnpu_jax.environment import environment_info
     from qnpu_jax.files import write_json_atomic
     from qnpu_jax.models import load_model
     from qnpu_jax.models.quantized import sink_prefix

@@ -111,11 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="reports/table_cost.json")
     parser.add_argument("--md", default="reports/table_cost.md")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import script_command
+    from qnpu_jax.environment import environment_info, script_command
 
     command = script_command(__file__, argv)
 
-    from qnpu_jax.environment import environment_info
     from qnpu_jax.errors import QnpuError
     from qnpu_jax.files import write_bytes_atomic, write_json_atomic
     from qnpu_jax.models.quantized import sink_prefix
