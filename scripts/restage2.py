@@ -1,18 +1,20 @@
 """Stage 2 of a finished run again under other plan rules, without a new stage 1 -> JSON.
 
-`--config` must equal the run's config except for `rules` and `down_out_mixed_precision`, and
-the change must leave the tensors stage 1 learned (the linears' inputs and weights) as they
-were. A changed `down_out_mixed_precision` runs its scan on the run's final model, as `qnpu
-quantize` does. A run with GPTQ codes keeps them (a full run would re-choose them under the new
-plan; the JSON says so). The tensors whose
-entry changes are recalibrated on the run's rotated model and calibration windows, everything
-else keeps the run's encodings, and both plans are evaluated on the same `wiki` eval windows.
-Because stage 1 never sees the other tensors, the result equals what `qnpu quantize
---config CONFIG` gives (same seed, same stage 1), at the cost of one calibration and two
-evaluations.
+`--config` (default: the run's own config) must equal the run's config except for `rules` and
+`down_out_mixed_precision`, which `--down-out-mixed-precision P` also sets; the change must
+leave the tensors stage 1 learned (the linears' inputs and weights) as they were. A changed
+`down_out_mixed_precision` runs its scan on the run's final model, as `qnpu quantize` does. A
+run with GPTQ codes keeps them (a full run would re-choose them under the new plan; the JSON
+says so). The tensors whose entry changes are recalibrated on the run's rotated model and
+calibration windows, everything else keeps the run's encodings, and both plans are evaluated on
+the same `wiki` eval windows. Because stage 1 never sees the other tensors, the result equals
+what `qnpu quantize --config CONFIG` gives (same seed, same stage 1), at the cost of one
+calibration and two evaluations.
 
     python scripts/restage2.py --run runs/smollm2-135m-quantnpu-w4a8 \
         --config configs/smollm2-135m-quantnpu-w4a8-clip.yaml --json reports/restage2_clip.json
+    python scripts/restage2.py --run runs/compare/quantnpu-w8a8kv8-ours-prefix-bos \
+        --down-out-mixed-precision 0.1 --json reports/restage2_w8a8_ours_down_out.json
 """
 
 from __future__ import annotations
@@ -33,7 +35,14 @@ def changed_entries(old: Any, new: Any) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run", type=Path, required=True)
-    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--config", type=Path, default=None, help="default: the run's config")
+    parser.add_argument(
+        "--down-out-mixed-precision",
+        type=float,
+        default=None,
+        metavar="P",
+        help="set down_out_mixed_precision (over --config, or the run's config)",
+    )
     parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--json", default="reports/restage2.json")
     args = parser.parse_args(argv)
@@ -59,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config, plan, params, state, model = load_run(args.run)
-        new_config = load_config(args.config)
+        new_config = load_config(args.config) if args.config is not None else config
+        if args.down_out_mixed_precision is not None:
+            new_config = dataclasses.replace(
+                new_config, down_out_mixed_precision=args.down_out_mixed_precision
+            )
+        source = str(args.config) if args.config is not None else "the run's config"
         same = dataclasses.replace(
             new_config,
             rules=config.rules,
@@ -67,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if same != config:
             raise QnpuError(
-                f"{args.config} differs from the run's config in more than `rules` and "
+                f"{source} differs from the run's config in more than `rules` and "
                 "`down_out_mixed_precision`"
             )
         layer_bits = {}  # the run's per-layer promotions (sensitivity scans) stay
@@ -123,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json),
         {
             "run": str(args.run),
-            "config": str(args.config),
+            "config": str(args.config) if args.config is not None else None,
+            "down_out_mixed_precision": new_config.down_out_mixed_precision,
             **config.summary(),
             "eval": {"data": "wiki (eval split)", "windows": len(windows)},
             "recalibrated": changed,

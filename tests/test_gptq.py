@@ -214,10 +214,17 @@ def test_restage2_recalibrates_only_what_the_rules_change(gptq_run, two_layer_di
     assert out["recalibrated"] == ["layers/down_out"]
     assert len(out["down_out_promotion"]["promoted_layers"]) == 1
     assert sorted(out["down_out_promotion"]["layer_bits"]) == [8, 16]
+    flag = ["--run", str(gptq_run), "--eval-windows", "2", "--down-out-mixed-precision"]
+    assert restage2.main([*flag, "0.5", "--json", str(tmp_path / "flag")]) == 0
+    by_flag = json.loads((tmp_path / "flag").read_text())  # the run's config + the flag
+    assert by_flag["config"] is None and by_flag["down_out_mixed_precision"] == 0.5
+    assert by_flag["new_ppl"] == out["new_ppl"]
+    assert by_flag["down_out_promotion"] == out["down_out_promotion"]
+    assert restage2.main([*flag, "1.5", "--json", str(tmp_path / "bad")]) == 2
     assert run({**clip, "seed": 1}, "seed") == 2  # more than the rules differ
     assert run({"rules": [{"pattern": "layers/attn_in", "init": "mean_std"}]}, "s1") == 2
     assert run({}, "same") == 2  # nothing to recalibrate
-    assert not (tmp_path / "seed").exists()
+    assert not (tmp_path / "seed").exists() and not (tmp_path / "bad").exists()
 
 
 def test_config_names_bad_weight_rounding():
