@@ -80,7 +80,7 @@ def main() -> int:
         variants = variants[:1] if args.rotations == "none" else variants[1:]
     for label, params in variants:
         state = calibrate(params, cfg, full, calib, prefix=prefix)
-        rows = []
+        rows: list[dict[str, Any]] = []
         for path, tq in full.entries:
             plan = QuantPlan(((path, tq),), cfg.num_layers)
             taps = FakeQuantTaps(plan)

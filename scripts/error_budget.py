@@ -26,6 +26,10 @@ def _name(path: str) -> str:
     return path.removeprefix("layers/")
 
 
+def _is_path(target: str) -> Callable[[str], bool]:
+    return lambda p: p == target
+
+
 def groups() -> dict[str, tuple[str, Callable[[str], bool]]]:
     """key -> (label, predicate on a plan path: True = this tensor goes back to float)."""
     from qnpu_jax.quant.plan import is_weight
@@ -41,7 +45,7 @@ def groups() -> dict[str, tuple[str, Callable[[str], bool]]]:
         "rotated_inputs": ("rotated linear inputs float", lambda p: _name(p) in ROTATED_INPUTS),
         "kv": ("K/V cache float", lambda p: p in ("layers/k_rope", "layers/v_out")),
         **{  # each linear output alone (the "linear_outputs" group split up)
-            name: (f"{name} float", lambda p, n=name: p == f"layers/{n}") for name in LINEAR_OUTPUTS
+            name: (f"{name} float", _is_path(f"layers/{name}")) for name in LINEAR_OUTPUTS
         },
     }
 

@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         if grid != "learned":
             for name in rounded_weights(plan):
                 path = f"layers/{name}"
-                tq = dataclasses.replace(plan.get(path), init=grid)
+                planned = plan.get(path)
+                assert planned is not None  # rounded_weights lists planned tensors only
+                tq = dataclasses.replace(planned, init=grid)
                 grid_state = reencode_weight(params, cfg, grid_state, path, tq)
         rtn = evaluate(params, grid_state, plan, cfg, windows, prefix)["ppl"]
         t0 = time.perf_counter()

@@ -207,9 +207,9 @@ def claim_checks(rows: list[dict[str, Any]]) -> list[str]:
                 f"{target}, 4-bit, with rotation: Mean ({_fmt(mean)}) < Max-Min ({_fmt(mm)}) — "
                 f"{verdict(mean < mm)}"
             )
-    clips = {i: get("activations", "hadamard", 4, i) for i in INITS if i.startswith("clip")}
+    measured = {i: get("activations", "hadamard", 4, i) for i in INITS if i.startswith("clip")}
     mean = get("activations", "hadamard", 4, "mean")
-    clips = {k: v for k, v in clips.items() if v is not None}
+    clips: dict[str, float] = {k: v for k, v in measured.items() if v is not None}
     if mean is not None and clips:
         best = min(clips, key=lambda k: clips[k])
         lines.append(

@@ -114,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         state = calibrate(params, cfg, plan, calib, prefix=prefix)
         ppl = evaluate(params, state, plan, cfg, windows, prefix)["ppl"]
         # smoothing also rescales up_proj's (8-bit) output channels by 1/s
-        scales = {
+        scale_rows = {
             f"{name}_scale_max": [float(x) for x in state["layers"][name]["scale"]]
             for name in ("down_in", "up_out")
         }
-        rows.append({"alpha": alpha, "ppl": ppl, **scales, "seconds": time.perf_counter() - t0})
+        rows.append({"alpha": alpha, "ppl": ppl, **scale_rows, "seconds": time.perf_counter() - t0})
         print(f"alpha {alpha}: {ppl:.3f}", flush=True)
     write_json_atomic(
         Path(args.json),

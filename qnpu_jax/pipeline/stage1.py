@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -211,7 +210,7 @@ def stage1_loss(
 
 def make_train_step(
     cfg: ModelConfig, plan: QuantPlan, config: Stage1Config, prefix: tuple[int, ...] = ()
-) -> Callable[..., tuple[dict[str, Any], dict[str, jax.Array]]]:
+) -> jax.stages.Wrapped:
     """The jitted step `(train_state, batch [A, B, T], base_params, frozen_state) ->
     (train_state, metrics)`; bind the constants with functools.partial for `(state, batch)`."""
     taps = FakeQuantTaps(
