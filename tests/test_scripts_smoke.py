@@ -4,6 +4,8 @@ model runs here; the scripts' docstrings give the full commands)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ def ist():
 def test_compare_grid_matches_the_settings(cm, tmp_path):
     args = cm.parse_args(["--runs-dir", str(tmp_path), "--steps", "3"])
     table, ablation = cm.grid(args)
-    assert len(table) == 2 * 3 * 4 and len(ablation) == 5
+    assert len(table) == 2 * 3 * 4 and len(ablation) == 6
     names = {c.run_dir.name for c in table + ablation}
     assert "quantnpu-w4a8kv8-ours" in names and "rtn-w8a8kv8-table1" in names
     assert "quantnpu-w4a4kv8-ablation-static-joint" in names
@@ -39,12 +41,15 @@ def test_compare_grid_matches_the_settings(cm, tmp_path):
             assert (cfg.down_in_bits, cfg.mixed_precision) == (8, 0.0)
         # stage-1 flags reach only the methods with a stage 1 (so other runs stay reusable)
         assert (cfg.stage1.steps == 3) == (c.method in ("spinquant", "quantnpu"))
-    static_joint, init, selective, mixed10, mixed100 = (c.config for c in ablation)
+    static_joint, init, selective, mixed10, mixed100, frozen = (c.config for c in ablation)
     assert all(c.config.scope == "linears" and c.config.w_bits == 4 for c in ablation)
     assert (static_joint.init_scheme, static_joint.selective) == ("max_min", False)
     assert (init.init_scheme, init.selective, init.mixed_precision) == ("aware", False, 0.0)
     assert (selective.selective, selective.mixed_precision) == (True, 0.0)
     assert (mixed10.mixed_precision, mixed100.mixed_precision) == (0.1, 1.0)
+    # the down_proj flag both ways: the chain learns it (§4.3.1), the side row does not
+    assert all(c.learn_down_in for c in (static_joint, init, selective, mixed10, mixed100))
+    assert frozen == dataclasses.replace(mixed10, learn_down_in=False)
 
     only = cm.parse_args(["--only-ablation", "--variants", "init"])
     assert [c.setting for c in ablation if cm.selected(c, only)] == ["ablation-init"]
@@ -104,6 +109,17 @@ def test_compare_target_checks_and_markdown(cm, tmp_path):
     assert "— not met" in md and "— met" in md and "Command: `python" in md
     assert "PIQA" not in md and "zero-shot" not in md  # no --tasks: no zero-shot columns
     assert "earlier invocations" not in md  # every cell ran in this one
+
+    chain = _row(cm, "ablation-mixed10", "W4A4", "quantnpu", 30.0, 2.0)
+    frozen = _row(cm, "ablation-mixed10-frozen-down-in", "W4A4", "quantnpu", 28.0, 1.9)
+    chain["config"] |= {"mixed_precision": 0.1, "learn_down_in": True}
+    frozen["config"] |= {"mixed_precision": 0.1, "learn_down_in": False}
+    frozen["label"] = "frozen"
+    report = cm.build_report(args, rows, [chain, frozen], None, "python x", 1.0)
+    md = cm.render_markdown(report)
+    assert "| FP32 | – | – | – | – | 20.00 | 20.00 | 1.000 | 1.000 |" in md  # ablation table
+    assert "| Quant.npu | aware | ✓ | 10% | ✓ | 30.00 |" in md
+    assert "| frozen | aware | ✓ | 10% | – (init kept) | 28.00 |" in md
 
     rows[0] |= {"status": "reused", "command": "python scripts/compare_methods.py --bits W8A8"}
     rows[1] |= {"status": "reused", "command": "python scripts/compare_methods.py"}  # this one
