@@ -40,7 +40,7 @@ def groups() -> dict[str, tuple[str, Callable[[str], bool]]]:
             lambda p: is_weight(p) and p.startswith("layers/"),
         ),
         "activations": ("activations float (weights only)", lambda p: not is_weight(p)),
-        "down_in": ("down_proj input float", lambda p: p == "layers/down_in"),
+        "down_in": ("down_proj input float", _is_path("layers/down_in")),
         "linear_outputs": ("linear outputs float", lambda p: _name(p) in LINEAR_OUTPUTS),
         "rotated_inputs": ("rotated linear inputs float", lambda p: _name(p) in ROTATED_INPUTS),
         "kv": ("K/V cache float", lambda p: p in ("layers/k_rope", "layers/v_out")),
