@@ -391,6 +391,43 @@ def test_error_budget_groups_drop_what_they_name(tiny_cfg):
     assert set(eb.GROUP_SETS["groups"]) | set(eb.GROUP_SETS["outputs"]) == set(eb.groups())
 
 
+def test_scale_drift_compares_the_learned_scales_with_their_rule(tiny_cfg, tiny_params):
+    from qnpu_jax import QnpuError
+    from qnpu_jax.pipeline import calibrate
+    from qnpu_jax.pipeline.config import QuantizeConfig
+    from qnpu_jax.pipeline.run import build_plan
+
+    sd = load_script("scale_drift")
+    config = QuantizeConfig(model="smollm2-135m", method="quantnpu", w_bits=4, a_bits=8)
+    plan = build_plan(config, tiny_cfg.num_layers, None)
+    sub = sd.learnable_plan(plan, config)
+    paths = [p for p, _ in sub.entries]
+    assert {"layers/q_proj", "layers/attn_in", "layers/down_in"} <= set(paths)
+    assert "layers/q_out" not in paths and "lm_head" not in paths  # stage 2 tensors
+    frozen = sd.learnable_plan(plan, dataclasses.replace(config, learn_down_in=False))
+    assert {p for p, _ in frozen.entries} == set(paths) - {"layers/down_in"}
+    with pytest.raises(QnpuError, match="quarot run learns no encoding"):
+        sd.learnable_plan(plan, dataclasses.replace(config, method="quarot"))
+
+    tokens = np.asarray(jax.random.randint(jax.random.key(6), (4, 24), 0, tiny_cfg.vocab_size))
+    ref = calibrate(tiny_params, tiny_cfg, sub, tokens)
+    rows = sd.drift_rows(ref, ref, paths)
+    assert [r["path"] for r in rows] == paths
+    assert all(r["max_abs_log_ratio"] == 0 and r["at_floor"] == 0 for r in rows)
+    scale = np.array(ref["layers"]["v_proj"]["scale"])  # [L, out, 1]
+    scale[0, 0] *= np.e
+    scale[1, 2] = 1e-8  # stage 1's positivity floor
+    v = {**ref["layers"]["v_proj"], "scale": scale}
+    moved = {**ref, "layers": {**ref["layers"], "v_proj": v}}
+    row = {r["path"]: r for r in sd.drift_rows(moved, ref, paths)}["layers/v_proj"]
+    assert row["scales"] == scale.size and row["at_floor"] == 1
+    assert row["max_abs_log_ratio"] == pytest.approx(1.0)
+    assert row["median_ratio"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="layers/v_proj"):
+        sd.drift_rows({**moved, "layers": {**ref["layers"], "v_proj": {"scale": scale[:1]}}}, ref,
+                      ["layers/v_proj"])  # fmt: skip
+
+
 def test_compare_passes_the_fp32_row_as_float_reference(cm):
     specs = {"wiki": "wiki", "wikitext2": "wikitext:/data/wiki.test.raw"}
     row = {"ppl": 15.2, "windows": 32, "tokens": 16352}

@@ -1,0 +1,121 @@
+"""How far stage 1 moved a finished run's learned scales from their initializers -> JSON.
+
+Every encoding stage 1 learned (`stage1_plan`'s learnable tensors) is compared with the one
+the plan's initializer gives on the run's final, rotated model: weights re-encoded from the
+final weights, activations recalibrated on the run's calibration windows (`calibrate`, as
+stage 2 does for the other tensors). A ratio learned / rule of 1 means stage 1 left that scale
+where the rule would put it for the same model, so whatever stage 1 gained there came from the
+rotations. Scales at stage 1's positivity floor (1e-8) are counted apart and left out of the
+ratios.
+
+    python scripts/scale_drift.py --run runs/smollm2-135m-quantnpu-w4a8 \
+        --json reports/scale_drift_quantnpu_w4a8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# stage 1 keeps learned scales at max(raw, 1e-8) (`positive_scale`); below this is that floor
+FLOOR = 1e-7
+
+
+def learnable_plan(plan: Any, config: Any) -> Any:
+    """The sub-plan of the tensors stage 1 learned in a run with `config` (pure)."""
+    from qnpu_jax.errors import QnpuError
+    from qnpu_jax.pipeline.run import stage1_plan
+    from qnpu_jax.quant.plan import QuantPlan
+
+    entries = tuple((p, tq) for p, tq in stage1_plan(plan, config).entries if tq.learnable)
+    if not entries:
+        raise QnpuError(f"a {config.method} run learns no encoding in stage 1: nothing to compare")
+    return QuantPlan(entries, plan.num_layers)
+
+
+def state_scale(state: Any, path: str) -> np.ndarray:
+    if path.startswith("layers/"):
+        return np.asarray(state["layers"][path.removeprefix("layers/")]["scale"], np.float64)
+    return np.asarray(state["outer"][path]["scale"], np.float64)
+
+
+def drift_rows(learned: Any, reference: Any, paths: list[str]) -> list[dict[str, Any]]:
+    """Per path: how many scales, how many at the floor, and |ln(learned / reference)| of the
+    others (median, 90th percentile, max) with the median ratio (pure)."""
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        a, b = state_scale(learned, path), state_scale(reference, path)
+        if a.shape != b.shape:
+            raise ValueError(f"{path}: learned scales {a.shape} vs reference {b.shape}")
+        live = (a > FLOOR) & (b > FLOOR)
+        ratio = a[live] / b[live]
+        log = np.abs(np.log(ratio))
+        rows.append(
+            {
+                "path": path,
+                "scales": int(a.size),
+                "at_floor": int((a <= FLOOR).sum()),
+                "median_abs_log_ratio": float(np.median(log)) if log.size else None,
+                "p90_abs_log_ratio": float(np.percentile(log, 90)) if log.size else None,
+                "max_abs_log_ratio": float(log.max()) if log.size else None,
+                "median_ratio": float(np.median(ratio)) if ratio.size else None,
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run", type=Path, required=True)
+    parser.add_argument("--json", default="reports/scale_drift.json")
+    args = parser.parse_args(argv)
+    from qnpu_jax.environment import environment_info, script_command
+
+    command = script_command(__file__, argv)
+
+    from qnpu_jax.errors import QnpuError
+    from qnpu_jax.files import write_json_atomic
+    from qnpu_jax.models.quantized import sink_prefix
+    from qnpu_jax.pipeline.calibrate import calibrate
+    from qnpu_jax.pipeline.run import calibration_data, load_run
+
+    try:
+        config, plan, params, state, model = load_run(args.run)
+        sub = learnable_plan(plan, config)
+    except QnpuError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prefix = sink_prefix(config.prefix, model.tokenizer)
+    _, calib = calibration_data(config, model.tokenizer)
+    reference = calibrate(params, model.config, sub, calib, prefix=prefix)
+    rows = drift_rows(state, reference, [p for p, _ in sub.entries])
+    for r in rows:
+        med = r["median_abs_log_ratio"]
+        print(
+            f"{r['path']}: median |ln ratio| {med:.4f}, max {r['max_abs_log_ratio']:.3f}, "
+            f"{r['at_floor']} of {r['scales']} at the floor",
+            flush=True,
+        )
+    write_json_atomic(
+        Path(args.json),
+        {
+            "run": str(args.run),
+            **config.summary(),
+            "stage1": dataclasses.asdict(config.stage1),
+            "reference": "the plan's initializer on the run's final rotated model "
+            f"(calibration: {config.calib_data}, {config.calib_windows} windows)",
+            "rows": rows,
+            "environment": environment_info(),
+            "command": command,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
