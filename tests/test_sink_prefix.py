@@ -134,9 +134,11 @@ def test_sixteen_bit_fake_quant_equals_float_with_rotation_and_bos_prefix(smollm
     fq = tapped_token_nll(rotated, state, tokens, cfg=cfg, taps=FakeQuantTaps(plan), prefix=bos)
     change = math.exp(float(jnp.mean(fq)) - float(jnp.mean(ref))) - 1
     assert abs(change) < 1e-3, change
-    # the same without the prefix: the sink's range makes 16 bits visibly coarser
+    # Without the prefix the rotated model's sink still widens the residual and down_proj
+    # ranges 10-35x. On 2 windows of 128 its perplexity cost at 16 bits is ~2e-4, the size of
+    # the prefixed run's own rounding (and of its spread across CPUs), so compare the ranges.
     plain = calibrate(rotated, cfg, plan, windows)
-    fq_plain = tapped_token_nll(rotated, plain, tokens, cfg=cfg, taps=FakeQuantTaps(plan))
-    ref_plain = tapped_token_nll(smollm.params, None, tokens, cfg=cfg, taps=None)
-    change_plain = math.exp(float(jnp.mean(fq_plain)) - float(jnp.mean(ref_plain))) - 1
-    assert abs(change_plain) > 5 * abs(change), (change_plain, change)
+    for name in ("resid_attn", "resid_mlp", "down_in", "down_out"):
+        wide = float(jnp.max(plain["layers"][name]["scale"]))
+        narrow = float(jnp.max(state["layers"][name]["scale"]))
+        assert wide > 5 * narrow, (name, wide, narrow)
