@@ -3,3 +3,10 @@
 
 class QnpuError(Exception):
     """A user-facing error: a wrong path, a corrupt file, an unsupported config, bad data."""
+
+
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """The first line of a library's exception message (its type name when empty): enough to
+    name the problem in a QnpuError without a library's whole traceback or dump."""
+    lines = str(e).strip().splitlines()
+    return lines[0][:limit] if lines else type(e).__name__

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +59,12 @@ def _load_manifest(root: Path) -> dict[str, Any]:
     return doc
 
 
-def _save_manifest(root: Path, doc: dict[str, Any]) -> None:
+def _save_manifest(root: Path, doc: dict[str, Any], *, reseal: bool = True) -> None:
+    """Write an edited manifest; `reseal` gives it a matching digest again, so that the checks
+    behind the digest (entries, paths, hashes, .npy headers) are what a test reaches."""
+    from qnpu_jax.integrity import seal
+
+    doc = seal(doc) if reseal else doc
     (root / "manifest.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
@@ -148,7 +155,10 @@ def test_manifest_layout(artifact_dir: Path) -> None:
     text = (artifact_dir / "manifest.json").read_text()
     doc = json.loads(text)
     assert text == json.dumps(doc, indent=1, sort_keys=True) + "\n"
-    assert doc["format"] == "qnpu-int-artifact" and doc["version"] == 1
+    assert doc["format"] == "qnpu-int-artifact" and doc["version"] == 2
+    from qnpu_jax.integrity import manifest_digest
+
+    assert doc["digest"] == manifest_digest(doc)  # one digest over the manifest's content
     q = doc["tensors"]["layers.0.q_proj.weight"]
     assert q["file"] == "tensors/layers.0.q_proj.weight.npy"
     assert (q["dtype"], q["shape"], q["packing"]) == ("int8", [3, 7], "int4")
@@ -317,7 +327,8 @@ def test_symlink_inside_the_dir_is_fine(artifact_dir: Path) -> None:
     ("key", "value", "fragment"),
     [
         ("format", "gguf", r"format is 'gguf', expected 'qnpu-int-artifact'"),
-        ("version", 2, r"unsupported version 2 \(this reader supports version 1\)"),
+        ("version", 3, r"unsupported version 3 \(this reader supports version 2\)"),
+        ("version", 1, r"unsupported version 1 .*written before manifests carried a digest"),
         ("version", True, r"unsupported version True"),
         ("tensors", [], r"'tensors' must be a JSON object"),
     ],
@@ -328,6 +339,39 @@ def test_bad_format_or_version(artifact_dir: Path, key: str, value: Any, fragmen
     _save_manifest(artifact_dir, doc)
     with pytest.raises(QnpuError, match=r"manifest\.json: " + fragment):
         read_artifact(artifact_dir)
+
+
+def test_edited_manifest_number_is_refused_by_the_digest(artifact_dir: Path) -> None:
+    doc = _load_manifest(artifact_dir)
+    doc["model"]["layers"] = 2  # a number no file hash covers
+    _save_manifest(artifact_dir, doc, reseal=False)
+    with pytest.raises(
+        QnpuError, match=r"manifest\.json: digest mismatch: the manifest was edited"
+    ):
+        read_artifact(artifact_dir)
+    del doc["digest"]
+    _save_manifest(artifact_dir, doc, reseal=False)
+    with pytest.raises(QnpuError, match=r"manifest\.json: no valid 'digest'"):
+        read_artifact(artifact_dir)
+
+
+def test_killed_write_leftovers_are_removed_by_the_next_write(tmp_path: Path) -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    pid = int(dead.stdout)  # a process that has exited: its temp dirs are stale
+    stale = tmp_path / f".art.tmp-{pid}-abc123"
+    (stale / "tensors").mkdir(parents=True)
+    (stale / "tensors" / "x.npy").write_bytes(b"partial")
+    live = tmp_path / f".art.tmp-{os.getpid()}-def456"  # a running writer's: kept
+    live.mkdir()
+    other = tmp_path / f".other.tmp-{pid}-abc123"  # another artifact's: not ours to judge
+    other.mkdir()
+    _write(tmp_path / "art")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["art", live.name, other.name])
 
 
 def test_pickle_inside_npy(artifact_dir: Path) -> None:
@@ -484,9 +528,25 @@ def test_write_refuses_non_artifact_destination(tmp_path: Path) -> None:
     victim = tmp_path / "home"
     victim.mkdir()
     (victim / "thesis.tex").write_text("precious")
-    with pytest.raises(QnpuError, match=r"home: it is a non-empty directory without a manifest"):
+    with pytest.raises(QnpuError, match=r"home: it is a non-empty directory that is not a qnpu"):
         write_artifact(victim, {}, {"x": np.zeros(1, np.int8)})
     assert _snapshot(victim) == {"thesis.tex": b"precious"}
+    # a file named manifest.json does not make a folder ours
+    (victim / "manifest.json").write_text('{"name": "my project"}')
+    with pytest.raises(QnpuError, match=r"not a qnpu artifact \(its manifest\.json has format"):
+        write_artifact(victim, {}, {"x": np.zeros(1, np.int8)})
+    # nor does a real artifact's manifest copied in beside the user's files
+    real = _write(tmp_path / "real")
+    (victim / "manifest.json").write_bytes((real / "manifest.json").read_bytes())
+    with pytest.raises(QnpuError, match=r"holds files its manifest does not list \(thesis\.tex\)"):
+        write_artifact(victim, {}, {"x": np.zeros(1, np.int8)})
+    assert (victim / "thesis.tex").read_text() == "precious"
+    # an artifact with a user's file added inside is not replaced either
+    (real / "notes.txt").write_text("mine")
+    with pytest.raises(QnpuError, match=r"does not list \(notes\.txt\)"):
+        write_artifact(real, {}, {"x": np.zeros(1, np.int8)})
+    assert (real / "notes.txt").read_text() == "mine"
+    shutil.rmtree(real)
     (tmp_path / "plain").write_text("x")
     with pytest.raises(QnpuError, match=r"plain: it exists and is not a directory"):
         write_artifact(tmp_path / "plain", {}, {"x": np.zeros(1, np.int8)})

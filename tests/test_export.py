@@ -72,10 +72,14 @@ def _copy(src, dst):
     return dst
 
 
-def _edit_manifest(path, edit):
+def _edit_manifest(path, edit, *, reseal=True):
+    """Edit the manifest; `reseal` gives it a valid digest again, so the engine's own checks
+    (behind the container's digest) are what the edit meets."""
+    from qnpu_jax.integrity import seal
+
     manifest = json.loads((path / "manifest.json").read_text())
     edit(manifest)
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "manifest.json").write_text(json.dumps(seal(manifest) if reseal else manifest))
 
 
 def test_graph_refusals_name_the_problem(int_artifacts, tmp_path):
@@ -86,12 +90,31 @@ def test_graph_refusals_name_the_problem(int_artifacts, tmp_path):
         "graph format": lambda m: m["graph"].update(format="other/9"),
         "has shape": lambda m: m["model"].update(hidden_size=512),
         "tensors missing": lambda m: m["tensors"].pop("layers.pv.M"),
+        r"logits_scale is 3\.05.*fixes it at 1\.52": lambda m: m["graph"].update(
+            logits_scale=2.0**-15
+        ),
+        "norm_fraction_bits is 9; graph .* fixes it at 8": lambda m: m["graph"].update(
+            norm_fraction_bits=9
+        ),
+        "rope_fraction_bits is 13": lambda m: m["graph"].update(rope_fraction_bits=13),
+        r"max_context 9000 is not in 1\.\.8192": lambda m: m["graph"].update(max_context=9000),
+        r"prefill_chunk 0 is not in": lambda m: m["graph"].update(prefill_chunk=0),
+        "prefix_tokens must be a list of token ids": lambda m: m["graph"].update(
+            prefix_tokens=[49152]
+        ),
+        "tokenizer eos_token_id 50000 is not a token id": lambda m: m["tokenizer"].update(
+            eos_token_id=50000
+        ),
     }
     for i, (message, edit) in enumerate(cases.items()):
         art = _copy(base, tmp_path / f"a{i}")
         _edit_manifest(art, edit)
         with pytest.raises(QnpuError, match=message):
             E.load_int_model(art)
+    art = _copy(base, tmp_path / "unsealed")
+    _edit_manifest(art, lambda m: m["graph"].update(logits_scale=2.0**-15), reseal=False)
+    with pytest.raises(QnpuError, match="digest mismatch: the manifest was edited"):
+        E.load_int_model(art)
 
 
 def test_tampered_tensor_is_refused_before_running(int_artifacts, tmp_path):

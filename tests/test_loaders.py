@@ -26,6 +26,13 @@ def test_tiny_round_trip(tiny_dir, tiny_cfg, tiny_params):
     assert cfg == tiny_cfg
     np.testing.assert_array_equal(params["layers"]["q_proj"], tiny_params["layers"]["q_proj"])
     assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+    # every file gets the umask's default mode (safetensors alone wrote 0600 before)
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tiny_dir.iterdir()}
+    assert set(modes.values()) == {0o666 & ~mask}, modes
 
 
 def _edit_weights(directory, edit):

@@ -14,6 +14,7 @@ import yaml
 
 from qnpu_jax.cli import main
 from qnpu_jax.pipeline.config import QuantizeConfig
+from qnpu_jax.pipeline.run_manifest import seal_run
 from qnpu_jax.quant.plan import QuantRule, default_plan
 from qnpu_jax.report.plots import (
     PNG_MAGIC,
@@ -82,6 +83,7 @@ def write_run(
             for s in range(1, stage1_steps + 1)
         ]
         (run / "stage1" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    seal_run(run)
     return run
 
 
@@ -361,6 +363,8 @@ def _no_outputs(root: Path) -> bool:
     [
         ("missing_run", "run directory not found"),
         ("unfinished_run", "report.json is missing"),
+        ("unsealed_run", "quantnpu-w4a8 is not a finished run: manifest.json is missing"),
+        ("tampered_run", "plan.json: hash mismatch"),
         ("malformed_eval", "malformed JSON"),
         ("unmatched_eval", "is not among --runs"),
         ("unmatched_artifact", "no run in --runs has that name"),
@@ -376,8 +380,14 @@ def test_bad_inputs_exit_2_and_write_nothing(inputs, tmp_path, capsys, case, mes
     evals = tmp_path / "evals"
     if case == "missing_run":
         args[args.index(inputs["runs"][1])] = "runs/nope"
-    elif case == "unfinished_run":
+    elif case == "unfinished_run":  # resealed: the report's own check is what it meets
         (tmp_path / "runs" / "quantnpu-w4a8" / "report.json").unlink()
+        seal_run(tmp_path / "runs" / "quantnpu-w4a8")
+    elif case == "unsealed_run":
+        (tmp_path / "runs" / "quantnpu-w4a8" / "manifest.json").unlink()
+    elif case == "tampered_run":
+        plan = tmp_path / "runs" / "quantnpu-w4a8" / "plan.json"
+        plan.write_text(plan.read_text().replace('"bits": 4', '"bits": 5', 1))
     elif case == "malformed_eval":
         (evals / "quarot.json").write_text('{"run": "runs/quarot-w8a8", "tasks": ')
     elif case == "unmatched_eval":
@@ -394,6 +404,7 @@ def test_bad_inputs_exit_2_and_write_nothing(inputs, tmp_path, capsys, case, mes
     elif case == "bad_metrics_line":
         path = tmp_path / "runs" / "quantnpu-w4a8" / "stage1" / "metrics.jsonl"
         path.write_text(path.read_text().splitlines()[0] + "\n{not json\n")
+        seal_run(path.parents[1])
     elif case == "bad_sweep":
         Path(inputs["sweep"]).write_text(json.dumps({"rows": "none"}))
     elif case == "two_float_models":

@@ -101,6 +101,7 @@ def test_smoothed_run_stores_scales_that_eval_and_export_use(two_layer_dir, tmp_
 
     from qnpu_jax.cli import main
     from qnpu_jax.pipeline.run import load_run, save_learned
+    from qnpu_jax.pipeline.run_manifest import seal_run
 
     data = {
         "model": str(two_layer_dir), "method": "quarot", "w_bits": 4, "a_bits": 8,
@@ -153,14 +154,20 @@ def test_smoothed_run_stores_scales_that_eval_and_export_use(two_layer_dir, tmp_
     with ocp.StandardCheckpointer() as ckpt:
         resumed = ckpt.restore((out / "learned").resolve())["mlp_smoothing"]
     np.testing.assert_allclose(resumed, 2 * scales)
-    # a run whose config no longer matches its stored scales is refused
+    # a run whose config no longer matches its stored scales is refused: first by the run's
+    # manifest, and behind it (a re-sealed run) by load_run's own consistency checks
     config = yaml.safe_load((out / "config.yaml").read_text())
+    (out / "config.yaml").write_text(yaml.safe_dump({**config, "smooth_mlp": 0.3}))
+    with pytest.raises(QnpuError, match=r"config\.yaml: (size|hash) mismatch"):
+        load_run(out)
     for alpha, match in ((None, "scales are present"), (0.3, "made with 0.5")):
         (out / "config.yaml").write_text(yaml.safe_dump({**config, "smooth_mlp": alpha}))
+        seal_run(out)
         with pytest.raises(QnpuError, match=match):
             load_run(out)
     (out / "config.yaml").write_text(yaml.safe_dump(config))
     save_learned(out, learned["r1"], learned["r2"], learned["state"])  # scales dropped
+    seal_run(out)
     with pytest.raises(QnpuError, match="scales are missing"):
         load_run(out)
 

@@ -26,7 +26,13 @@ from qnpu_jax.export.graph import (
     LAYER_ACTS,
     LAYER_INPUT,
     LOGITS_RANGE,
+    LOGITS_SCALE,
+    NORM_FRACTION_BITS,
+    NORM_UNIT_BITS,
     OPS,
+    ROPE_FRACTION_BITS,
+    check_generation_room,
+    check_room,
     expected_tensors,
     graph_ops,
     nll_from_logit_codes,
@@ -167,6 +173,7 @@ def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], whe
         graph.get("global_activations", [])
     ) != list(GLOBAL_ACTS):
         raise QnpuError(f"{where}: activation tables differ from graph {FORMAT_GRAPH}")
+    _check_constants(manifest, where)
     try:
         expected = expected_tensors(model, graph)
     except (KeyError, TypeError) as e:
@@ -187,9 +194,53 @@ def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], whe
     span = tensors["layers.act.qmax"][:, gate] - tensors["layers.act.qmin"][:, gate] + 1
     if (span != tensors["layers.silu.lut"].shape[1]).any():
         raise QnpuError(f"{where}: SiLU LUT length does not match the gate_out range")
-    prefix = len(graph["prefix_tokens"])
-    if prefix + graph["prefill_chunk"] > graph["max_context"]:
-        raise QnpuError(f"{where}: prefix and one prefill chunk exceed the maximum context")
+
+
+# The fixed-point constants of graph FORMAT_GRAPH: part of the contract, not of an export.
+CONTRACT_CONSTANTS = {
+    "norm_fraction_bits": NORM_FRACTION_BITS,
+    "norm_unit_bits": NORM_UNIT_BITS,
+    "rope_fraction_bits": ROPE_FRACTION_BITS,
+    "logits_scale": LOGITS_SCALE,
+}
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_constants(manifest: dict[str, Any], where: str) -> None:
+    """Every number the engines read from the manifest (beyond tensor shapes) is the contract's
+    or lies in the range the tensors and the model config allow."""
+    graph, model = manifest["graph"], manifest["model"]
+    for key, value in CONTRACT_CONSTANTS.items():
+        got = graph.get(key)
+        if type(got) is not type(value) or got != value:
+            raise QnpuError(
+                f"{where}: graph {key} is {got!r}; graph {FORMAT_GRAPH} fixes it at {value!r}"
+            )
+    vocab, positions = model.get("vocab_size"), model.get("max_position_embeddings")
+    if not _is_int(vocab) or vocab < 1 or not _is_int(positions) or positions < 1:
+        raise QnpuError(f"{where}: model config lacks a valid vocab_size / max_position_embeddings")
+    max_context, chunk = graph.get("max_context"), graph.get("prefill_chunk")
+    if not _is_int(max_context) or not 1 <= max_context <= positions:
+        raise QnpuError(
+            f"{where}: graph max_context {max_context!r} is not in 1..{positions} (the model's "
+            "max_position_embeddings)"
+        )
+    prefix = graph.get("prefix_tokens")
+    if not isinstance(prefix, list) or not all(_is_int(t) and 0 <= t < vocab for t in prefix):
+        raise QnpuError(f"{where}: graph prefix_tokens must be a list of token ids < {vocab}")
+    if not _is_int(chunk) or not 1 <= chunk <= max_context - len(prefix):
+        raise QnpuError(
+            f"{where}: graph prefill_chunk {chunk!r} is not in 1..{max_context - len(prefix)} "
+            "(the context after the sink prefix)"
+        )
+    tokenizer = manifest.get("tokenizer") or {}
+    for key in ("bos_token_id", "eos_token_id"):
+        tid = tokenizer.get(key)
+        if tid is not None and (not _is_int(tid) or not 0 <= tid < vocab):
+            raise QnpuError(f"{where}: tokenizer {key} {tid!r} is not a token id < {vocab}")
 
 
 def load_int_model(path: Path | str) -> IntModel:
@@ -392,11 +443,7 @@ def _run_chunk_into(
     decode step does not copy the whole cache."""
     t = tokens.shape[1]
     start = cache.length
-    if start + t > model.graph["max_context"]:
-        raise QnpuError(
-            f"{start + t} positions exceed the artifact's maximum context "
-            f"{model.graph['max_context']}"
-        )
+    check_room(start, t, model.graph["max_context"])
     vocab = model.model["vocab_size"]
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
@@ -439,6 +486,7 @@ def prefill(
     chunk = int(model.graph["prefill_chunk"])
     pieces = []
     n = tokens.shape[1]
+    check_room(cache.length, n, model.graph["max_context"])
     for s in range(0, n, chunk):
         part = tokens[:, s : s + chunk]
         real = part.shape[1]
@@ -497,6 +545,8 @@ def generate(
     """Greedy decoding (argmax ties → lowest id), one token per decode step."""
     if not prompt:
         raise QnpuError("the prompt is empty")
+    prefix = len(model.graph["prefix_tokens"])
+    check_generation_room(prefix, len(prompt), max_new_tokens, model.graph["max_context"])
     codes, cache = prefill(model, np.asarray([list(prompt)]))
     out: list[int] = []
     token = int(np.argmax(codes[0, -1]))
@@ -505,8 +555,6 @@ def generate(
         if on_token:
             on_token(token)
         if token == eos_token_id or len(out) == max_new_tokens:
-            break
-        if cache.length + 1 > model.graph["max_context"]:
             break
         codes, cache = _run_chunk_into(model, np.asarray([[token]]), cache)  # prefill's own
         token = int(np.argmax(codes[0, -1]))

@@ -9,14 +9,15 @@ Layout::
     DIR/<name>               opaque files listed in manifest["files"] (e.g. tokenizer.json)
     DIR/tensors/<name>.npy   one .npy (format 1.0, little-endian, C order) per tensor
 
-Every file the manifest lists carries its sha256 and size. The reader checks the whole manifest,
-then each file's size, hash and .npy header against the manifest, before it trusts any of it.
+Every file the manifest lists carries its sha256 and size, and the manifest carries one digest
+over its own content (`qnpu_jax.integrity`), so its numbers are covered too. The reader checks
+the digest and the whole manifest, then each file's size, hash and .npy header against the
+manifest, before it trusts any of it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import math
@@ -26,23 +27,32 @@ import shutil
 import tempfile
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import current_umask, write_bytes_atomic
+from qnpu_jax.integrity import (
+    DIGEST_KEY,
+    check_record,
+    check_sealed,
+    file_record,
+    remove_stale_siblings,
+    safe_relative_path,
+    seal,
+)
 
 FORMAT = "qnpu-int-artifact"
-VERSION = 1
+VERSION = 2  # 2: the manifest carries a digest over its own content
 MANIFEST = "manifest.json"
 TENSOR_DIR = "tensors"
 DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "int64")
 PACKINGS = ("none", "int4")
 TENSOR_KEYS = frozenset({"file", "dtype", "shape", "packing", "sha256", "nbytes"})
 FILE_KEYS = frozenset({"sha256", "nbytes"})
-RESERVED_KEYS = ("format", "version", "tensors", "files")
+RESERVED_KEYS = ("format", "version", "tensors", "files", DIGEST_KEY)
 INT4_MIN, INT4_MAX = -8, 7
 
 _TENSOR_NAME = re.compile(r"[A-Za-z0-9_.]+")
@@ -189,21 +199,68 @@ def _dump_manifest(doc: Mapping[str, Any]) -> bytes:
     return (json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
 
 
-def _check_destination(out_dir: Path) -> None:
+def _listed_paths(doc: Mapping[str, Any]) -> set[str]:
+    """The relative paths a manifest accounts for (itself included)."""
+    listed = {MANIFEST}
+    files, tensors = doc.get("files"), doc.get("tensors")
+    if isinstance(files, dict):
+        listed |= {name for name in files if isinstance(name, str)}
+    if isinstance(tensors, dict):
+        listed |= {
+            e["file"]
+            for e in tensors.values()
+            if isinstance(e, dict) and isinstance(e.get("file"), str)
+        }
+    return listed
+
+
+def _relative_files(root: Path) -> list[str]:
+    """Every non-directory entry below `root` (symlinks included, not followed), POSIX paths."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root)
+        out += [(rel_dir / n).as_posix() for n in filenames]
+        out += [(rel_dir / n).as_posix() for n in dirnames if (Path(dirpath) / n).is_symlink()]
+    return sorted(out)
+
+
+def check_destination(out_dir: Path) -> None:
+    """Refuse to replace anything but one of our own artifacts: a manifest of this format
+    (sealed, from version 2 on) that lists every file in the directory."""
+    where = f"cannot write artifact {out_dir}"
     if out_dir.is_symlink():
-        raise QnpuError(f"cannot write artifact {out_dir}: it is a symlink; refusing to replace it")
+        raise QnpuError(f"{where}: it is a symlink; refusing to replace it")
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
-        raise QnpuError(f"cannot write artifact {out_dir}: it exists and is not a directory")
+        raise QnpuError(f"{where}: it exists and is not a directory")
     try:
-        empty = next(out_dir.iterdir(), None) is None
+        files = _relative_files(out_dir)
+        empty = not files and next(out_dir.iterdir(), None) is None
     except OSError as e:
-        raise QnpuError(f"cannot write artifact {out_dir}: cannot list it ({e})") from e
-    if not empty and not (out_dir / MANIFEST).is_file():
+        raise QnpuError(f"{where}: cannot list it ({e})") from e
+    if empty:
+        return
+    refuse = f"{where}: it is a non-empty directory that is not a qnpu artifact"
+    try:
+        doc = _parse_manifest(out_dir / MANIFEST)
+    except QnpuError as e:
+        raise QnpuError(f"{refuse} ({e}); refusing to replace it") from e
+    if doc.get("format") != FORMAT:
+        raise QnpuError(f"{refuse} (its {MANIFEST} has format {doc.get('format')!r})")
+    if doc.get("version") != 1:  # version 1 manifests carried no digest
+        try:
+            check_sealed(doc, str(out_dir / MANIFEST))
+        except QnpuError as e:
+            raise QnpuError(f"{refuse} ({e}); refusing to replace it") from e
+    unlisted = [f for f in files if f not in _listed_paths(doc)]
+    if unlisted:
+        shown = ", ".join(unlisted[:5]) + (
+            f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else ""
+        )
         raise QnpuError(
-            f"cannot write artifact {out_dir}: it is a non-empty directory without a {MANIFEST} "
-            "(not a previous artifact); refusing to overwrite it"
+            f"{where}: it holds files its manifest does not list ({shown}); refusing to replace "
+            "it (move them away, or choose another --out)"
         )
 
 
@@ -213,7 +270,9 @@ def _swap_into_place(new: Path, out_dir: Path) -> None:
         return
     # Rename the old artifact aside (inside a fresh temp dir, so the name is free), move the new
     # one in, then delete the old. Between the two renames out_dir briefly does not exist.
-    aside_root = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
+    aside_root = Path(
+        tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-{os.getpid()}-")
+    )
     aside = aside_root / "old"
     try:
         os.rename(out_dir, aside)
@@ -264,11 +323,14 @@ def write_artifact(
         raise QnpuError(f"{where}: manifest is not plain JSON ({e})") from e
     prepared = _prepare_tensors(out_dir, tensors, int4)
     blobs = _check_files(out_dir, files or {})
-    _check_destination(out_dir)
+    check_destination(out_dir)
 
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+        remove_stale_siblings(out_dir)  # what a killed export left behind
+        tmp = Path(
+            tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-{os.getpid()}-")
+        )
     except OSError as e:
         raise QnpuError(f"{where}: {e}") from e
     try:
@@ -286,23 +348,21 @@ def write_artifact(
                 "dtype": p.dtype,
                 "shape": list(p.shape),
                 "packing": p.packing,
-                "sha256": hashlib.sha256(data).hexdigest(),
-                "nbytes": len(data),
+                **file_record(data),
             }
         file_entries: dict[str, Any] = {}
         for name in sorted(blobs):
             write_bytes_atomic(tmp / name, blobs[name])
-            file_entries[name] = {
-                "sha256": hashlib.sha256(blobs[name]).hexdigest(),
-                "nbytes": len(blobs[name]),
+            file_entries[name] = file_record(blobs[name])
+        doc = seal(
+            {
+                **manifest,
+                "format": FORMAT,
+                "version": VERSION,
+                "tensors": tensor_entries,
+                "files": file_entries,
             }
-        doc = {
-            **manifest,
-            "format": FORMAT,
-            "version": VERSION,
-            "tensors": tensor_entries,
-            "files": file_entries,
-        }
+        )
         write_bytes_atomic(tmp / MANIFEST, _dump_manifest(doc))
         os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it private (0700)
         _swap_into_place(tmp, out_dir)
@@ -363,10 +423,10 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"non-standard constant {name}")
 
 
-def _read_manifest(root: Path) -> tuple[Path, dict[str, Any]]:
-    mpath = root / MANIFEST
+def _parse_manifest(mpath: Path) -> dict[str, Any]:
+    """The manifest as a JSON object (strict: no duplicate keys, no NaN)."""
     if not mpath.is_file():
-        raise QnpuError(f"{mpath}: manifest missing ({root} is not an artifact directory)")
+        raise QnpuError(f"{mpath}: manifest missing ({mpath.parent} is not an artifact directory)")
     try:
         doc = json.loads(
             mpath.read_bytes().decode("utf-8"),
@@ -379,13 +439,22 @@ def _read_manifest(root: Path) -> tuple[Path, dict[str, Any]]:
         raise QnpuError(f"{mpath}: manifest is not valid JSON ({e})") from e
     if not isinstance(doc, dict):
         raise QnpuError(f"{mpath}: manifest must be a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+def _read_manifest(root: Path) -> tuple[Path, dict[str, Any]]:
+    mpath = root / MANIFEST
+    doc = _parse_manifest(mpath)
     if doc.get("format") != FORMAT:
         raise QnpuError(f"{mpath}: format is {doc.get('format')!r}, expected {FORMAT!r}")
     version = doc.get("version")
     if type(version) is not int or version != VERSION:  # type(): True == 1 must not pass
+        hint = " (written before manifests carried a digest: export the run again)"
         raise QnpuError(
             f"{mpath}: unsupported version {version!r} (this reader supports version {VERSION})"
+            + (hint if version == 1 else "")
         )
+    check_sealed(doc, str(mpath))
     for key in ("tensors", "files"):
         if not isinstance(doc.get(key), dict):
             raise QnpuError(f"{mpath}: {key!r} must be a JSON object")
@@ -393,28 +462,7 @@ def _read_manifest(root: Path) -> tuple[Path, dict[str, Any]]:
 
 
 def _safe_path(root_real: Path, rel: object, where: str) -> tuple[Path, Path]:
-    """(shown, real) for a manifest path; refuses anything that could leave the directory."""
-    if not isinstance(rel, str) or not rel:
-        raise QnpuError(f"{where}: file path must be a non-empty string, got {rel!r}")
-    if "\\" in rel or "\x00" in rel:
-        raise QnpuError(
-            f"{where}: file path {rel!r} holds a backslash or NUL; use plain POSIX paths"
-        )
-    pure = PurePosixPath(rel)
-    if pure.is_absolute():
-        raise QnpuError(f"{where}: file path {rel!r} is absolute; it must be relative")
-    if ".." in pure.parts:
-        raise QnpuError(f"{where}: file path {rel!r} contains '..'")
-    try:
-        real = (root_real / pure).resolve()
-    except (OSError, RuntimeError) as e:  # RuntimeError: symlink loop (Python < 3.13)
-        raise QnpuError(f"{where}: cannot resolve file path {rel!r} ({e})") from e
-    if real == root_real or not real.is_relative_to(root_real):
-        raise QnpuError(
-            f"{where}: file path {rel!r} resolves to {real}, outside the artifact directory "
-            "(symlink escape?)"
-        )
-    return root_real / pure, real
+    return safe_relative_path(root_real, rel, where, "the artifact directory")
 
 
 def _check_hash_fields(entry: Mapping[str, Any], where: str) -> tuple[str, int]:
@@ -476,19 +524,7 @@ def _read_verified(entry: _Entry) -> bytes:
         data = entry.real.read_bytes()
     except OSError as e:
         raise QnpuError(f"{entry.shown}: cannot read ({e})") from e
-    if len(data) != entry.nbytes:
-        kind = "truncated" if len(data) < entry.nbytes else "extra data"
-        raise QnpuError(
-            f"{entry.shown}: size mismatch ({kind}): {len(data)} bytes, "
-            f"manifest says {entry.nbytes}"
-        )
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != entry.sha256:
-        raise QnpuError(
-            f"{entry.shown}: hash mismatch: sha256 {digest}, manifest says {entry.sha256} "
-            "(tampered or corrupt)"
-        )
-    return data
+    return check_record(entry.shown, data, entry.sha256, entry.nbytes)
 
 
 def _load_npy(shown: Path, data: bytes, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:

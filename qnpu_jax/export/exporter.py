@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -316,6 +317,11 @@ def export_model(
     state = effective_state(plan, state)
     if max_context is None:
         max_context = min(cfg.max_position_embeddings, DEFAULT_CONTEXT + len(prefix))
+    if max_context > cfg.max_position_embeddings:
+        raise QnpuError(
+            f"max context {max_context} exceeds the model's {cfg.max_position_embeddings} "
+            "positions (max_position_embeddings)"
+        )
     if len(prefix) >= max_context:
         raise QnpuError(f"sink prefix of {len(prefix)} tokens does not fit {max_context} positions")
     if not 1 <= prefill_chunk <= max_context - len(prefix):
@@ -530,9 +536,11 @@ def _check_multipliers(tensors: Mapping[str, np.ndarray]) -> None:
 
 def export_run(run_dir: Path, out_dir: Path, **kwargs: Any) -> Path:
     """Export a finished `qnpu quantize` run to an integer artifact at `out_dir`."""
+    from qnpu_jax.export.artifact import check_destination
     from qnpu_jax.models.quantized import sink_prefix
     from qnpu_jax.pipeline.run import load_run
 
+    check_destination(Path(os.path.abspath(out_dir)))  # refuse before the slow part, too
     config, plan, params, state, model = load_run(Path(run_dir))
     prefix = sink_prefix(config.prefix, model.tokenizer)
     exported = export_model(
@@ -553,11 +561,11 @@ def export_run_aimet(run_dir: Path, out_dir: Path, *, version: str = "1.0.0") ->
     from qnpu_jax.export.aimet import write_aimet
     from qnpu_jax.pipeline.run import load_run
 
-    _, plan, _, state, model = load_run(Path(run_dir))
-    encodings = run_encodings(plan, state, model.config)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise QnpuError(f"{out} exists and is not a directory")
+    _, plan, _, state, model = load_run(Path(run_dir))
+    encodings = run_encodings(plan, state, model.config)
     return write_aimet(
         out / f"{Path(run_dir).resolve().name}.encodings",
         encodings,

@@ -147,6 +147,36 @@ def expected_tensors(model: dict[str, Any], graph: dict[str, Any]) -> dict[str, 
     return out
 
 
+def check_room(filled: int, new: int, max_context: int) -> None:
+    """Refuse `new` positions after `filled` ones past the artifact's maximum context, before
+    any of them runs."""
+    from qnpu_jax.errors import QnpuError
+
+    if filled + new > max_context:
+        raise QnpuError(
+            f"{new} tokens after {filled} filled positions need {filled + new} positions; the "
+            f"artifact's maximum context is {max_context}"
+        )
+
+
+def check_generation_room(prefix: int, prompt: int, max_new_tokens: int, max_context: int) -> None:
+    """Greedy decoding of `max_new_tokens` after a `prompt` feeds all but the last new token
+    back: refuse up front what the cache cannot hold, instead of stopping short."""
+    from qnpu_jax.errors import QnpuError
+
+    if max_new_tokens < 1:
+        raise QnpuError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    need = prefix + prompt + max_new_tokens - 1
+    if need > max_context:
+        room = max_context - prefix - prompt + 1
+        hint = f"at most {room} new tokens fit" if room >= 1 else "the prompt alone does not fit"
+        raise QnpuError(
+            f"a {prompt}-token prompt (after the {prefix}-token sink prefix) and "
+            f"{max_new_tokens} new tokens need {need} positions; the artifact's maximum context "
+            f"is {max_context} ({hint})"
+        )
+
+
 def nll_from_logit_codes(codes: np.ndarray, tokens: np.ndarray, logits_scale: float) -> np.ndarray:
     """Next-token NLL [B, T-1] of tokens[:, 1:] from int32 logits codes [B, T, V], in float64:
     the one float step of the integer path (evaluation, not the device)."""

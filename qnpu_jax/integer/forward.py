@@ -36,6 +36,8 @@ from qnpu_jax.export.graph import (
     LAYER_ACTS,
     LAYER_INPUT,
     LOGITS_RANGE,
+    check_generation_room,
+    check_room,
     nll_from_logit_codes,
 )
 from qnpu_jax.quant.integer import requantize_jax
@@ -582,20 +584,13 @@ def _device_cache(spec: IntSpec, cache: CacheLike, batch: int) -> tuple[jax.Arra
     return k, v
 
 
-def _check_room(spec: IntSpec, start: int, t: int) -> None:
-    if start + t > spec.max_context:
-        raise QnpuError(
-            f"{start + t} positions exceed the artifact's maximum context {spec.max_context}"
-        )
-
-
 def run_chunk(source: Source, tokens: np.ndarray, cache: CacheLike) -> tuple[np.ndarray, IntCache]:
     """Integer logits [B, T, V] (int32 codes) of `tokens` [B, T] placed after the cache's
     filled positions, in one call (one compiled program per shape), and the updated cache."""
     c = consts_of(source)
     ids = _check_tokens(c.spec, tokens)
     start = int(cache.length)
-    _check_room(c.spec, start, ids.shape[1])
+    check_room(start, ids.shape[1], c.spec.max_context)
     with jax.enable_x64(True):
         k, v = _device_cache(c.spec, cache, ids.shape[0])
         logits, k, v = int_forward(c, jnp.asarray(ids), k, v, jnp.int32(start))
@@ -615,7 +610,7 @@ def prefill(
     b, n = ids.shape
     cache = cache if cache is not None else new_cache(c, b)
     start = int(cache.length)
-    _check_room(s, start, n)
+    check_room(start, n, s.max_context)
     chunk = s.prefill_chunk
     pieces = []
     with jax.enable_x64(True):
@@ -660,6 +655,7 @@ def generate(
     if not prompt:
         raise QnpuError("the prompt is empty")
     c = consts_of(source)
+    check_generation_room(c.spec.prefix_len, len(prompt), max_new_tokens, c.spec.max_context)
     codes, cache = prefill(c, np.asarray([list(prompt)]))
     out: list[int] = []
     token = int(np.argmax(codes[0, -1]))
@@ -670,8 +666,6 @@ def generate(
             if on_token:
                 on_token(token)
             if token == eos_token_id or len(out) == max_new_tokens:
-                break
-            if length + 1 > c.spec.max_context:
                 break
             ids = jnp.asarray([[token]], jnp.int32)
             logits, k, v = int_forward(c, ids, k, v, jnp.int32(length))

@@ -112,10 +112,18 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
     path = Path(path)
     if not path.is_file():
         raise QnpuError(f"GGUF file {path} does not exist")
+    size = path.stat().st_size
     try:
         reader = GGUFReader(str(path))
     except (ValueError, OSError, IndexError, KeyError) as e:
-        raise QnpuError(f"cannot read GGUF file {path}: {e}") from e
+        # The reader maps tensors at the offsets the header promises: a short file fails here
+        # with numpy's reshape/view messages, which say nothing of the cause.
+        raise QnpuError(
+            f"cannot read GGUF file {path}: truncated or corrupt ({size} bytes; reader: {e})"
+        ) from e
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise QnpuError(f"GGUF file {path} is truncated: {size} bytes, its tensors end at {end}")
     cfg = gguf_model_config(reader)
     # The tokenizer first: a file we cannot use fails before the slow dequantization.
     tokenizer = tokenizer_from_gguf_vocab(

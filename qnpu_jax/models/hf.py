@@ -239,7 +239,10 @@ def save_hf_dir(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         tokenizer.save(tmp)
-        tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes it private (0700)
+        mask = current_umask()
+        for f in tmp.iterdir():  # safetensors writes its files private (0600)
+            f.chmod(0o666 & ~mask)
+        tmp.chmod(0o777 & ~mask)  # mkdtemp makes it private (0700)
         os.replace(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

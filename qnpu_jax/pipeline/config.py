@@ -20,6 +20,7 @@ PREFIXES = ("none", "bos")
 INIT_SCHEMES = ("aware", "max_min")
 SCOPES = ("full", "linears")
 WEIGHT_ROUNDINGS = ("rtn", "gptq")
+MAX_CALIB_WINDOWS = 4096  # 2M tokens at seq_len 512; the paper calibrates on 128 windows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,6 +105,11 @@ class QuantizeConfig:
                 raise QnpuError(f"{name} must be a non-negative integer, got {value!r}")
         if self.seq_len < 2 or self.calib_windows < 1:
             raise QnpuError("seq_len must be >= 2 and calib_windows >= 1")
+        if self.calib_windows > MAX_CALIB_WINDOWS:
+            raise QnpuError(
+                f"calib_windows must be at most {MAX_CALIB_WINDOWS}, got {self.calib_windows} "
+                "(every window runs through every calibration pass)"
+            )
         for name in ("mixed_precision", "down_out_mixed_precision"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
@@ -204,7 +210,12 @@ def load_config(path: str | Path) -> QuantizeConfig:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise QnpuError(f"{path}: not valid YAML: {e}") from e
+    if data is None:
+        raise QnpuError(
+            f"{path}: the config file is empty (name at least the model and the method; "
+            "configs/ holds complete examples)"
+        )
     try:
-        return QuantizeConfig.from_dict(data or {})
+        return QuantizeConfig.from_dict(data)
     except (QnpuError, TypeError) as e:
         raise QnpuError(f"{path}: {e}") from e

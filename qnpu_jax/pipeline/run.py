@@ -11,6 +11,9 @@ run_dir/
                      smooth_mlp the up→down smoothing scales and, with weight_rounding gptq,
                      the linear weights' integer codes
   report.json        float and quantized perplexity, wall time of every stage
+  manifest.json      written last: sha256 and size of every file, sealed with one digest
+                     (`run_manifest`); a run without it is unfinished, and every reader
+                     verifies it before use
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from qnpu_jax.data import (
     tokenize_documents,
 )
 from qnpu_jax.environment import environment_info
-from qnpu_jax.errors import QnpuError
+from qnpu_jax.errors import QnpuError, first_line
 from qnpu_jax.files import write_bytes_atomic, write_json_atomic
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
@@ -45,6 +48,7 @@ from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, sink_prefix, ta
 from qnpu_jax.pipeline.calibrate import calibrate, channel_absmax
 from qnpu_jax.pipeline.config import QuantizeConfig, load_config
 from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits, tensor_sensitivity
+from qnpu_jax.pipeline.run_manifest import seal_run, unseal_run, verify_run
 from qnpu_jax.pipeline.stage1 import (
     init_train_state,
     learned_scales,
@@ -176,15 +180,49 @@ def _eval_split(spec: str) -> str | None:
     return "eval" if spec == "wiki" else None
 
 
+# Keys that change only how a finished model is evaluated: --resume may change them.
+EVAL_ONLY_KEYS = ("eval_data", "eval_windows")
+
+
+def _without_eval(config: QuantizeConfig) -> QuantizeConfig:
+    defaults = QuantizeConfig()
+    return dataclasses.replace(config, **{k: getattr(defaults, k) for k in EVAL_ONLY_KEYS})
+
+
 def _check_run_dir(run_dir: Path, config: QuantizeConfig, resume: bool) -> None:
     saved = run_dir / "config.yaml"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise QnpuError(f"--out {run_dir} exists and is not a directory")
     if resume:
         if not saved.is_file():
             raise QnpuError(f"--resume: {run_dir} holds no run (no config.yaml)")
-        if load_config(saved) != config:
-            raise QnpuError(f"--resume: the config differs from the one in {saved}")
+        if _without_eval(load_config(saved)) != _without_eval(config):
+            raise QnpuError(
+                f"--resume: the config differs from the one in {saved} (only "
+                f"{', '.join(EVAL_ONLY_KEYS)} may change on resume)"
+            )
     elif run_dir.exists() and any(run_dir.iterdir()):
         raise QnpuError(f"{run_dir} is not empty; pass --resume to continue that run")
+
+
+def evaluation_sets(
+    config: QuantizeConfig, tokenizer: Any, max_length: int
+) -> dict[str, np.ndarray]:
+    """{spec: windows} of every eval_data set, read before anything expensive runs, so a wrong
+    path or a text shorter than one window fails in the first seconds, not after stage 1."""
+    if config.seq_len > max_length:
+        raise QnpuError(
+            f"seq_len {config.seq_len} exceeds the model's context ({max_length} positions "
+            "after the sink prefix)"
+        )
+    sets = {}
+    for spec in config.eval_data:
+        try:
+            ids = _token_ids(spec, _eval_split(spec), tokenizer)
+            sets[spec] = eval_windows(ids, config.seq_len, config.eval_windows)
+        except (QnpuError, OSError) as e:
+            raise QnpuError(f"eval_data {spec!r}: {e}") from e
+    return sets
 
 
 def save_learned(
@@ -286,12 +324,15 @@ def quantize(
     t0 = time.perf_counter()
     model = load_model(config.model)
     cfg = model.config
-    if config.seq_len > cfg.max_position_embeddings:
-        raise QnpuError(f"seq_len {config.seq_len} exceeds the model's context")
     prefix = sink_prefix(config.prefix, model.tokenizer)
-    calib_ids, calib = calibration_data(config, model.tokenizer)
+    eval_sets = evaluation_sets(config, model.tokenizer, cfg.max_position_embeddings - len(prefix))
+    try:
+        calib_ids, calib = calibration_data(config, model.tokenizer)
+    except (QnpuError, OSError) as e:
+        raise QnpuError(f"calib_data {config.calib_data!r}: {e}") from e
     _, rotation_key, data_key = run_keys(config.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
+    unseal_run(run_dir)  # a resumed run is unfinished until its manifest is written again
     write_bytes_atomic(
         run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False).encode()
     )
@@ -388,9 +429,7 @@ def quantize(
 
     t0 = time.perf_counter()
     results: dict[str, Any] = {}
-    for spec in config.eval_data:
-        ids = _token_ids(spec, _eval_split(spec), model.tokenizer)
-        windows = eval_windows(ids, config.seq_len, config.eval_windows)
+    for spec, windows in eval_sets.items():
         quant_r = evaluate(final_params, state, plan, cfg, windows, prefix)
         reference = (float_reference or {}).get(spec)
         if reference is None:
@@ -426,20 +465,68 @@ def quantize(
         "down_out_sensitivity": down_out_sensitivity,
         "perplexity": results,
         "seconds": seconds,
+        "resumed": resume,
+        "stage1_step_seconds": _stage1_step_seconds(run_dir),
         "environment": environment_info(),
         "command": command,
     }
     write_json_atomic(run_dir / "report.json", report)
+    seal_run(run_dir)
     return report
 
 
-def load_run(run_dir: Path) -> tuple[QuantizeConfig, QuantPlan, Params, QuantState, Any]:
-    """(config, plan, rotated params, quantizer state, model) of a finished run."""
+def _stage1_step_seconds(run_dir: Path) -> float | None:
+    """Stage 1's step time summed over every recorded step, earlier attempts of a resumed run
+    included (`seconds` covers this invocation only); None without a stage 1."""
+    from qnpu_jax.files import iter_jsonl
+
+    path = run_dir / "stage1" / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    return float(sum(float(row.get("seconds", 0.0)) for _, row in iter_jsonl(path)))
+
+
+ORTHOGONALITY_TOL = 1e-3  # max |R·Rᵀ − I| of a learned float32 rotation (Cayley keeps ~1e-6)
+
+
+def check_orthogonal(name: str, r: np.ndarray, where: str) -> None:
+    """Refuse a rotation (or a stack of them) that is not orthogonal: folding it into the
+    weights would silently change the model."""
+    r = np.asarray(r, np.float64)
+    if r.ndim < 2 or r.shape[-1] != r.shape[-2]:
+        raise QnpuError(f"{where}: rotation {name} has shape {r.shape}, not square")
+    if not np.isfinite(r).all():
+        raise QnpuError(f"{where}: rotation {name} holds NaN or infinity")
+    err = float(np.abs(r @ np.swapaxes(r, -1, -2) - np.eye(r.shape[-1])).max())
+    if err > ORTHOGONALITY_TOL:
+        raise QnpuError(
+            f"{where}: rotation {name} is not orthogonal (max |R·Rᵀ − I| = {err:.3g} > "
+            f"{ORTHOGONALITY_TOL}): corrupt or edited"
+        )
+
+
+def restore_learned(run_dir: Path) -> dict[str, Any]:
+    """The orbax tree in run_dir/learned, with orbax's failures as a QnpuError naming it."""
     import orbax.checkpoint as ocp
 
+    path = (run_dir / "learned").resolve()
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            learned = ckpt.restore(path)
+    except Exception as e:  # orbax/tensorstore raise many types; all mean "unreadable"
+        raise QnpuError(f"{path}: cannot restore the learned checkpoint ({first_line(e)})") from e
+    if not isinstance(learned, dict) or "state" not in learned:
+        raise QnpuError(f"{path}: the learned checkpoint holds no quantizer state")
+    return learned
+
+
+def load_run(run_dir: Path) -> tuple[QuantizeConfig, QuantPlan, Params, QuantState, Any]:
+    """(config, plan, rotated params, quantizer state, model) of a finished run, after its
+    manifest, every file's hash and the rotations' orthogonality are verified."""
     from qnpu_jax.models import load_model
 
     run_dir = Path(run_dir)
+    verify_run(run_dir)
     for name in ("config.yaml", "plan.json", "learned"):
         if not (run_dir / name).exists():
             raise QnpuError(f"{run_dir} is not a finished run: {name} is missing")
@@ -450,9 +537,13 @@ def load_run(run_dir: Path) -> tuple[QuantizeConfig, QuantPlan, Params, QuantSta
         raise QnpuError(f"{run_dir / 'plan.json'}: {e}") from e
     model = load_model(config.model)
     cfg = model.config
-    with ocp.StandardCheckpointer() as ckpt:
-        learned = ckpt.restore((run_dir / "learned").resolve())
+    learned = restore_learned(run_dir)
     rotated = config.method != "rtn"
+    if rotated != ("r1" in learned and "r2" in learned):
+        raise QnpuError(
+            f"{run_dir / 'learned'} does not match config.yaml: method {config.method} "
+            f"{'needs' if rotated else 'has no'} rotations R1/R2"
+        )
     params = fuse_norms(model.params, cfg) if rotated else model.params
     if (config.smooth_mlp is not None) != ("mlp_smoothing" in learned):
         raise QnpuError(
@@ -469,6 +560,8 @@ def load_run(run_dir: Path) -> tuple[QuantizeConfig, QuantPlan, Params, QuantSta
     if "mlp_smoothing" in learned:
         params = smooth_mlp(params, jnp.asarray(learned["mlp_smoothing"]))
     if rotated:
+        for name in ("r1", "r2"):
+            check_orthogonal(name, learned[name], str(run_dir / "learned"))
         params = apply_rotations(
             params, cfg, jnp.asarray(learned["r1"]), jnp.asarray(learned["r2"])
         )

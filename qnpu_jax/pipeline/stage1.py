@@ -25,7 +25,7 @@ import optax
 from tqdm import tqdm
 
 from qnpu_jax.data import sample_windows
-from qnpu_jax.errors import QnpuError
+from qnpu_jax.errors import QnpuError, first_line
 from qnpu_jax.files import iter_jsonl
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, next_token_nll
@@ -321,7 +321,13 @@ def run_stage1(
     metrics_path = run_dir / "metrics.jsonl"
     latest = manager.latest_step()
     if latest is not None:
-        train_state = manager.restore(latest, args=ocp.args.StandardRestore(train_state))
+        try:
+            train_state = manager.restore(latest, args=ocp.args.StandardRestore(train_state))
+        except Exception as e:  # orbax/tensorstore raise many types; all mean "unreadable"
+            raise QnpuError(
+                f"{run_dir / 'checkpoints' / str(latest)}: cannot restore the stage-1 checkpoint "
+                f"({first_line(e)}); delete that step's folder to resume from the one before"
+            ) from e
         _trim_metrics(metrics_path, latest)
     elif metrics_path.exists():
         metrics_path.unlink()

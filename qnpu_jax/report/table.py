@@ -232,11 +232,11 @@ def run_label(method: str, config: Any) -> str:
 def load_run_row(run_dir: Path) -> Row:
     """The row of a finished `qnpu quantize` run: report.json, config.yaml and plan.json."""
     from qnpu_jax.pipeline.config import load_config
+    from qnpu_jax.pipeline.run_manifest import verify_run
     from qnpu_jax.quant.plan import QuantPlan
 
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise QnpuError(f"run directory not found: {run_dir}")
+    verify_run(run_dir)
     report_path = run_dir / "report.json"
     if not report_path.is_file():
         raise QnpuError(f"{run_dir} is not a finished run: report.json is missing")

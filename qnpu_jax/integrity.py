@@ -1,0 +1,128 @@
+"""One digest over a manifest that lists every file of a directory by sha256 and size.
+
+Integer artifacts and run directories both carry such a manifest. The manifest's own numbers
+(graph constants, encodings, config) are covered by its `digest`, and each listed file by its
+entry, so one check before use covers everything a reader trusts. The digest guards against
+corruption and hand edits, not against someone who re-seals on purpose.
+
+Standard library only: the numpy emulator imports this through the artifact reader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from qnpu_jax.errors import QnpuError
+
+DIGEST_KEY = "digest"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def canonical_json(doc: Mapping[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def manifest_digest(doc: Mapping[str, Any]) -> str:
+    """sha256 of the canonical JSON of `doc` without its digest key."""
+    return hashlib.sha256(
+        canonical_json({k: v for k, v in doc.items() if k != DIGEST_KEY})
+    ).hexdigest()
+
+
+def seal(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """`doc` with its digest added (any previous digest replaced)."""
+    body = {k: v for k, v in doc.items() if k != DIGEST_KEY}
+    return {**body, DIGEST_KEY: manifest_digest(body)}
+
+
+def check_sealed(doc: Mapping[str, Any], where: str) -> None:
+    """Raise unless `doc` carries the digest of its own content."""
+    digest = doc.get(DIGEST_KEY)
+    if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+        raise QnpuError(
+            f"{where}: no valid {DIGEST_KEY!r} (not sealed, or written by an older qnpu)"
+        )
+    actual = manifest_digest(doc)
+    if actual != digest:
+        raise QnpuError(
+            f"{where}: digest mismatch: the manifest was edited or corrupted after it was written "
+            f"(digest {actual}, recorded {digest})"
+        )
+
+
+def file_record(data: bytes) -> dict[str, Any]:
+    return {"sha256": hashlib.sha256(data).hexdigest(), "nbytes": len(data)}
+
+
+def check_record(shown: Path | str, data: bytes, sha256: str, nbytes: int) -> bytes:
+    """`data` if it has the recorded size and sha256, else a QnpuError naming `shown`."""
+    if len(data) != nbytes:
+        kind = "truncated" if len(data) < nbytes else "extra data"
+        raise QnpuError(
+            f"{shown}: size mismatch ({kind}): {len(data)} bytes, manifest says {nbytes}"
+        )
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sha256:
+        raise QnpuError(
+            f"{shown}: hash mismatch: sha256 {digest}, manifest says {sha256} (tampered or corrupt)"
+        )
+    return data
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_siblings(target: Path, kinds: tuple[str, ...] = ("tmp", "old")) -> list[Path]:
+    """Delete `.NAME.<kind>-<pid>-*` siblings of `target` whose writing process is gone (a
+    killed write); a live process's are left alone. Returns what was removed."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(?:{'|'.join(kinds)})-(\d+)-[A-Za-z0-9_]+")
+    removed: list[Path] = []
+    try:
+        siblings = list(target.parent.iterdir())
+    except OSError:
+        return removed
+    for p in siblings:
+        m = pattern.fullmatch(p.name)
+        if m and p.is_dir() and not p.is_symlink() and not pid_alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def safe_relative_path(root_real: Path, rel: object, where: str, inside: str) -> tuple[Path, Path]:
+    """(shown, real) for a manifest's relative path below `root_real` (already resolved);
+    refuses anything that could leave it (`inside` names it in messages)."""
+    if not isinstance(rel, str) or not rel:
+        raise QnpuError(f"{where}: file path must be a non-empty string, got {rel!r}")
+    if "\\" in rel or "\x00" in rel:
+        raise QnpuError(
+            f"{where}: file path {rel!r} holds a backslash or NUL; use plain POSIX paths"
+        )
+    pure = PurePosixPath(rel)
+    if pure.is_absolute():
+        raise QnpuError(f"{where}: file path {rel!r} is absolute; it must be relative")
+    if ".." in pure.parts:
+        raise QnpuError(f"{where}: file path {rel!r} contains '..'")
+    try:
+        real = (root_real / pure).resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: symlink loop (Python < 3.13)
+        raise QnpuError(f"{where}: cannot resolve file path {rel!r} ({e})") from e
+    if real == root_real or not real.is_relative_to(root_real):
+        raise QnpuError(
+            f"{where}: file path {rel!r} resolves to {real}, outside {inside} (symlink escape?)"
+        )
+    return root_real / pure, real
