@@ -88,8 +88,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="sink prefix before every window (default: none; a run's own prefix with --run)",
     )
 
-    qz = sub.add_parser("quantize", help="quantize a model with a method config into a run dir")
-    qz.add_argument("--config", required=True, type=Path, help="configs/NAME.yaml")
+    qz = sub.add_parser(
+        "quantize",
+        help="quantize a model into a run dir (a config by name or file, or --method/--bits)",
+    )
+    qz.add_argument(
+        "--config", default=None, help="a shipped config NAME (`qnpu configs`) or a YAML file"
+    )
+    qz.add_argument("--model", default=None, help="overrides the config's model")
+    qz.add_argument(
+        "--method", default=None, help="rtn, quarot, spinquant or quantnpu (overrides the config's)"
+    )
+    qz.add_argument("--bits", default=None, help="w4a8, w8a8, w4a4kv8, ... (overrides)")
+    qz.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key (YAML value; stage1.KEY for stage 1), repeatable",
+    )
     qz.add_argument("--out", required=True, type=Path, help="the run directory")
     qz.add_argument("--resume", action="store_true", help="continue the run in --out")
     qz.add_argument("--no-progress", action="store_true")
@@ -111,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     em.add_argument("--prompt", required=True)
     em.add_argument("--max-new-tokens", type=_positive_int, default=32)
     em.add_argument("--engine", choices=ENGINES, default="emulator")
+
+    sub.add_parser("configs", help="list the shipped configs (`qnpu quantize --config NAME`)")
 
     rp = sub.add_parser(
         "report", help="results table (paper Table 1 shape) and plots from runs and evals"
@@ -364,17 +384,46 @@ def finish_eval_report(
         write_json_atomic(path, report)
 
 
+def quantize_config(args: argparse.Namespace) -> Any:
+    """The QuantizeConfig of `qnpu quantize`: --config (a name or a file) or the defaults, then
+    --model/--method/--bits, then every --set, validated as one config."""
+    from qnpu_jax.pipeline.config import QuantizeConfig, load_config, parse_bits
+
+    if args.config is None and (args.method is None or args.bits is None):
+        raise QnpuError("give --config NAME (see `qnpu configs`), or --method and --bits")
+    sets = list(args.overrides)
+    if args.model is not None:
+        sets.insert(0, f"model={args.model}")
+    if args.method is not None:
+        sets.insert(0, f"method={args.method}")
+    if args.bits is not None:
+        sets[:0] = [f"{k}={v}" for k, v in parse_bits(args.bits).items()]
+    if args.config is not None:
+        return load_config(args.config, sets)
+    from qnpu_jax.pipeline.config import apply_overrides
+
+    try:
+        return QuantizeConfig.from_dict(apply_overrides({}, sets))
+    except TypeError as e:
+        raise QnpuError(f"--set: {e}") from e
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from qnpu_jax.pipeline.config import load_config
     from qnpu_jax.pipeline.run import quantize
 
-    config = load_config(args.config)
+    config = quantize_config(args)
+    started = time.perf_counter()
+
+    def announce(message: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f} s] {message}", file=sys.stderr, flush=True)
+
     report = quantize(
         config,
         args.out,
         resume=args.resume,
         progress=not args.no_progress,
         command="qnpu " + shlex.join(args.argv),
+        announce=announce,
     )
     for spec, r in report["perplexity"].items():
         print(
@@ -382,6 +431,16 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             f"ppl {r['quantized_ppl']:.3f} ({r['ratio']:.3f}x) over {r['windows']} windows"
         )
     print(f"run written to {args.out}")
+    return 0
+
+
+def cmd_configs(args: argparse.Namespace) -> int:
+    from qnpu_jax.pipeline.config import shipped_configs
+
+    for name, resource in sorted(shipped_configs().items()):
+        lines = resource.read_text().splitlines()
+        about = lines[0].lstrip("# ").strip() if lines and lines[0].startswith("#") else ""
+        print(f"{name:44s} {about}")
     return 0
 
 
@@ -459,6 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv
     commands = {
+        "configs": cmd_configs,
         "eval": cmd_eval,
         "emulate": cmd_emulate,
         "export": cmd_export,

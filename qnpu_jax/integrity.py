@@ -76,6 +76,17 @@ def check_record(shown: Path | str, data: bytes, sha256: str, nbytes: int) -> by
     return data
 
 
+def relative_files(root: Path) -> list[str]:
+    """Every non-directory entry below `root` as sorted POSIX paths: files, and symlinks
+    (to files or directories, not followed)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root)
+        out += [(rel_dir / n).as_posix() for n in filenames]
+        out += [(rel_dir / n).as_posix() for n in dirnames if (Path(dirpath) / n).is_symlink()]
+    return sorted(out)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

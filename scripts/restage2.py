@@ -12,7 +12,7 @@ what `qnpu quantize --config CONFIG` gives (same seed, same stage 1), at the cos
 calibration and two evaluations.
 
     python scripts/restage2.py --run runs/smollm2-135m-quantnpu-w4a8 \
-        --config configs/smollm2-135m-quantnpu-w4a8-clip.yaml --json reports/restage2_clip.json
+        --config smollm2-135m-quantnpu-w4a8-clip --json reports/restage2_clip.json
     python scripts/restage2.py --run runs/compare/quantnpu-w8a8kv8-ours-prefix-bos \
         --down-out-mixed-precision 0.1 --json reports/restage2_w8a8_ours_down_out.json
 """

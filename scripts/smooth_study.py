@@ -5,7 +5,7 @@ promotion: the tensor smoothing is for), calibrated once per α exactly as `qnpu
 calibrates it (the run's calibration windows, seed, rotations and sink prefix), evaluated on
 the first `--eval-windows` windows of the `wiki` eval split. "none" is the method without
 smoothing. A stage-1 method is measured with a full run instead
-(configs/smollm2-135m-quantnpu-w4a8-smooth.yaml).
+(qnpu_jax/configs/smollm2-135m-quantnpu-w4a8-smooth.yaml).
 
     python scripts/smooth_study.py --method quarot --bits W4A8 \
         --alphas none,0.2,0.3,0.5,0.7 --eval-windows 16 --json reports/smooth_study.json

@@ -186,13 +186,58 @@ def test_config_errors_name_the_problem(tmp_path):
     assert QuantizeConfig.from_dict(rules.to_dict()) == rules
 
 
-def test_shipped_configs_load():
+def test_shipped_configs_load_by_name_and_by_path():
     from pathlib import Path
 
-    configs = sorted(Path(__file__).parents[1].glob("configs/*.yaml"))
-    assert len(configs) >= 13
-    for path in configs:
-        load_config(path)
+    from qnpu_jax.pipeline.config import shipped_configs
+
+    files = sorted(Path(__file__).parents[1].glob("qnpu_jax/configs/*.yaml"))
+    shipped = shipped_configs()
+    assert len(files) >= 13 and sorted(shipped) == sorted(f.stem for f in files)
+    for path in files:
+        assert load_config(path.stem) == load_config(path) == load_config(f"{path.stem}.yaml")
+    with pytest.raises(QnpuError, match=r"not found: no-such-config .*shipped: .*quick"):
+        load_config("no-such-config")
+
+
+def test_overrides_and_config_free_quantize_configs(capsys):
+    from types import SimpleNamespace
+
+    from qnpu_jax.cli import quantize_config
+    from qnpu_jax.pipeline.config import apply_overrides, parse_bits
+
+    base = load_config("smollm2-135m-quantnpu-w4a8")
+    got = load_config("smollm2-135m-quantnpu-w4a8", ["stage1.steps=120", "eval_data=[wiki, x]"])
+    assert got.stage1.steps == 120 and got.eval_data == ("wiki", "x")
+    assert got.stage1.lr_scale == base.stage1.lr_scale and got.seq_len == base.seq_len
+    assert parse_bits("W4A8KV8") == {"w_bits": 4, "a_bits": 8, "kv_bits": 8}
+    for bad, message in (
+        (["seq_len"], "expected KEY=VALUE"),
+        (["a.b=1"], "only stage1.KEY may be dotted"),
+        (["seq_len=[1"], "not YAML"),
+    ):
+        with pytest.raises(QnpuError, match=message):
+            apply_overrides({}, bad)
+    with pytest.raises(QnpuError, match="unknown config key"):
+        load_config("quick", ["stage_1=3"])
+    with pytest.raises(QnpuError, match="expected wXaY"):
+        parse_bits("int4")
+
+    def args(**kw):
+        defaults = {"config": None, "model": None, "method": None, "bits": None, "overrides": []}
+        return SimpleNamespace(**(defaults | kw))
+
+    free = quantize_config(args(method="rtn", bits="w8a8", overrides=["seq_len=64"]))
+    assert free == QuantizeConfig(method="rtn", w_bits=8, a_bits=8, seq_len=64)
+    named = quantize_config(args(config="quick", bits="w8a8kv8", model="m", method="quarot"))
+    assert named == QuantizeConfig.from_dict(
+        {**load_config("quick").to_dict(), "w_bits": 8, "method": "quarot", "model": "m"}
+    )
+    with pytest.raises(QnpuError, match=r"give --config NAME .* or --method and --bits"):
+        quantize_config(args(method="rtn"))
+    assert main(["configs"]) == 0
+    listed = capsys.readouterr().out
+    assert "quick " in listed and "smollm2-135m-quantnpu-w4a8 " in listed
 
 
 def test_promotion_picks_the_top_share_rounded_up():

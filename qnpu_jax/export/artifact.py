@@ -39,6 +39,7 @@ from qnpu_jax.integrity import (
     check_record,
     check_sealed,
     file_record,
+    relative_files,
     remove_stale_siblings,
     safe_relative_path,
     seal,
@@ -214,16 +215,6 @@ def _listed_paths(doc: Mapping[str, Any]) -> set[str]:
     return listed
 
 
-def _relative_files(root: Path) -> list[str]:
-    """Every non-directory entry below `root` (symlinks included, not followed), POSIX paths."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel_dir = Path(dirpath).relative_to(root)
-        out += [(rel_dir / n).as_posix() for n in filenames]
-        out += [(rel_dir / n).as_posix() for n in dirnames if (Path(dirpath) / n).is_symlink()]
-    return sorted(out)
-
-
 def check_destination(out_dir: Path) -> None:
     """Refuse to replace anything but one of our own artifacts: a manifest of this format
     (sealed, from version 2 on) that lists every file in the directory."""
@@ -235,7 +226,7 @@ def check_destination(out_dir: Path) -> None:
     if not out_dir.is_dir():
         raise QnpuError(f"{where}: it exists and is not a directory")
     try:
-        files = _relative_files(out_dir)
+        files = relative_files(out_dir)
         empty = not files and next(out_dir.iterdir(), None) is None
     except OSError as e:
         raise QnpuError(f"{where}: cannot list it ({e})") from e

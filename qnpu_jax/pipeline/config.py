@@ -7,7 +7,9 @@ list of `QuantRule` fields applied after the method's defaults. Unknown keys are
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -199,23 +201,97 @@ class QuantizeConfig:
         return out
 
 
-def load_config(path: str | Path) -> QuantizeConfig:
-    """Read a YAML (or JSON) config file; errors name the file."""
+SHIPPED_CONFIGS = "configs"  # package data of qnpu_jax: the configs named by --config NAME
+_BITS = re.compile(r"w(\d+)a(\d+)(?:kv(\d+))?")
+
+
+def shipped_configs() -> dict[str, Any]:
+    """{name: resource} of the configs shipped inside the package (name = file stem)."""
+    root = resources.files("qnpu_jax").joinpath(SHIPPED_CONFIGS)
+    if not root.is_dir():
+        return {}
+    return {
+        entry.name.removesuffix(".yaml"): entry
+        for entry in root.iterdir()
+        if entry.name.endswith(".yaml")
+    }
+
+
+def read_config_data(spec: str | Path) -> tuple[str, dict[str, Any]]:
+    """(where, mapping) of a config: a YAML (or JSON) file, or a shipped config's name."""
     import yaml
 
-    path = Path(path)
-    if not path.is_file():
-        raise QnpuError(f"config file not found: {path}")
+    path = Path(spec)
+    if path.is_file():
+        where, read = str(path), path.read_text
+    else:
+        shipped = shipped_configs()
+        name = str(spec).removesuffix(".yaml")
+        if "/" in str(spec) or name not in shipped:
+            raise QnpuError(
+                f"config file not found: {spec} (nor a shipped config of that name; shipped: "
+                f"{', '.join(sorted(shipped))})"
+            )
+        where, read = f"shipped config {name}", shipped[name].read_text
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(read())
     except yaml.YAMLError as e:
-        raise QnpuError(f"{path}: not valid YAML: {e}") from e
+        raise QnpuError(f"{where}: not valid YAML: {e}") from e
+    except OSError as e:
+        raise QnpuError(f"{where}: cannot read ({e})") from e
     if data is None:
         raise QnpuError(
-            f"{path}: the config file is empty (name at least the model and the method; "
-            "configs/ holds complete examples)"
+            f"{where}: the config file is empty (name at least the model and the method; "
+            "`qnpu configs` lists complete examples)"
         )
+    if not isinstance(data, dict):
+        raise QnpuError(f"{where}: a config must be a mapping, got {type(data).__name__}")
+    return where, data
+
+
+def parse_bits(text: str) -> dict[str, int]:
+    """ "w4a8" / "W4A8KV8" -> {"w_bits": 4, "a_bits": 8[, "kv_bits": 8]}."""
+    m = _BITS.fullmatch(text.strip().lower())
+    if not m:
+        raise QnpuError(f"bits {text!r}: expected wXaY or wXaYkvZ, e.g. w4a8 or w4a8kv8")
+    out = {"w_bits": int(m.group(1)), "a_bits": int(m.group(2))}
+    if m.group(3):
+        out["kv_bits"] = int(m.group(3))
+    return out
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """`data` with each "KEY=VALUE" applied: VALUE is YAML, KEY may be dotted ("stage1.steps").
+    Unknown keys are left for the config's own validation to name."""
+    import yaml
+
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise QnpuError(f"--set {item!r}: expected KEY=VALUE (e.g. stage1.steps=120)")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise QnpuError(f"--set {item!r}: the value is not YAML ({e})") from e
+        parts = key.strip().split(".")
+        if len(parts) > 2 or (len(parts) == 2 and parts[0] != "stage1"):
+            raise QnpuError(f"--set {item!r}: only stage1.KEY may be dotted")
+        if len(parts) == 2:
+            stage1 = out.get("stage1") or {}
+            if not isinstance(stage1, Mapping):
+                raise QnpuError(f"--set {item!r}: stage1 is not a mapping")
+            out["stage1"] = {**stage1, parts[1]: value}
+        else:
+            out[parts[0]] = value
+    return out
+
+
+def load_config(spec: str | Path, overrides: Sequence[str] = ()) -> QuantizeConfig:
+    """A config from a YAML (or JSON) file or a shipped config's name, with `--set` style
+    overrides; errors name the file."""
+    where, data = read_config_data(spec)
     try:
-        return QuantizeConfig.from_dict(data)
+        return QuantizeConfig.from_dict(apply_overrides(data, overrides))
     except (QnpuError, TypeError) as e:
-        raise QnpuError(f"{path}: {e}") from e
+        raise QnpuError(f"{where}: {e}") from e

@@ -24,7 +24,7 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -308,12 +308,14 @@ def quantize(
     progress: bool = True,
     command: str | None = None,
     float_reference: Mapping[str, Mapping[str, Any]] | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the method of `config` into `run_dir`; returns the report (also report.json).
 
     `float_reference` ({eval spec: {"ppl", "windows", "tokens"}}) is the float model measured
     on the same evaluation windows (e.g. a comparison's FP32 row): it replaces the float
-    evaluation of those specs, and must cover the same windows and tokens as the run's."""
+    evaluation of those specs, and must cover the same windows and tokens as the run's.
+    `announce` is told when each phase starts (the CLI prints it)."""
     import yaml
 
     from qnpu_jax.models import load_model
@@ -321,7 +323,9 @@ def quantize(
     run_dir = Path(run_dir)
     _check_run_dir(run_dir, config, resume)
     seconds: dict[str, float] = {}
+    say = announce or (lambda message: None)
     t0 = time.perf_counter()
+    say(f"loading {config.model}; then the calibration and evaluation text")
     model = load_model(config.model)
     cfg = model.config
     prefix = sink_prefix(config.prefix, model.tokenizer)
@@ -347,6 +351,7 @@ def quantize(
     smoothing = None
     if config.smooth_mlp is not None:
         t0 = time.perf_counter()
+        say(f"MLP smoothing (alpha {config.smooth_mlp})")
         saved = run_dir / SMOOTHING_FILE
         if resume and saved.is_file():  # stage 1 continues on exactly the base it started on
             smoothing = jnp.asarray(_load_npy(saved))
@@ -363,6 +368,7 @@ def quantize(
     sensitivity = None
     if config.mixed_precision > 0 and config.down_in_bits == 8:
         t0 = time.perf_counter()
+        say(f"sensitivity scan (eq. 4) of the down_proj inputs, {cfg.num_layers} layers")
         sensitivity = layer_promotion(
             start_params, cfg, calib, "down_in", config.mixed_precision, prefix
         )
@@ -376,6 +382,7 @@ def quantize(
     if config.method in TRAINED_METHODS:
         assert r1 is not None and r2 is not None
         t0 = time.perf_counter()
+        say(f"stage 1: {config.stage1.steps} steps ({config.method})")
         s1_plan = stage1_plan(plan, config)
         s1_config = config.stage1
         if config.method == "spinquant":
@@ -404,6 +411,7 @@ def quantize(
     down_out_sensitivity = None
     if config.down_out_mixed_precision > 0:  # a stage-2 tensor: scanned on the final model
         t0 = time.perf_counter()
+        say("sensitivity scan (eq. 4) of the down_proj outputs")
         down_out_sensitivity = layer_promotion(
             final_params, cfg, calib, "down_out", config.down_out_mixed_precision, prefix
         )
@@ -413,6 +421,7 @@ def quantize(
         seconds["down_out_mixed_precision"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
+    say("stage 2: static calibration of every tensor of the plan")
     state = calibrate(final_params, cfg, plan, calib, prefix=prefix)
     if learned is not None:
         state = merge_scales(state, learned)
@@ -420,6 +429,7 @@ def quantize(
     weight_codes = None
     if config.weight_rounding == "gptq":
         t0 = time.perf_counter()
+        say("GPTQ rounding of the linear weights")
         weight_codes = gptq_round_weights(
             final_params, state, plan, cfg, calib, damp=config.gptq_damp, prefix=prefix
         )
@@ -430,6 +440,9 @@ def quantize(
     t0 = time.perf_counter()
     results: dict[str, Any] = {}
     for spec, windows in eval_sets.items():
+        say(
+            f"evaluation on {spec}: {len(windows)} windows of {config.seq_len}, quantized and float"
+        )
         quant_r = evaluate(final_params, state, plan, cfg, windows, prefix)
         reference = (float_reference or {}).get(spec)
         if reference is None:

@@ -10,7 +10,6 @@ loading into a silently different model.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from qnpu_jax.integrity import (
     check_record,
     check_sealed,
     file_record,
+    relative_files,
     safe_relative_path,
     seal,
 )
@@ -33,15 +33,12 @@ CLOSED_DIRS = ("learned",)
 
 
 def _run_files(run_dir: Path) -> list[str]:
-    """Every regular file below `run_dir` but the manifest, as sorted POSIX paths."""
-    out = []
-    for dirpath, _, filenames in os.walk(run_dir):
-        for name in filenames:
-            path = Path(dirpath) / name
-            rel = path.relative_to(run_dir).as_posix()
-            if rel != RUN_MANIFEST and path.is_file() and not path.is_symlink():
-                out.append(rel)
-    return sorted(out)
+    """Every regular file below `run_dir` but the manifest (links are not followed)."""
+    return [
+        rel
+        for rel in relative_files(run_dir)
+        if rel != RUN_MANIFEST and not (run_dir / rel).is_symlink() and (run_dir / rel).is_file()
+    ]
 
 
 def seal_run(run_dir: Path) -> Path:
