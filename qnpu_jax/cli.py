@@ -387,25 +387,14 @@ def finish_eval_report(
 def quantize_config(args: argparse.Namespace) -> Any:
     """The QuantizeConfig of `qnpu quantize`: --config (a name or a file) or the defaults, then
     --model/--method/--bits, then every --set, validated as one config."""
-    from qnpu_jax.pipeline.config import QuantizeConfig, load_config, parse_bits
+    from qnpu_jax.pipeline.config import load_config, parse_bits
 
     if args.config is None and (args.method is None or args.bits is None):
         raise QnpuError("give --config NAME (see `qnpu configs`), or --method and --bits")
-    sets = list(args.overrides)
-    if args.model is not None:
-        sets.insert(0, f"model={args.model}")
-    if args.method is not None:
-        sets.insert(0, f"method={args.method}")
+    updates = {k: v for k, v in (("model", args.model), ("method", args.method)) if v is not None}
     if args.bits is not None:
-        sets[:0] = [f"{k}={v}" for k, v in parse_bits(args.bits).items()]
-    if args.config is not None:
-        return load_config(args.config, sets)
-    from qnpu_jax.pipeline.config import apply_overrides
-
-    try:
-        return QuantizeConfig.from_dict(apply_overrides({}, sets))
-    except TypeError as e:
-        raise QnpuError(f"--set: {e}") from e
+        updates |= parse_bits(args.bits)
+    return load_config(args.config, args.overrides, updates)
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:

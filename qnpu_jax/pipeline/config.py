@@ -287,11 +287,16 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
     return out
 
 
-def load_config(spec: str | Path, overrides: Sequence[str] = ()) -> QuantizeConfig:
-    """A config from a YAML (or JSON) file or a shipped config's name, with `--set` style
-    overrides; errors name the file."""
-    where, data = read_config_data(spec)
+def load_config(
+    spec: str | Path | None,
+    overrides: Sequence[str] = (),
+    updates: Mapping[str, Any] | None = None,
+) -> QuantizeConfig:
+    """A config from a YAML (or JSON) file or a shipped config's name (None: the defaults),
+    with `updates` (plain values) and then `--set` style `overrides` applied; errors name the
+    source."""
+    where, data = read_config_data(spec) if spec is not None else ("the default config", {})
     try:
-        return QuantizeConfig.from_dict(apply_overrides(data, overrides))
+        return QuantizeConfig.from_dict(apply_overrides({**data, **(updates or {})}, overrides))
     except (QnpuError, TypeError) as e:
         raise QnpuError(f"{where}: {e}") from e
