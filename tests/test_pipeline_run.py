@@ -41,6 +41,10 @@ def test_quantize_quantnpu_run_and_eval_it(two_layer_dir, tmp_path, capsys):
     config = _config_file(tmp_path / "c.yaml", two_layer_dir)
     out = tmp_path / "run"
     assert main(["quantize", "--config", str(config), "--out", str(out), "--no-progress"]) == 0
+    # every long phase announces itself when it starts, in order, with the seconds elapsed
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    phases = ["loading", "sensitivity scan", "stage 1: 2 steps", "stage 2", "evaluation on wiki"]
+    assert [next(p for p in phases if p in line) for line in said] == phases, said
     report = json.loads((out / "report.json").read_text())
     wiki = report["perplexity"]["wiki"]
     # two of 30 layers make no language model: only check the numbers are real and differ
