@@ -142,13 +142,15 @@ def test_greedy_generation_matches_the_emulator(models, smollm):
 
 
 def test_token_nll_matches_the_emulator(models, text_ids):
-    model, _ = models["w4a8"]
+    model, engine = models["w4a8"]
     tokens = np.asarray(text_ids)[None, :12]
-    ours = F.token_nll(model, tokens)  # from an IntModel: its consts are uploaded once
+    ours = F.token_nll(engine, tokens)
     assert ours.dtype == np.float64 and ours.shape == (1, 11)
     # identical logit codes through one shared float64 scoring function: identical NLL
     assert np.array_equal(ours, E.token_nll(model, tokens))
-    assert F.consts_of(model) is F.consts_of(model)
+    assert F.consts_of(engine) is engine.consts
+    with pytest.raises(QnpuError, match=r"pass JaxIntEngine\(model\)"):
+        F.token_nll(model, tokens)  # no hidden per-object upload cache
 
 
 def test_x64_is_scoped_and_required(models, text_ids):
@@ -180,7 +182,7 @@ def test_nonzero_zero_points_agree(models, text_ids):
     shifted = dataclasses.replace(model, tensors=tensors)
     tokens = np.asarray(text_ids)[None, :7]
     emu_logits, emu_cache = E.prefill(shifted, tokens)
-    our_logits, our_cache = F.prefill(shifted, tokens)
+    our_logits, our_cache = F.prefill(F.JaxIntEngine(shifted), tokens)
     _same_logits(emu_logits, our_logits)
     _same_cache(emu_cache, our_cache)
     assert not np.array_equal(emu_logits, E.prefill(model, tokens)[0])  # they did matter

@@ -20,7 +20,6 @@ derived here: every multiplier, shift, zero point, range, LUT and table is the a
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Protocol
@@ -528,26 +527,22 @@ class JaxIntEngine:
         return generate(self.consts, prompt, max_new_tokens, eos_token_id, on_token)
 
 
-Source = IntModel | IntConsts | JaxIntEngine
-_CONSTS: dict[int, IntConsts] = {}
+Source = IntConsts | JaxIntEngine
 
 
 def consts_of(source: Source) -> IntConsts:
-    """The constants of an engine, of consts themselves, or of an IntModel (uploaded once
-    per IntModel object and kept while it lives)."""
+    """The uploaded constants of an engine, or of consts themselves. An `IntModel` is refused:
+    wrap it in `JaxIntEngine` once, which uploads its constants once (no hidden cache)."""
     if isinstance(source, IntConsts):
         return source
     if isinstance(source, JaxIntEngine):
         return source.consts
     if isinstance(source, IntModel):
-        key = id(source)
-        hit = _CONSTS.get(key)
-        if hit is None:
-            hit = int_consts(source)
-            _CONSTS[key] = hit
-            weakref.finalize(source, _CONSTS.pop, key, None)
-        return hit
-    raise QnpuError(f"expected an IntModel, IntConsts or JaxIntEngine, got {type(source)}")
+        raise QnpuError(
+            "pass JaxIntEngine(model) (or int_consts(model)), not the IntModel itself: the "
+            "engine uploads the artifact's constants once and is then reused"
+        )
+    raise QnpuError(f"expected IntConsts or a JaxIntEngine, got {type(source)}")
 
 
 def new_cache(source: Source, batch: int) -> IntCache:
