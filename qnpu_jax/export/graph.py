@@ -159,9 +159,16 @@ def check_room(filled: int, new: int, max_context: int) -> None:
         )
 
 
-def check_generation_room(prefix: int, prompt: int, max_new_tokens: int, max_context: int) -> None:
+def check_generation_room(
+    prefix: int,
+    prompt: int,
+    max_new_tokens: int,
+    max_context: int,
+    context: str = "the artifact's maximum context",
+) -> None:
     """Greedy decoding of `max_new_tokens` after a `prompt` feeds all but the last new token
-    back: refuse up front what the cache cannot hold, instead of stopping short."""
+    back: refuse up front what the cache cannot hold, instead of stopping short. `context`
+    names the limit in the message (the float model says "the model's context")."""
     from qnpu_jax.errors import QnpuError
 
     if max_new_tokens < 1:
@@ -170,10 +177,10 @@ def check_generation_room(prefix: int, prompt: int, max_new_tokens: int, max_con
     if need > max_context:
         room = max_context - prefix - prompt + 1
         hint = f"at most {room} new tokens fit" if room >= 1 else "the prompt alone does not fit"
+        after = f" (after the {prefix}-token sink prefix)" if prefix else ""
         raise QnpuError(
-            f"a {prompt}-token prompt (after the {prefix}-token sink prefix) and "
-            f"{max_new_tokens} new tokens need {need} positions; the artifact's maximum context "
-            f"is {max_context} ({hint})"
+            f"a {prompt}-token prompt{after} and {max_new_tokens} new tokens need {need} "
+            f"positions; {context} is {max_context} ({hint})"
         )
 
 

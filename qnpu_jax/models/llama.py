@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import check_generation_room
 from qnpu_jax.models.config import ModelConfig, RopeConfig
 
 Params = dict[str, Any]
@@ -310,14 +310,9 @@ def generate(
         raise ValueError("generate needs a non-empty prompt")
     if max_new_tokens <= 0:
         return []
-    need = len(prompt) + max_new_tokens - 1  # the last new token is not fed back
-    if need > cfg.max_position_embeddings:
-        room = cfg.max_position_embeddings - len(prompt) + 1
-        raise QnpuError(
-            f"a {len(prompt)}-token prompt and {max_new_tokens} new tokens need {need} positions; "
-            f"the model's context is {cfg.max_position_embeddings} "
-            + (f"(at most {room} new tokens fit)" if room >= 1 else "(the prompt alone is longer)")
-        )
+    check_generation_room(
+        0, len(prompt), max_new_tokens, cfg.max_position_embeddings, "the model's context"
+    )
     padded = _bucket(len(prompt))
     cache = init_cache(cfg, 1, _bucket(padded + max_new_tokens))
     tokens = jnp.asarray([prompt + [0] * (padded - len(prompt))], jnp.int32)
