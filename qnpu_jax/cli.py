@@ -193,8 +193,10 @@ def scored_model(
     if run is not None:
         from qnpu_jax.pipeline.run import load_run
 
-        config, plan, params, state, loaded = load_run(run)
-        taps: Any = FakeQuantTaps(plan)
+        finished = load_run(run)
+        config, loaded = finished.config, finished.loaded
+        params, state = finished.model.params(), finished.model.state
+        taps: Any = FakeQuantTaps(finished.model.require_plan())
         prefix_name = prefix or config.prefix
         label = f"run {run} ({config.method} W{config.w_bits}A{config.a_bits})"
     elif model is not None:

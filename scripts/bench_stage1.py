@@ -28,7 +28,8 @@ from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models import load_model
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.pipeline.config import QuantizeConfig
-from qnpu_jax.pipeline.run import build_plan, stage1_plan
+from qnpu_jax.pipeline.recipes import build_plan
+from qnpu_jax.pipeline.recipes import config_stage1_plan as stage1_plan
 from qnpu_jax.pipeline.stage1 import Stage1Config, init_train_state, make_train_step
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 

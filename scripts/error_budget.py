@@ -18,8 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-LINEAR_OUTPUTS = ("q_out", "k_out", "v_out", "o_out", "gate_out", "up_out", "down_out")
-ROTATED_INPUTS = ("attn_in", "attn_out", "mlp_in")
+from qnpu_jax.export.graph import LINEAR_OUTPUTS, ROTATED_INPUTS
 
 
 def _name(path: str) -> str:
@@ -87,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     from qnpu_jax.models.quantized import sink_prefix
     from qnpu_jax.pipeline.run import evaluate, load_run, wiki_eval_windows
 
-    config, plan, params, state, model = load_run(args.run)
+    run = load_run(args.run)
+    config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
+    params, model = run.model.params(), run.loaded
     cfg = model.config
     prefix = sink_prefix(config.prefix, model.tokenizer)
     windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)

@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     from qnpu_jax.models import load_model
     from qnpu_jax.models.quantized import sink_prefix
     from qnpu_jax.pipeline.calibrate import build_state
-    from qnpu_jax.pipeline.run import evaluate, run_keys
+    from qnpu_jax.pipeline.recipes import run_keys
+    from qnpu_jax.pipeline.run import evaluate
     from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
     start = time.perf_counter()

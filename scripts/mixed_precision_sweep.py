@@ -40,7 +40,9 @@ def main() -> int:
     parser.add_argument("--json", default="reports/mixed_precision_sweep.json")
     args = parser.parse_args()
 
-    config, plan, params, state, model = load_run(args.run)
+    run = load_run(args.run)
+    config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
+    params, model = run.model.params(), run.loaded
     cfg = model.config
     prefix = sink_prefix(config.prefix, model.tokenizer)
     _, calib = calibration_data(config, model.tokenizer)

@@ -32,7 +32,8 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_bytes_atomic, write_json_atomic
 from qnpu_jax.models.quantized import effective_state, sink_prefix
 from qnpu_jax.pipeline.calibrate import capture_activations
-from qnpu_jax.pipeline.run import STAGE1_TENSORS, calibration_data, load_run
+from qnpu_jax.pipeline.run import calibration_data, load_run
+from qnpu_jax.pipeline.steps import STAGE1_TENSORS
 from qnpu_jax.quant.init import init_range_stats, mse_scale, scale_from_stats, update_range_stats
 from qnpu_jax.quant.plan import TensorQuant
 from qnpu_jax.report.plots import (
@@ -94,7 +95,9 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    config, plan, params, state, model = load_run(args.run)
+    run = load_run(args.run)
+    config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
+    params, model = run.model.params(), run.loaded
     cfg = model.config
     if not 0 <= args.layer < cfg.num_layers:
         raise QnpuError(f"--layer {args.layer}: the model has layers 0..{cfg.num_layers - 1}")

@@ -55,19 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     from qnpu_jax.models.quantized import sink_prefix
     from qnpu_jax.pipeline.calibrate import calibrate
     from qnpu_jax.pipeline.config import load_config
-    from qnpu_jax.pipeline.run import (
-        STAGE1_TENSORS,
-        build_plan,
-        calibration_data,
-        evaluate,
-        layer_promotion,
-        load_run,
-        wiki_eval_windows,
-    )
+    from qnpu_jax.pipeline.recipes import build_plan
+    from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
+    from qnpu_jax.pipeline.steps import STAGE1_TENSORS, Calibration, promote
     from qnpu_jax.quant.plan import QuantPlan
 
     try:
-        config, plan, params, state, model = load_run(args.run)
+        run = load_run(args.run)
+        config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
+        params, model = run.model.params(), run.loaded
         new_config = load_config(args.config) if args.config is not None else config
         if args.down_out_mixed_precision is not None:
             new_config = dataclasses.replace(
@@ -92,12 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         if new_config.down_out_mixed_precision != config.down_out_mixed_precision:
             layer_bits["down_out"] = None
             if new_config.down_out_mixed_precision > 0:
-                _, calib = calibration_data(config, model.tokenizer)
-                prefix = sink_prefix(config.prefix, model.tokenizer)
+                data = Calibration(*calibration_data(config, model.tokenizer))
                 fraction = new_config.down_out_mixed_precision
-                promotion = layer_promotion(
-                    params, model.config, calib, "down_out", fraction, prefix
-                )
+                promotion = promote("down_out", fraction)(run.model, data).steps[-1].info
                 layer_bits["down_out"] = tuple(promotion["layer_bits"])
         new_plan = build_plan(
             new_config, plan.num_layers, layer_bits["down_in"], layer_bits["down_out"]

@@ -29,7 +29,7 @@ FLOOR = 1e-7
 def learnable_plan(plan: Any, config: Any) -> Any:
     """The sub-plan of the tensors stage 1 learned in a run with `config` (pure)."""
     from qnpu_jax.errors import QnpuError
-    from qnpu_jax.pipeline.run import stage1_plan
+    from qnpu_jax.pipeline.recipes import config_stage1_plan as stage1_plan
     from qnpu_jax.quant.plan import QuantPlan
 
     entries = tuple((p, tq) for p, tq in stage1_plan(plan, config).entries if tq.learnable)
@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     from qnpu_jax.pipeline.run import calibration_data, load_run
 
     try:
-        config, plan, params, state, model = load_run(args.run)
+        run = load_run(args.run)
+        config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
+        params, model = run.model.params(), run.loaded
         sub = learnable_plan(plan, config)
     except QnpuError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -18,7 +18,6 @@ import argparse
 import math
 import sys
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,6 @@ from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.eval import perplexity
 from qnpu_jax.export.exporter import export_run
 from qnpu_jax.files import write_json_atomic
-from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline.run import load_run
 
 
@@ -79,27 +77,17 @@ def main() -> int:
         "command": script_command(__file__),
     }
     for run in args.runs:
-        config, plan, params, state, model = load_run(run)
+        loaded_run = load_run(run)
+        config, model = loaded_run.config, loaded_run.loaded
         art = args.artifacts / run.resolve().name
         export_s = None  # None: an existing artifact was reused
         if not (art / "manifest.json").exists():
             t0 = time.perf_counter()
             export_run(run, art)
             export_s = time.perf_counter() - t0
-        prefix = sink_prefix(config.prefix, model.tokenizer)
         ids = tokenize_documents(load_documents("wiki", "eval"), model.tokenizer)
         windows = eval_windows(ids, args.seq_len, args.windows)
-        fake = _ppl(
-            partial(
-                tapped_token_nll,
-                params,
-                state,
-                cfg=model.config,
-                taps=FakeQuantTaps(plan),
-                prefix=prefix,
-            ),
-            windows,
-        )
+        fake = _ppl(loaded_run.model.nll_fn(), windows)
         int_model = load_int_model(art)
         engines = ["emulator", "jax"] if args.jax_engine else ["emulator"]
         entry: dict[str, Any] = {

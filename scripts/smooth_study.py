@@ -14,6 +14,7 @@ smoothing. A stage-1 method is measured with a full run instead
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 import time
@@ -62,22 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     from qnpu_jax.files import write_json_atomic
     from qnpu_jax.models import load_model
     from qnpu_jax.models.quantized import sink_prefix
-    from qnpu_jax.pipeline.calibrate import calibrate
     from qnpu_jax.pipeline.config import QuantizeConfig
-    from qnpu_jax.pipeline.run import (
-        build_plan,
-        calibration_data,
-        evaluate,
-        mlp_smoothing,
-        run_keys,
-        wiki_eval_windows,
-    )
-    from qnpu_jax.transforms import (
-        apply_rotations,
-        fuse_norms,
-        randomized_hadamard_rotations,
-        smooth_mlp,
-    )
+    from qnpu_jax.pipeline.model import QuantizedModel
+    from qnpu_jax.pipeline.recipes import for_config
+    from qnpu_jax.pipeline.run import calibration_data, wiki_eval_windows
+    from qnpu_jax.pipeline.steps import Calibration
 
     config = QuantizeConfig(
         model=args.model,
@@ -89,30 +79,16 @@ def main(argv: list[str] | None = None) -> int:
         calib_windows=args.calib_windows,
     )
     model = load_model(config.model)
-    cfg = model.config
     prefix = sink_prefix(config.prefix, model.tokenizer)
-    _, calib = calibration_data(config, model.tokenizer)
+    data = Calibration(*calibration_data(config, model.tokenizer))
     windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
-    rotated = config.method == "quarot"
-    base = fuse_norms(model.params, cfg) if rotated else model.params
-    r1 = r2 = None
-    if rotated:
-        r1, r2 = randomized_hadamard_rotations(cfg, run_keys(config.seed)[1])
-
-    def place(p: Any) -> Any:
-        return apply_rotations(p, cfg, r1, r2) if rotated else p
-
-    start = place(base)
-    plan = build_plan(config, cfg.num_layers, None)
+    start = QuantizedModel.from_float(model, prefix=prefix)
     rows: list[dict[str, Any]] = []
     for alpha in args.alphas:
         t0 = time.perf_counter()
-        params = start
-        if alpha is not None:
-            scales = mlp_smoothing(start, cfg, calib, alpha, prefix=prefix)
-            params = place(smooth_mlp(base, scales))
-        state = calibrate(params, cfg, plan, calib, prefix=prefix)
-        ppl = evaluate(params, state, plan, cfg, windows, prefix)["ppl"]
+        quantized = for_config(dataclasses.replace(config, smooth_mlp=alpha))(start, data)
+        ppl = quantized.perplexity(windows)["ppl"]
+        state = quantized.require_state()
         # smoothing also rescales up_proj's (8-bit) output channels by 1/s
         scale_rows = {
             f"{name}_scale_max": [float(x) for x in state["layers"][name]["scale"]]

@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     from qnpu_jax.pipeline.run import evaluate, load_run, wiki_eval_windows
 
     try:
-        config, plan, params, state, model = load_run(args.run)
+        run = load_run(args.run)
+        config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
+        params, model = run.model.params(), run.loaded
         cfg = model.config
         variants = table_variants(plan, state, params, cfg)
     except QnpuError as e:

@@ -165,8 +165,8 @@ def test_gptq_run_stores_codes_that_eval_and_export_use(gptq_run, tmp_path):
     assert set(codes) == {
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
     }  # fmt: skip
-    _, _, params, state, _ = load_run(out)
-    s = state["layers"]["down_proj"]
+    model = load_run(out).model
+    params, s = model.params(), model.require_state()["layers"]["down_proj"]
     on_grid = np.asarray(params["layers"]["down_proj"]) / np.asarray(s["scale"])
     np.testing.assert_allclose(on_grid, np.asarray(codes["down_proj"]), atol=1e-3)
     art = tmp_path / "art"

@@ -395,7 +395,7 @@ def test_scale_drift_compares_the_learned_scales_with_their_rule(tiny_cfg, tiny_
     from qnpu_jax import QnpuError
     from qnpu_jax.pipeline import calibrate
     from qnpu_jax.pipeline.config import QuantizeConfig
-    from qnpu_jax.pipeline.run import build_plan
+    from qnpu_jax.pipeline.recipes import build_plan
 
     sd = load_script("scale_drift")
     config = QuantizeConfig(model="smollm2-135m", method="quantnpu", w_bits=4, a_bits=8)

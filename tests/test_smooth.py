@@ -100,7 +100,8 @@ def test_smoothed_run_stores_scales_that_eval_and_export_use(two_layer_dir, tmp_
     import orbax.checkpoint as ocp
 
     from qnpu_jax.cli import main
-    from qnpu_jax.pipeline.run import load_run, save_learned
+    from qnpu_jax.pipeline.model import save_learned
+    from qnpu_jax.pipeline.run import load_run
     from qnpu_jax.pipeline.run_manifest import seal_run
 
     data = {
@@ -115,12 +116,15 @@ def test_smoothed_run_stores_scales_that_eval_and_export_use(two_layer_dir, tmp_
     report = json.loads((out / "report.json").read_text())
     assert "smooth_mlp" in report["seconds"]
     wiki = report["perplexity"]["wiki"]
-    _, _, params, _, model = load_run(out)
+    run = load_run(out)
+    params, model = run.model.params(), run.loaded
     with ocp.StandardCheckpointer() as ckpt:
         learned = ckpt.restore((out / "learned").resolve())
     assert float(learned["mlp_smoothing_alpha"]) == 0.5
-    scales = np.load(out / "mlp_smoothing.npy")
-    np.testing.assert_array_equal(learned["mlp_smoothing"], scales)
+    scales = np.asarray(learned["mlp_smoothing"])
+    assert [s["name"] for s in json.loads((out / "model.json").read_text())["steps"]] == [
+        "fuse_norms", "hadamard_rotations", "smooth_mlp", "plan", "calibrate"
+    ]  # fmt: skip
     r1, r2 = jnp.asarray(learned["r1"]), jnp.asarray(learned["r2"])
     plain = apply_rotations(fuse_norms(model.params, model.config), model.config, r1, r2)
     smoothed = apply_rotations(
@@ -147,13 +151,14 @@ def test_smoothed_run_stores_scales_that_eval_and_export_use(two_layer_dir, tmp_
     assert [r["alpha"] for r in rows] == [None, 0.5]
     assert rows[1]["ppl"] == pytest.approx(wiki["quantized_ppl"], rel=1e-6)
     assert rows[0]["ppl"] != rows[1]["ppl"]
-    # --resume reuses the scales written before stage 1 instead of recomputing them
-    np.save(out / "mlp_smoothing.npy", 2 * scales)
+    # --resume of a finished run without stage 1 runs the recipe again: the same model
     args = ["quantize", "--config", str(tmp_path / "c.yaml"), "--out", str(out), "--resume"]
     assert main([*args, "--no-progress"]) == 0
     with ocp.StandardCheckpointer() as ckpt:
         resumed = ckpt.restore((out / "learned").resolve())["mlp_smoothing"]
-    np.testing.assert_allclose(resumed, 2 * scales)
+    np.testing.assert_array_equal(resumed, scales)
+    again = json.loads((out / "report.json").read_text())["perplexity"]["wiki"]
+    assert again["quantized_ppl"] == wiki["quantized_ppl"]
     # a run whose config no longer matches its stored scales is refused: first by the run's
     # manifest, and behind it (a re-sealed run) by load_run's own consistency checks
     config = yaml.safe_load((out / "config.yaml").read_text())

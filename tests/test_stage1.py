@@ -11,7 +11,7 @@ from qnpu_jax import QnpuError
 from qnpu_jax.models import init_random_params
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.pipeline.config import QuantizeConfig
-from qnpu_jax.pipeline.run import stage1_plan
+from qnpu_jax.pipeline.recipes import config_stage1_plan as stage1_plan
 from qnpu_jax.pipeline.stage1 import (
     Stage1Config,
     init_train_state,

@@ -25,6 +25,7 @@ from qnpu_jax.export.graph import (
     FORMAT_GRAPH,
     GLOBAL_ACTS,
     LAYER_ACTS,
+    LINEAR_IO,
     LOGITS_SCALE,
     NORM_FRACTION_BITS,
     NORM_UNIT_BITS,
@@ -363,16 +364,7 @@ def export_model(
     tensors["embed.M"], tensors["embed.shift"] = m, sh
 
     # Linear layers: codes [L, out, in], per-output-channel requantization into the output.
-    linears = {
-        "q_proj": ("attn_in", "q_out"),
-        "k_proj": ("attn_in", "k_out"),
-        "v_proj": ("attn_in", "v_out"),
-        "o_proj": ("attn_out", "o_out"),
-        "gate_proj": ("mlp_in", "gate_out"),
-        "up_proj": ("mlp_in", "up_out"),
-        "down_proj": ("down_in", "down_out"),
-    }
-    for name, (src, dst) in linears.items():
+    for name, (src, dst) in LINEAR_IO.items():
         tq = plan.get(f"layers/{name}")
         assert tq is not None
         w = layers[name]
@@ -537,23 +529,38 @@ def _check_multipliers(tensors: Mapping[str, np.ndarray]) -> None:
 def export_run(run_dir: Path, out_dir: Path, **kwargs: Any) -> Path:
     """Export a finished `qnpu quantize` run to an integer artifact at `out_dir`."""
     from qnpu_jax.export.artifact import check_destination
-    from qnpu_jax.models.quantized import sink_prefix
     from qnpu_jax.pipeline.run import load_run
 
     check_destination(Path(os.path.abspath(out_dir)))  # refuse before the slow part, too
-    config, plan, params, state, model = load_run(Path(run_dir))
-    prefix = sink_prefix(config.prefix, model.tokenizer)
+    run = load_run(Path(run_dir))
+    source = {"run": Path(run_dir).name, "method": run.config.method, "model": run.model.source}
+    return export_quantized(run.model, out_dir, run.tokenizer, source=source, **kwargs)
+
+
+def export_quantized(
+    model: Any,
+    out_dir: Path | str,
+    tokenizer: Any,
+    *,
+    source: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> Path:
+    """Export a `QuantizedModel` (calibrated) to an integer artifact at `out_dir`; `kwargs`
+    as `export_model` takes them (max_context, prefill_chunk, ...)."""
+    from qnpu_jax.export.artifact import check_destination
+
+    check_destination(Path(os.path.abspath(out_dir)))
     exported = export_model(
-        params,
-        model.config,
-        plan,
-        state,
-        prefix=prefix,
-        tokenizer_info=tokenizer_info(model.tokenizer),
-        source={"run": Path(run_dir).name, "method": config.method, "model": config.model},
+        model.params(),
+        model.cfg,
+        model.require_plan(),
+        model.require_state(),
+        prefix=model.prefix,
+        tokenizer_info=tokenizer_info(tokenizer),
+        source=dict(source or {"model": model.source, "steps": [s.name for s in model.steps]}),
         **kwargs,
     )
-    return write_exported(exported, out_dir, model.tokenizer)
+    return write_exported(exported, Path(out_dir), tokenizer)
 
 
 def export_run_aimet(run_dir: Path, out_dir: Path, *, version: str = "1.0.0") -> Path:
@@ -564,8 +571,8 @@ def export_run_aimet(run_dir: Path, out_dir: Path, *, version: str = "1.0.0") ->
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise QnpuError(f"{out} exists and is not a directory")
-    _, plan, _, state, model = load_run(Path(run_dir))
-    encodings = run_encodings(plan, state, model.config)
+    model = load_run(Path(run_dir)).model
+    encodings = run_encodings(model.require_plan(), model.require_state(), model.cfg)
     return write_aimet(
         out / f"{Path(run_dir).resolve().name}.encodings",
         encodings,

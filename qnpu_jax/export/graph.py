@@ -75,7 +75,23 @@ def graph_ops() -> dict[str, list[dict[str, Any]]]:
     return {"model": model, "layer": layer}
 
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+def _layer_ops(kind: str) -> list[dict[str, Any]]:
+    return [op for op in graph_ops()["layer"] if op["op"] == kind]
+
+
+# Derived from the decoder layer's op list, the one description of the graph:
+# each linear's (input, output) tensor, in graph order: {"q_proj": ("attn_in", "q_out"), ...}
+LINEAR_IO: dict[str, tuple[str, str]] = {
+    op["const"].removeprefix("layers."): (op["in"][0], op["out"]) for op in _layer_ops("linear")
+}
+LINEARS = tuple(LINEAR_IO)  # the decoder layer's weights
+LINEAR_OUTPUTS = tuple(out for _, out in LINEAR_IO.values())
+# R1 rotates the norms' outputs (q/k/v and gate/up inputs), R2 the attention output (o_proj
+# input); the down_proj input, a product of two linear outputs, stays unrotated.
+ROTATED_INPUTS = tuple(
+    op["out"] for op in graph_ops()["layer"] if op["op"] in ("rmsnorm", "attention")
+)
+KV_TENSORS = tuple(_layer_ops("attention")[0]["in"][1:])  # the K and V cache
 _I8_16_32 = ("int8", "int16", "int32")
 
 

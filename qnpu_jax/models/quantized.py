@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import KV_TENSORS
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import (
     Params,
@@ -179,7 +180,7 @@ def state_entry(
 
 
 # The sink prefix's K/V are the only prefix tensors the device holds: they sit in its cache.
-CACHE_TENSORS = frozenset({"k_rope", "v_out"})
+CACHE_TENSORS = frozenset(KV_TENSORS)
 
 
 @dataclasses.dataclass(frozen=True)

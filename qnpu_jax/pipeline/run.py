@@ -1,16 +1,16 @@
-"""`qnpu quantize`: a method recipe end to end, into a run directory.
+"""`qnpu quantize`: a method's recipe end to end, into a run directory.
 
 run_dir/
   config.yaml        the QuantizeConfig (a resumed run must match it)
-  plan.json          the final quantization plan (mixed precision included)
-  sensitivity.json   eq. (4) per layer and the promoted layers (when mixed precision runs)
-  sensitivity_down_out.json  the same for the down_proj outputs (down_out_mixed_precision)
-  mlp_smoothing.npy  with smooth_mlp: the up→down smoothing scales (made before stage 1)
+  model.json, plan.json, learned/
+                     the QuantizedModel (`pipeline.model`): the steps that made it, the final
+                     plan, and in orbax the rotations R1/R2, the quantizer state, the MLP
+                     smoothing scales and GPTQ's weight codes where the recipe made them
+  sensitivity.json   eq. (4) per layer and the promoted layers of the down_proj inputs;
+                     sensitivity_TENSOR.json for any other promoted tensor
+  resume/            the model saved before stage 1, with stage1/: what --resume continues
   stage1/            orbax checkpoints of stage 1; metrics.jsonl per step
-  learned/           orbax: rotations R1/R2, the full quantizer state after stage 2, with
-                     smooth_mlp the up→down smoothing scales and, with weight_rounding gptq,
-                     the linear weights' integer codes
-  report.json        float and quantized perplexity, wall time of every stage
+  report.json        float and quantized perplexity, wall time of every step
   manifest.json      written last: sha256 and size of every file, sealed with one digest
                      (`run_manifest`); a run without it is unfinished, and every reader
                      verifies it before use
@@ -19,133 +19,50 @@ run_dir/
 from __future__ import annotations
 
 import dataclasses
-import io
-import json
 import math
-import shutil
 import time
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.data import (
     eval_windows,
     load_documents,
-    sample_windows,
     tokenize_documents,
 )
 from qnpu_jax.environment import environment_info
-from qnpu_jax.errors import QnpuError, first_line
-from qnpu_jax.files import write_bytes_atomic, write_json_atomic
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
 from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
-from qnpu_jax.pipeline.calibrate import calibrate, channel_absmax
 from qnpu_jax.pipeline.config import QuantizeConfig, load_config
-from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits, tensor_sensitivity
+from qnpu_jax.pipeline.model import QuantizedModel, StepRecord, nll_perplexity
+from qnpu_jax.pipeline.recipes import Recipe, for_config, run_keys
 from qnpu_jax.pipeline.run_manifest import seal_run, unseal_run, verify_run
-from qnpu_jax.pipeline.stage1 import (
-    init_train_state,
-    learned_scales,
-    merge_scales,
-    run_stage1,
-)
-from qnpu_jax.pipeline.weight_rounding import gptq_round_weights, weights_from_codes
-from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, QuantRule, default_plan
-from qnpu_jax.transforms import (
-    apply_rotations,
-    fuse_norms,
-    randomized_hadamard_rotations,
-    smooth_mlp,
-    smoothing_scales,
-)
+from qnpu_jax.pipeline.steps import Calibration, Context
+from qnpu_jax.quant.plan import QuantPlan
 
-ROTATED_INPUTS = ("attn_in", "attn_out", "mlp_in")  # R1 (q/k/v, gate/up) and R2 (o_proj)
-STAGE1_TENSORS = (*WEIGHTS, *ROTATED_INPUTS, "down_in")  # the linears' inputs and weights
-LINEAR_OUTPUTS = ("q_out", "k_out", "v_out", "o_out", "gate_out", "up_out", "down_out")
-KV_TENSORS = ("k_rope", "v_out")
-TRAINED_METHODS = ("quantnpu", "spinquant")  # the methods with a stage 1
-SMOOTHING_FILE = "mlp_smoothing.npy"  # written before stage 1, reused by --resume
-
-
-def init_rules(w_bits: int, a_bits: int) -> list[QuantRule]:
-    """Rotation-and-bit-width-aware initialization (§4.2, Tables 4–6): mean ± 3σ for rotated
-    activations and per-channel weights at 4 bits, Max-Min at 8 bits and for every unrotated
-    tensor (down_proj input, linear outputs, K/V, ...)."""
-    act = "mean_std" if a_bits <= 4 else "max_min"
-    weight = "mean_std" if w_bits <= 4 else "max_min"
-    return [
-        QuantRule(pattern=f"layers/({'|'.join(ROTATED_INPUTS)})", init=act),
-        QuantRule(pattern=f"layers/({'|'.join(WEIGHTS)})", init=weight),
-    ]
-
-
-def build_plan(
-    config: QuantizeConfig,
-    num_layers: int,
-    down_in_bits: tuple[int, ...] | None,
-    down_out_bits: tuple[int, ...] | None = None,
-) -> QuantPlan:
-    """The deployment plan of a method: DESIGN §3's table, init rules, mixed precision (per-layer
-    bits of the down_proj inputs and outputs), rules."""
-    rules: list[QuantRule] = []
-    if config.scope == "linears":  # Table 2: the linears' weights, inputs and outputs only
-        keep = "|".join((*STAGE1_TENSORS, *LINEAR_OUTPUTS))
-        rules.append(QuantRule(pattern=f"(?!layers/({keep})$).*", quantize=False))
-    if config.method == "quantnpu" and config.init_scheme == "aware":
-        rules += init_rules(config.w_bits, config.a_bits)
-    if down_in_bits is not None:
-        rules.append(QuantRule(pattern="layers/down_in", layer_bits=down_in_bits))
-    if down_out_bits is not None:
-        rules.append(QuantRule(pattern="layers/down_out", layer_bits=down_out_bits))
-    rules += config.rules
-    return default_plan(
-        num_layers,
-        w_bits=config.w_bits,
-        a_bits=config.a_bits,
-        kv_bits=config.kv_bits,
-        down_in_bits=config.down_in_bits,
-        rules=rules,
-    )
-
-
-def stage1_plan(plan: QuantPlan, config: QuantizeConfig) -> QuantPlan:
-    """Selective optimization: only the linears' input activations and weights are quantized
-    (and learnable, for quantnpu) in stage 1; everything else, lm_head included, stays float.
-    Without `selective`, the linear outputs and the K/V cache are learned in stage 1 too."""
-    names = STAGE1_TENSORS if config.selective else (*STAGE1_TENSORS, *LINEAR_OUTPUTS, *KV_TENSORS)
-    keep = {f"layers/{n}" for n in names}
-    learn = config.method == "quantnpu"
-    entries = []
-    for path, tq in plan.entries:
-        if path not in keep:
-            continue
-        learnable = learn and (path != "layers/down_in" or config.learn_down_in)
-        entries.append((path, dataclasses.replace(tq, learnable=learnable)))
-    return QuantPlan(tuple(entries), plan.num_layers)
+RESUME_DIR = "resume"  # the model before the first resumable step (stage 1)
 
 
 def _token_ids(spec: str, split: str | None, tokenizer: Any) -> np.ndarray:
     return tokenize_documents(load_documents(spec, split), tokenizer)
 
 
-def run_keys(seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(calibration windows, start rotations, stage-1 data) keys of a run with `seed`."""
-    calib_key, rotation_key, data_key = jax.random.split(jax.random.key(seed), 3)
-    return calib_key, rotation_key, data_key
-
-
 def calibration_data(config: QuantizeConfig, tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
     """(token ids of the calibration text, the run's calibration windows [N, T])."""
-    split = "calib" if config.calib_data == "wiki" else None
-    ids = _token_ids(config.calib_data, split, tokenizer)
-    windows = sample_windows(ids, config.seq_len, config.calib_windows, run_keys(config.seed)[0])
-    return ids, windows
+    data = Calibration.from_text(
+        config.calib_data,
+        tokenizer,
+        seq_len=config.seq_len,
+        windows=config.calib_windows,
+        key=run_keys(config.seed)[0],
+    )
+    return data.ids, data.windows
 
 
 def wiki_eval_windows(config: QuantizeConfig, tokenizer: Any, cap: int | None) -> np.ndarray:
@@ -153,13 +70,6 @@ def wiki_eval_windows(config: QuantizeConfig, tokenizer: Any, cap: int | None) -
     protocol of the scripts that re-evaluate a run."""
     ids = tokenize_documents(load_documents("wiki", "eval"), tokenizer)
     return eval_windows(ids, config.seq_len, cap)
-
-
-def _ppl(nll_fn: Any, windows: np.ndarray) -> dict[str, Any]:
-    from qnpu_jax.eval import perplexity
-
-    result = perplexity(nll_fn, windows, batch_size=1, progress=False)
-    return {"ppl": result.ppl, "windows": result.windows, "tokens": result.predicted_tokens}
 
 
 def evaluate(
@@ -173,7 +83,7 @@ def evaluate(
     """Perplexity of the float (state None) or static fake-quant model over `windows`."""
     taps = FakeQuantTaps(plan) if plan is not None else None
     nll = partial(tapped_token_nll, params, state, cfg=cfg, taps=taps, prefix=prefix)
-    return _ppl(nll, windows)
+    return nll_perplexity(nll, windows)
 
 
 def _eval_split(spec: str) -> str | None:
@@ -225,81 +135,6 @@ def evaluation_sets(
     return sets
 
 
-def save_learned(
-    run_dir: Path,
-    r1: Any,
-    r2: Any,
-    state: QuantState,
-    weight_codes: dict[str, np.ndarray] | None = None,
-    smoothing: Any = None,
-    smoothing_alpha: float | None = None,
-) -> None:
-    """Write rotations (None: unrotated method), the quantizer state, GPTQ's weight codes
-    (None: round-to-nearest, nothing to store) and the up→down smoothing scales (None: no
-    smoothing) to run_dir/learned."""
-    import orbax.checkpoint as ocp
-
-    target = (run_dir / "learned").resolve()
-    tmp = target.with_name("learned.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    with ocp.StandardCheckpointer() as ckpt:
-        tree: dict[str, Any] = {"state": state}
-        if r1 is not None:
-            tree |= {"r1": r1, "r2": r2}
-        if weight_codes:
-            tree["weight_codes"] = weight_codes
-        if smoothing is not None:
-            tree["mlp_smoothing"] = smoothing
-            tree["mlp_smoothing_alpha"] = np.asarray(smoothing_alpha, np.float32)
-        ckpt.save(tmp, tree)
-    if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
-
-
-def _load_npy(path: Path) -> np.ndarray:
-    try:
-        return np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise QnpuError(f"{path}: not a readable .npy array: {e}") from e
-
-
-def mlp_smoothing(
-    params: Params,
-    cfg: ModelConfig,
-    windows: np.ndarray,
-    alpha: float,
-    *,
-    prefix: tuple[int, ...] = (),
-) -> jax.Array:
-    """Smoothing scales [L, I] for `params` as they will be quantized (after R1/R2, which the
-    smoothing commutes with): down_proj input ranges over the calibration `windows`."""
-    absmax = channel_absmax(params, cfg, windows, ("down_in",), prefix=prefix)["down_in"]
-    return smoothing_scales(absmax, params["layers"]["down_proj"], alpha)
-
-
-def layer_promotion(
-    params: Params,
-    cfg: ModelConfig,
-    windows: np.ndarray,
-    name: str,
-    fraction: float,
-    prefix: tuple[int, ...],
-) -> dict[str, Any]:
-    """Eq. (4)'s scan on the per-layer tensor `name` of `params` and the per-layer bits that
-    promoting the top `fraction` gives (sensitivity.json / sensitivity_down_out.json)."""
-    scan = tensor_sensitivity(params, cfg, windows, name, prefix=prefix)
-    bits = mixed_layer_bits(scan.ratios, fraction)
-    return {
-        "ratios": list(scan.ratios),
-        "bits_measured": scan.bits,
-        "fraction": fraction,
-        "promoted_layers": [i for i, b in enumerate(bits) if b == 16],
-        "layer_bits": list(bits),
-    }
-
-
 def quantize(
     config: QuantizeConfig,
     run_dir: Path,
@@ -310,7 +145,7 @@ def quantize(
     float_reference: Mapping[str, Mapping[str, Any]] | None = None,
     announce: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the method of `config` into `run_dir`; returns the report (also report.json).
+    """Run the recipe of `config` into `run_dir`; returns the report (also report.json).
 
     `float_reference` ({eval spec: {"ppl", "windows", "tokens"}}) is the float model measured
     on the same evaluation windows (e.g. a comparison's FP32 row): it replaces the float
@@ -318,135 +153,64 @@ def quantize(
     `announce` is told when each phase starts (the CLI prints it)."""
     import yaml
 
+    from qnpu_jax.files import write_bytes_atomic
     from qnpu_jax.models import load_model
 
     run_dir = Path(run_dir)
     _check_run_dir(run_dir, config, resume)
+    recipe = for_config(config)
     seconds: dict[str, float] = {}
     say = announce or (lambda message: None)
     t0 = time.perf_counter()
     say(f"loading {config.model}; then the calibration and evaluation text")
-    model = load_model(config.model)
-    cfg = model.config
-    prefix = sink_prefix(config.prefix, model.tokenizer)
-    eval_sets = evaluation_sets(config, model.tokenizer, cfg.max_position_embeddings - len(prefix))
+    loaded = load_model(config.model)
+    cfg = loaded.config
+    prefix = sink_prefix(config.prefix, loaded.tokenizer)
+    eval_sets = evaluation_sets(config, loaded.tokenizer, cfg.max_position_embeddings - len(prefix))
     try:
-        calib_ids, calib = calibration_data(config, model.tokenizer)
+        calib_ids, calib = calibration_data(config, loaded.tokenizer)
     except (QnpuError, OSError) as e:
         raise QnpuError(f"calib_data {config.calib_data!r}: {e}") from e
-    _, rotation_key, data_key = run_keys(config.seed)
+    data = Calibration(calib_ids, calib)
     run_dir.mkdir(parents=True, exist_ok=True)
     unseal_run(run_dir)  # a resumed run is unfinished until its manifest is written again
     write_bytes_atomic(
         run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False).encode()
     )
+    model = QuantizedModel.from_float(loaded, prefix=prefix)
+    first = 0
+    if resume:
+        model, first = _resumed(run_dir / RESUME_DIR, recipe, model, loaded)
+        if first:
+            say(f"resuming before step {first + 1} of {len(recipe)} ({recipe.steps[first].name})")
     seconds["load"] = time.perf_counter() - t0
 
-    rotated = config.method != "rtn"
-    base = fuse_norms(model.params, cfg) if rotated else model.params
-    r1 = r2 = None
-    if rotated:
-        r1, r2 = randomized_hadamard_rotations(cfg, rotation_key)
-    start_params = apply_rotations(base, cfg, r1, r2) if rotated else base
-    smoothing = None
-    if config.smooth_mlp is not None:
+    context = Context(workdir=run_dir, progress=progress)
+    for i, step in enumerate(recipe.steps[first:], first):
+        if step.resumable and not (resume and i == first):
+            model.save(run_dir / RESUME_DIR)
         t0 = time.perf_counter()
-        say(f"MLP smoothing (alpha {config.smooth_mlp})")
-        saved = run_dir / SMOOTHING_FILE
-        if resume and saved.is_file():  # stage 1 continues on exactly the base it started on
-            smoothing = jnp.asarray(_load_npy(saved))
-        else:
-            smoothing = mlp_smoothing(start_params, cfg, calib, config.smooth_mlp, prefix=prefix)
-            buf = io.BytesIO()
-            np.save(buf, np.asarray(smoothing))
-            write_bytes_atomic(saved, buf.getvalue())
-        base = smooth_mlp(base, smoothing)
-        start_params = apply_rotations(base, cfg, r1, r2) if rotated else base
-        seconds["smooth_mlp"] = time.perf_counter() - t0
-
-    down_in_bits = None
-    sensitivity = None
-    if config.mixed_precision > 0 and config.down_in_bits == 8:
-        t0 = time.perf_counter()
-        say(f"sensitivity scan (eq. 4) of the down_proj inputs, {cfg.num_layers} layers")
-        sensitivity = layer_promotion(
-            start_params, cfg, calib, "down_in", config.mixed_precision, prefix
-        )
-        down_in_bits = tuple(sensitivity["layer_bits"])
-        write_json_atomic(run_dir / "sensitivity.json", sensitivity)
-        seconds["mixed_precision"] = time.perf_counter() - t0
-    plan = build_plan(config, cfg.num_layers, down_in_bits)
-    write_json_atomic(run_dir / "plan.json", plan.to_dict())
-
-    learned = None
-    if config.method in TRAINED_METHODS:
-        assert r1 is not None and r2 is not None
-        t0 = time.perf_counter()
-        say(f"stage 1: {config.stage1.steps} steps ({config.method})")
-        s1_plan = stage1_plan(plan, config)
-        s1_config = config.stage1
-        if config.method == "spinquant":
-            s1_config = dataclasses.replace(s1_config, activation_mode="dynamic", lr_scale=0.0)
-        s1_state = calibrate(start_params, cfg, s1_plan, calib, prefix=prefix)
-        train_state = run_stage1(
-            init_train_state(r1, r2, s1_state, s1_plan, s1_config),
-            cfg=cfg,
-            plan=s1_plan,
-            config=s1_config,
-            base_params=base,
-            frozen_state=s1_state,
-            calib_ids=calib_ids,
-            seq_len=config.seq_len,
-            key=data_key,
-            run_dir=run_dir / "stage1",
-            prefix=prefix,
-            progress=progress,
-        )
-        r1, r2 = train_state["params"]["r1"], train_state["params"]["r2"]
-        if config.method == "quantnpu":
-            learned = learned_scales(train_state["params"]["scales"], s1_config.scale_param)
-        seconds["stage1"] = time.perf_counter() - t0
-
-    final_params = apply_rotations(base, cfg, r1, r2) if rotated else base
-    down_out_sensitivity = None
-    if config.down_out_mixed_precision > 0:  # a stage-2 tensor: scanned on the final model
-        t0 = time.perf_counter()
-        say("sensitivity scan (eq. 4) of the down_proj outputs")
-        down_out_sensitivity = layer_promotion(
-            final_params, cfg, calib, "down_out", config.down_out_mixed_precision, prefix
-        )
-        plan = build_plan(config, cfg.num_layers, down_in_bits, down_out_sensitivity["layer_bits"])
-        write_json_atomic(run_dir / "sensitivity_down_out.json", down_out_sensitivity)
-        write_json_atomic(run_dir / "plan.json", plan.to_dict())
-        seconds["down_out_mixed_precision"] = time.perf_counter() - t0
+        say(step.describe)
+        model = step(model, data, context)
+        seconds[step.label] = time.perf_counter() - t0
+        if step.name == "promote":
+            name = step.args["tensor"]
+            file = "sensitivity.json" if name == "down_in" else f"sensitivity_{name}.json"
+            write_json_atomic(run_dir / file, model.steps[-1].info)
+    model.save(run_dir)
 
     t0 = time.perf_counter()
-    say("stage 2: static calibration of every tensor of the plan")
-    state = calibrate(final_params, cfg, plan, calib, prefix=prefix)
-    if learned is not None:
-        state = merge_scales(state, learned)
-    seconds["stage2"] = time.perf_counter() - t0
-    weight_codes = None
-    if config.weight_rounding == "gptq":
-        t0 = time.perf_counter()
-        say("GPTQ rounding of the linear weights")
-        weight_codes = gptq_round_weights(
-            final_params, state, plan, cfg, calib, damp=config.gptq_damp, prefix=prefix
-        )
-        final_params = weights_from_codes(final_params, state, weight_codes)
-        seconds["gptq"] = time.perf_counter() - t0
-    save_learned(run_dir, r1, r2, state, weight_codes, smoothing, config.smooth_mlp)
-
-    t0 = time.perf_counter()
+    params = model.params()
+    nll = model.nll_fn(params)
     results: dict[str, Any] = {}
     for spec, windows in eval_sets.items():
         say(
             f"evaluation on {spec}: {len(windows)} windows of {config.seq_len}, quantized and float"
         )
-        quant_r = evaluate(final_params, state, plan, cfg, windows, prefix)
+        quant_r = nll_perplexity(nll, windows)
         reference = (float_reference or {}).get(spec)
         if reference is None:
-            float_r = evaluate(model.params, None, None, cfg, windows, prefix)
+            float_r = evaluate(loaded.params, None, None, cfg, windows, prefix)
         elif (reference.get("windows"), reference.get("tokens")) != (
             quant_r["windows"],
             quant_r["tokens"],
@@ -469,13 +233,14 @@ def quantize(
         if not math.isfinite(quant_r["ppl"]):
             raise QnpuError(f"quantized perplexity on {spec} is not finite")
     seconds["eval"] = time.perf_counter() - t0
+    trained = any(s.name == "stage1" for s in recipe)
     report = {
         **config.summary(),
         "eval_windows_cap": config.eval_windows,
         "calibration": {"data": config.calib_data, "windows": config.calib_windows},
-        "stage1_steps": config.stage1.steps if config.method in TRAINED_METHODS else 0,
-        "sensitivity": sensitivity,
-        "down_out_sensitivity": down_out_sensitivity,
+        "stage1_steps": config.stage1.steps if trained else 0,
+        "sensitivity": model.step_info("promote", tensor="down_in"),
+        "down_out_sensitivity": model.step_info("promote", tensor="down_out"),
         "perplexity": results,
         "seconds": seconds,
         "resumed": resume,
@@ -486,6 +251,24 @@ def quantize(
     write_json_atomic(run_dir / "report.json", report)
     seal_run(run_dir)
     return report
+
+
+def _resumed(
+    snapshot: Path, recipe: Recipe, model: QuantizedModel, loaded: Any
+) -> tuple[QuantizedModel, int]:
+    """(model, index of the next step) to resume `recipe` from: the model saved in `snapshot`
+    when there is one (its steps must be the recipe's first ones), else the start."""
+    if not (snapshot / "model.json").is_file():
+        return model, 0
+    saved = QuantizedModel.load(snapshot, base=loaded)
+    done = len(saved.steps)
+    expected = [StepRecord.of(s.name, s.args).args_json for s in recipe.steps[:done]]
+    if [r.args_json for r in saved.steps] != expected or done >= len(recipe):
+        raise QnpuError(
+            f"--resume: {snapshot} was made by other steps than this config's recipe; "
+            "start the run again in a new directory"
+        )
+    return saved, done
 
 
 def _stage1_step_seconds(run_dir: Path) -> float | None:
@@ -499,86 +282,61 @@ def _stage1_step_seconds(run_dir: Path) -> float | None:
     return float(sum(float(row.get("seconds", 0.0)) for _, row in iter_jsonl(path)))
 
 
-ORTHOGONALITY_TOL = 1e-3  # max |R·Rᵀ − I| of a learned float32 rotation (Cayley keeps ~1e-6)
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A finished run: its config, its QuantizedModel and the float model it was made from
+    (a `LoadedModel`: params, config, tokenizer)."""
+
+    config: QuantizeConfig
+    model: QuantizedModel
+    loaded: Any
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.loaded.tokenizer
 
 
-def check_orthogonal(name: str, r: np.ndarray, where: str) -> None:
-    """Refuse a rotation (or a stack of them) that is not orthogonal: folding it into the
-    weights would silently change the model."""
-    r = np.asarray(r, np.float64)
-    if r.ndim < 2 or r.shape[-1] != r.shape[-2]:
-        raise QnpuError(f"{where}: rotation {name} has shape {r.shape}, not square")
-    if not np.isfinite(r).all():
-        raise QnpuError(f"{where}: rotation {name} holds NaN or infinity")
-    err = float(np.abs(r @ np.swapaxes(r, -1, -2) - np.eye(r.shape[-1])).max())
-    if err > ORTHOGONALITY_TOL:
-        raise QnpuError(
-            f"{where}: rotation {name} is not orthogonal (max |R·Rᵀ − I| = {err:.3g} > "
-            f"{ORTHOGONALITY_TOL}): corrupt or edited"
-        )
-
-
-def restore_learned(run_dir: Path) -> dict[str, Any]:
-    """The orbax tree in run_dir/learned, with orbax's failures as a QnpuError naming it."""
-    import orbax.checkpoint as ocp
-
-    path = (run_dir / "learned").resolve()
-    try:
-        with ocp.StandardCheckpointer() as ckpt:
-            learned = ckpt.restore(path)
-    except Exception as e:  # orbax/tensorstore raise many types; all mean "unreadable"
-        raise QnpuError(f"{path}: cannot restore the learned checkpoint ({first_line(e)})") from e
-    if not isinstance(learned, dict) or "state" not in learned:
-        raise QnpuError(f"{path}: the learned checkpoint holds no quantizer state")
-    return learned
-
-
-def load_run(run_dir: Path) -> tuple[QuantizeConfig, QuantPlan, Params, QuantState, Any]:
-    """(config, plan, rotated params, quantizer state, model) of a finished run, after its
-    manifest, every file's hash and the rotations' orthogonality are verified."""
+def load_run(run_dir: Path) -> Run:
+    """The finished run in `run_dir`, after its manifest and every file's hash are verified;
+    no step runs. A run made before QuantizedModel (no model.json) is rebuilt from its
+    config.yaml the way that version's quantize built it."""
     from qnpu_jax.models import load_model
+    from qnpu_jax.pipeline.model import assemble
 
     run_dir = Path(run_dir)
     verify_run(run_dir)
-    for name in ("config.yaml", "plan.json", "learned"):
-        if not (run_dir / name).exists():
-            raise QnpuError(f"{run_dir} is not a finished run: {name} is missing")
+    if not (run_dir / "config.yaml").is_file():
+        raise QnpuError(f"{run_dir} is not a finished run: config.yaml is missing")
     config = load_config(run_dir / "config.yaml")
-    try:
-        plan = QuantPlan.from_dict(json.loads((run_dir / "plan.json").read_text()))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise QnpuError(f"{run_dir / 'plan.json'}: {e}") from e
-    model = load_model(config.model)
-    cfg = model.config
-    learned = restore_learned(run_dir)
-    rotated = config.method != "rtn"
-    if rotated != ("r1" in learned and "r2" in learned):
-        raise QnpuError(
-            f"{run_dir / 'learned'} does not match config.yaml: method {config.method} "
-            f"{'needs' if rotated else 'has no'} rotations R1/R2"
+    loaded = load_model(config.model)
+    if (run_dir / "model.json").is_file():
+        model = QuantizedModel.load(run_dir, base=loaded)
+        model_alpha = model.transforms.mlp_smoothing_alpha
+        if (model_alpha is None) != (config.smooth_mlp is None) or (
+            model_alpha is not None and abs(model_alpha - float(config.smooth_mlp or 0)) > 1e-6
+        ):
+            raise QnpuError(
+                f"{run_dir / 'model.json'} does not match config.yaml: smooth_mlp is "
+                f"{config.smooth_mlp!r} but "
+                + (
+                    "the smoothing scales are present"
+                    if config.smooth_mlp is None
+                    else "the smoothing scales are missing"
+                    if model_alpha is None
+                    else f"the scales were made with {model_alpha}"
+                )
+            )
+    else:
+        rotated = config.method != "rtn"
+        model = assemble(
+            run_dir,
+            loaded,
+            fused_norms=rotated,
+            rotated=rotated,
+            smoothing_alpha=config.smooth_mlp,
+            prefix=sink_prefix(config.prefix, loaded.tokenizer),
+            steps=(StepRecord.of("legacy_run", {"method": config.method}),),
         )
-    params = fuse_norms(model.params, cfg) if rotated else model.params
-    if (config.smooth_mlp is not None) != ("mlp_smoothing" in learned):
-        raise QnpuError(
-            f"{run_dir / 'learned'} does not match config.yaml: smooth_mlp is "
-            f"{config.smooth_mlp!r} but the smoothing scales are "
-            f"{'present' if 'mlp_smoothing' in learned else 'missing'}"
-        )
-    alpha = float(learned.get("mlp_smoothing_alpha", config.smooth_mlp or 0.0))  # older runs: none
-    if config.smooth_mlp is not None and abs(alpha - config.smooth_mlp) > 1e-6:
-        raise QnpuError(
-            f"{run_dir / 'learned'} does not match config.yaml: smooth_mlp is "
-            f"{config.smooth_mlp!r} but the scales were made with {alpha:.6g}"
-        )
-    if "mlp_smoothing" in learned:
-        params = smooth_mlp(params, jnp.asarray(learned["mlp_smoothing"]))
-    if rotated:
-        for name in ("r1", "r2"):
-            check_orthogonal(name, learned[name], str(run_dir / "learned"))
-        params = apply_rotations(
-            params, cfg, jnp.asarray(learned["r1"]), jnp.asarray(learned["r2"])
-        )
-    state = jax.tree.map(jnp.asarray, learned["state"])
-    if "weight_codes" in learned:
-        params = weights_from_codes(params, state, learned["weight_codes"])
-    return config, plan, params, state, model
+    if model.state is None:
+        raise QnpuError(f"{run_dir / 'learned'}: the learned checkpoint holds no quantizer state")
+    return Run(config, model, loaded)

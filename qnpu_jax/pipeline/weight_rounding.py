@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from qnpu_jax.export.graph import LINEAR_IO
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
 from qnpu_jax.models.quantized import FakeQuantTaps, HessianTaps, QuantState, tapped_forward
@@ -24,15 +25,7 @@ from qnpu_jax.quant.gptq import gptq_layers
 from qnpu_jax.quant.plan import QuantPlan
 
 # the tensor each linear multiplies (a plan name of the decoder layer)
-LINEAR_INPUT = {
-    "q_proj": "attn_in",
-    "k_proj": "attn_in",
-    "v_proj": "attn_in",
-    "o_proj": "attn_out",
-    "gate_proj": "mlp_in",
-    "up_proj": "mlp_in",
-    "down_proj": "down_in",
-}
+LINEAR_INPUT = {name: io[0] for name, io in LINEAR_IO.items()}
 
 
 def rounded_weights(plan: QuantPlan) -> tuple[str, ...]:

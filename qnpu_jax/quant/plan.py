@@ -18,32 +18,14 @@ import re
 from collections.abc import Iterable, Sequence
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import LAYER_ACTS, LINEARS
 from qnpu_jax.quant.spec import QuantSpec, qrange
 
 INIT_METHODS = ("max_min", "mean_std", "percentile", "mse", "fixed")
 
 # (path, kind, role) in graph order; role picks the default precision.
-WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-LAYER_ACTIVATIONS = (
-    "attn_in",  # input_layernorm output = q/k/v input (rotated by R1)
-    "q_out",
-    "k_out",
-    "v_out",  # = V cache
-    "q_rope",
-    "k_rope",  # = K cache
-    "scores",
-    "probs",
-    "attn_out",  # o_proj input (rotated by R2)
-    "o_out",
-    "resid_attn",
-    "mlp_in",  # post_attention_layernorm output = gate/up input (rotated by R1)
-    "gate_out",  # SiLU input
-    "silu_out",
-    "up_out",
-    "down_in",  # gate·up product (unrotated)
-    "down_out",
-    "resid_mlp",
-)
+WEIGHTS = LINEARS  # the decoder layer's weights, from the graph description
+LAYER_ACTIVATIONS = LAYER_ACTS  # its activations with an encoding, in graph order
 GLOBAL_TENSORS = ("embed_tokens", "embed_out", "final_norm_out", "lm_head")
 # A probability code p means p / (2^16 − 1): the integer softmax's fixed output encoding.
 PROBS_SCALE_DENOMINATOR = 2**16 - 1

@@ -1,0 +1,394 @@
+"""`QuantizedModel`: a quantized model as one pytree value.
+
+It holds the float base params as loaded, every model-equivalent transform applied to them
+(`Transforms`: fused norms, MLP smoothing, R1/R2), the quantization plan, the quantizer state
+(the encodings, in the forward's layer view), GPTQ's weight codes when a rounding step chose
+them, the sink prefix and the record of the steps that made it. Steps (`pipeline.steps`) map
+a QuantizedModel to a new one; recipes (`pipeline.recipes`) chain steps.
+
+`save(dir)` writes
+    model.json   format, base model spec and config, sink prefix, static transform facts,
+                 the step records; written last (its presence marks a complete save)
+    plan.json    the plan
+    learned/     orbax: the quantizer state, R1/R2, the smoothing scales, GPTQ's codes
+and `QuantizedModel.load(dir)` restores the value without running any step: the base model is
+loaded from its spec and the stored transforms are applied to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from qnpu_jax.errors import QnpuError, first_line
+from qnpu_jax.files import write_json_atomic
+from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import Params
+from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, tapped_token_nll
+from qnpu_jax.pipeline.weight_rounding import weights_from_codes
+from qnpu_jax.quant.plan import QuantPlan
+from qnpu_jax.transforms import apply_rotations, fuse_norms, smooth_mlp
+
+MODEL_FORMAT = "qnpu-quantized-model"
+MODEL_VERSION = 1
+ORTHOGONALITY_TOL = 1e-3  # max |R·Rᵀ − I| of a learned float32 rotation (Cayley keeps ~1e-6)
+
+
+class Transforms(struct.PyTreeNode):
+    """The model-equivalent rewrites of the base params, applied in this order: norm fusion,
+    up→down smoothing (scales [L, I]), R1/R2 rotations. None: not applied."""
+
+    mlp_smoothing: jax.Array | None = None
+    r1: jax.Array | None = None
+    r2: jax.Array | None = None
+    fused_norms: bool = struct.field(pytree_node=False, default=False)
+    mlp_smoothing_alpha: float | None = struct.field(pytree_node=False, default=None)
+
+    @property
+    def rotated(self) -> bool:
+        return self.r1 is not None
+
+    def apply(self, base: Params, cfg: ModelConfig, *, rotate: bool = True) -> Params:
+        """`base` rewritten by every transform (`rotate` False: all but R1/R2, the base that
+        stage 1 rotates on the fly)."""
+        params = fuse_norms(base, cfg) if self.fused_norms else base
+        if self.mlp_smoothing is not None:
+            params = smooth_mlp(params, self.mlp_smoothing)
+        if rotate and self.r1 is not None:
+            params = apply_rotations(params, cfg, self.r1, self.r2)
+        return params
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One applied step: its name, its recorded arguments and what it reported (JSON text,
+    so the record is hashable and compares by value)."""
+
+    name: str
+    args_json: str = "{}"
+    info_json: str = "null"
+
+    @classmethod
+    def of(cls, name: str, args: Mapping[str, Any], info: Any = None) -> StepRecord:
+        return cls(name, json.dumps(dict(args), sort_keys=True), json.dumps(info, sort_keys=True))
+
+    @property
+    def args(self) -> dict[str, Any]:
+        return dict(json.loads(self.args_json))
+
+    @property
+    def info(self) -> Any:
+        return json.loads(self.info_json)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "args": self.args, "info": self.info}
+
+
+class QuantizedModel(struct.PyTreeNode):
+    """A model under quantization (see the module docstring). Pure: every step returns a new
+    value; `replace` changes fields."""
+
+    base: Params
+    transforms: Transforms
+    state: QuantState | None = None
+    weight_codes: dict[str, jax.Array] | None = None
+    # stage 1's trained scales ({"layers": {name: {"scale", ...}}, "outer": ...}): a
+    # calibration keeps them over the encodings it computes
+    trained: dict[str, Any] | None = None
+    cfg: ModelConfig = struct.field(pytree_node=False, kw_only=True)
+    source: str = struct.field(pytree_node=False, kw_only=True)  # the base model's spec
+    prefix: tuple[int, ...] = struct.field(pytree_node=False, default=(), kw_only=True)
+    plan: QuantPlan | None = struct.field(pytree_node=False, default=None, kw_only=True)
+    steps: tuple[StepRecord, ...] = struct.field(pytree_node=False, default=(), kw_only=True)
+
+    @classmethod
+    def from_float(cls, loaded: Any, *, prefix: str | tuple[int, ...] = ()) -> QuantizedModel:
+        """The float `loaded` model (a `LoadedModel`) before any step. `prefix`: the sink
+        prefix, token ids or a name ("bos", "none") that `sink_prefix` resolves."""
+        from qnpu_jax.models.quantized import sink_prefix
+
+        ids = sink_prefix(prefix, loaded.tokenizer) if isinstance(prefix, str) else prefix
+        return cls(
+            loaded.params,
+            Transforms(),
+            cfg=loaded.config,
+            source=loaded.source,
+            prefix=tuple(int(i) for i in ids),
+        )
+
+    def params(self) -> Params:
+        """The effective float params: transforms applied, GPTQ's codes in place."""
+        params = self.transforms.apply(self.base, self.cfg)
+        if self.weight_codes:
+            params = weights_from_codes(params, self.require_state(), self.weight_codes)
+        return params
+
+    def require_plan(self) -> QuantPlan:
+        if self.plan is None:
+            raise QnpuError("the model has no quantization plan yet: add a plan step first")
+        return self.plan
+
+    def require_state(self) -> QuantState:
+        if self.state is None:
+            raise QnpuError("the model has no encodings yet: add a calibrate step first")
+        return self.state
+
+    def record(self, name: str, args: Mapping[str, Any], info: Any = None) -> QuantizedModel:
+        return self.replace(steps=(*self.steps, StepRecord.of(name, args, info)))
+
+    def step_info(self, name: str, **args: Any) -> Any:
+        """The info of the last step `name` whose args include `args` (None: no such step)."""
+        for rec in reversed(self.steps):
+            if rec.name == name and all(rec.args.get(k) == v for k, v in args.items()):
+                return rec.info
+        return None
+
+    def nll_fn(self, params: Params | None = None) -> Any:
+        """tokens [B, T] -> next-token NLL [B, T-1] of the static fake-quant model (the float
+        model while there is no state). `params`: precomputed `self.params()`."""
+        from functools import partial
+
+        p = self.params() if params is None else params
+        taps = FakeQuantTaps(self.require_plan()) if self.state is not None else None
+        return partial(tapped_token_nll, p, self.state, cfg=self.cfg, taps=taps, prefix=self.prefix)
+
+    def perplexity(self, windows: np.ndarray, *, progress: bool = False) -> dict[str, Any]:
+        """{"ppl", "windows", "tokens"} of the fake-quant model over token `windows` [N, T]."""
+        return nll_perplexity(self.nll_fn(), windows, progress=progress)
+
+    def save(self, directory: Path) -> Path:
+        """Write the model to `directory` (see the module docstring); model.json goes last."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "model.json").unlink(missing_ok=True)
+        write_json_atomic(directory / "plan.json", self.require_plan().to_dict())
+        t = self.transforms
+        save_learned(
+            directory,
+            t.r1,
+            t.r2,
+            self.state,
+            self.weight_codes,
+            t.mlp_smoothing,
+            t.mlp_smoothing_alpha,
+        )
+        write_json_atomic(
+            directory / "model.json",
+            {
+                "format": MODEL_FORMAT,
+                "version": MODEL_VERSION,
+                "source": self.source,
+                "config": _config_json(self.cfg),
+                "prefix": list(self.prefix),
+                "fused_norms": t.fused_norms,
+                "rotated": t.rotated,
+                "mlp_smoothing_alpha": t.mlp_smoothing_alpha,
+                "steps": [rec.to_dict() for rec in self.steps],
+            },
+        )
+        return directory
+
+    @classmethod
+    def load(cls, directory: Path, base: Any = None) -> QuantizedModel:
+        """The model `save` wrote to `directory`; `base` (a `LoadedModel`) is its float model,
+        loaded from the stored spec when None. No step runs."""
+        directory = Path(directory)
+        meta = _read_model_json(directory / "model.json")
+        if base is None:
+            from qnpu_jax.models import load_model
+
+            base = load_model(meta["source"])
+        if _config_json(base.config) != meta["config"]:
+            raise QnpuError(
+                f"{directory}: the base model {meta['source']!r} is not the one this model was "
+                "made on (its config differs)"
+            )
+        steps = tuple(
+            StepRecord.of(s["name"], s.get("args", {}), s.get("info")) for s in meta["steps"]
+        )
+        return assemble(
+            directory,
+            base,
+            fused_norms=bool(meta["fused_norms"]),
+            rotated=bool(meta["rotated"]),
+            smoothing_alpha=meta["mlp_smoothing_alpha"],
+            prefix=tuple(int(i) for i in meta["prefix"]),
+            steps=steps,
+        )
+
+
+def _config_json(cfg: ModelConfig) -> Any:
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def _read_model_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise QnpuError(f"{path.parent} holds no saved model ({path.name} is missing)")
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise QnpuError(f"{path}: not readable JSON ({e})") from e
+    keys = {"format", "version", "source", "config", "prefix", "fused_norms", "rotated"}
+    keys |= {"mlp_smoothing_alpha", "steps"}
+    if not isinstance(meta, dict) or meta.get("format") != MODEL_FORMAT:
+        raise QnpuError(f"{path}: not a {MODEL_FORMAT} file")
+    if meta.get("version") != MODEL_VERSION:
+        raise QnpuError(
+            f"{path}: model format version {meta.get('version')!r}; this qnpu_jax reads "
+            f"version {MODEL_VERSION}"
+        )
+    if set(meta) != keys:
+        raise QnpuError(f"{path}: keys must be {sorted(keys)}, got {sorted(meta)}")
+    return meta
+
+
+def nll_perplexity(nll: Any, windows: np.ndarray, *, progress: bool = False) -> dict[str, Any]:
+    from qnpu_jax.eval import perplexity
+
+    result = perplexity(nll, windows, batch_size=1, progress=progress)
+    return {"ppl": result.ppl, "windows": result.windows, "tokens": result.predicted_tokens}
+
+
+def save_learned(
+    directory: Path,
+    r1: Any,
+    r2: Any,
+    state: QuantState | None,
+    weight_codes: Mapping[str, Any] | None = None,
+    smoothing: Any = None,
+    smoothing_alpha: float | None = None,
+) -> None:
+    """Write rotations (None: unrotated), the quantizer state (None: not calibrated yet),
+    GPTQ's weight codes (None: round-to-nearest) and the up→down smoothing scales (None: no
+    smoothing) to directory/learned, through a temporary sibling and a rename."""
+    import orbax.checkpoint as ocp
+
+    target = (Path(directory) / "learned").resolve()
+    tmp = target.with_name("learned.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    with ocp.StandardCheckpointer() as ckpt:
+        tree: dict[str, Any] = {} if state is None else {"state": state}
+        if r1 is not None:
+            tree |= {"r1": r1, "r2": r2}
+        if weight_codes:
+            tree["weight_codes"] = dict(weight_codes)
+        if smoothing is not None:
+            tree["mlp_smoothing"] = smoothing
+            tree["mlp_smoothing_alpha"] = np.asarray(smoothing_alpha, np.float32)
+        ckpt.save(tmp, tree)
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
+
+
+def restore_learned(directory: Path) -> dict[str, Any]:
+    """The orbax tree in directory/learned, with orbax's failures as a QnpuError naming it."""
+    import orbax.checkpoint as ocp
+
+    path = (Path(directory) / "learned").resolve()
+    if not path.exists():
+        raise QnpuError(f"{Path(directory)} is not a finished run: learned is missing")
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            learned = ckpt.restore(path)
+    except Exception as e:  # orbax/tensorstore raise many types; all mean "unreadable"
+        raise QnpuError(f"{path}: cannot restore the learned checkpoint ({first_line(e)})") from e
+    if not isinstance(learned, dict):
+        raise QnpuError(f"{path}: the learned checkpoint is not a tree of named arrays")
+    return learned
+
+
+def check_orthogonal(name: str, r: np.ndarray, where: str) -> None:
+    """Refuse a rotation (or a stack of them) that is not orthogonal: folding it into the
+    weights would silently change the model."""
+    r = np.asarray(r, np.float64)
+    if r.ndim < 2 or r.shape[-1] != r.shape[-2]:
+        raise QnpuError(f"{where}: rotation {name} has shape {r.shape}, not square")
+    if not np.isfinite(r).all():
+        raise QnpuError(f"{where}: rotation {name} holds NaN or infinity")
+    err = float(np.abs(r @ np.swapaxes(r, -1, -2) - np.eye(r.shape[-1])).max())
+    if err > ORTHOGONALITY_TOL:
+        raise QnpuError(
+            f"{where}: rotation {name} is not orthogonal (max |R·Rᵀ − I| = {err:.3g} > "
+            f"{ORTHOGONALITY_TOL}): corrupt or edited"
+        )
+
+
+def read_plan(path: Path) -> QuantPlan:
+    if not path.is_file():
+        raise QnpuError(f"{path.parent} is not a finished run: {path.name} is missing")
+    try:
+        return QuantPlan.from_dict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
+        raise QnpuError(f"{path}: {e}") from e
+
+
+def assemble(
+    directory: Path,
+    base: Any,
+    *,
+    fused_norms: bool,
+    rotated: bool,
+    smoothing_alpha: float | None,
+    prefix: tuple[int, ...],
+    steps: tuple[StepRecord, ...],
+) -> QuantizedModel:
+    """The QuantizedModel stored in directory/plan.json and directory/learned, over the float
+    `base` (a LoadedModel), after checking the stored pieces agree with the stated facts
+    (`rotated`: whether R1/R2 belong; `smoothing_alpha`: whether smoothing scales do)."""
+    directory = Path(directory)
+    plan = read_plan(directory / "plan.json")
+    learned = restore_learned(directory)
+    where = str(directory / "learned")
+    if rotated != ("r1" in learned and "r2" in learned):
+        raise QnpuError(
+            f"{where} does not match its description: the model "
+            f"{'needs' if rotated else 'has no'} rotations R1/R2"
+        )
+    if (smoothing_alpha is not None) != ("mlp_smoothing" in learned):
+        raise QnpuError(
+            f"{where} does not match its description: smooth_mlp is {smoothing_alpha!r} but "
+            f"the smoothing scales are {'present' if 'mlp_smoothing' in learned else 'missing'}"
+        )
+    stored_alpha = float(learned.get("mlp_smoothing_alpha", smoothing_alpha or 0.0))
+    if smoothing_alpha is not None and abs(stored_alpha - smoothing_alpha) > 1e-6:
+        raise QnpuError(
+            f"{where} does not match its description: smooth_mlp is {smoothing_alpha!r} but "
+            f"the scales were made with {stored_alpha:.6g}"
+        )
+    r1 = r2 = None
+    if rotated:
+        for name in ("r1", "r2"):
+            check_orthogonal(name, learned[name], where)
+        r1, r2 = jnp.asarray(learned["r1"]), jnp.asarray(learned["r2"])
+    smoothing = learned.get("mlp_smoothing")
+    transforms = Transforms(
+        mlp_smoothing=None if smoothing is None else jnp.asarray(smoothing),
+        r1=r1,
+        r2=r2,
+        fused_norms=fused_norms,
+        mlp_smoothing_alpha=smoothing_alpha,
+    )
+    codes = learned.get("weight_codes")
+    state = learned.get("state")
+    return QuantizedModel(
+        base.params,
+        transforms,
+        state=None if state is None else jax.tree.map(jnp.asarray, state),
+        weight_codes=None if not codes else {k: jnp.asarray(v) for k, v in codes.items()},
+        cfg=base.config,
+        source=base.source,
+        prefix=prefix,
+        plan=plan,
+        steps=steps,
+    )

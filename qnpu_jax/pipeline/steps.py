@@ -1,0 +1,323 @@
+"""Steps: pure functions `QuantizedModel -> QuantizedModel`, each recorded in the model.
+
+A step is made by a factory that takes its options (and RNG keys) explicitly, e.g.
+`hadamard_rotations(key)` or `promote("down_in", 0.10)`. Calling it with a model and the
+calibration data returns a new model with the step's name, arguments and report appended to
+`model.steps`, so a saved model says how it was made. Recipes (`pipeline.recipes`) chain steps.
+
+    model = steps.calibrate()(steps.plan(w_bits=4, a_bits=8)(model, data), data)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import KV_TENSORS, LINEAR_IO, LINEAR_OUTPUTS, ROTATED_INPUTS
+from qnpu_jax.pipeline.calibrate import calibrate as calibrate_state
+from qnpu_jax.pipeline.calibrate import channel_absmax
+from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits, tensor_sensitivity
+from qnpu_jax.pipeline.model import QuantizedModel
+from qnpu_jax.pipeline.stage1 import (
+    Stage1Config,
+    init_train_state,
+    learned_scales,
+    merge_scales,
+    run_stage1,
+)
+from qnpu_jax.pipeline.weight_rounding import gptq_round_weights
+from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, QuantRule, default_plan
+from qnpu_jax.transforms import fuse_norms as fuse_norm_weights
+from qnpu_jax.transforms import randomized_hadamard_rotations, smoothing_scales
+
+# the one linear input no rotation reaches (down_proj's, a product of two linear outputs)
+(UNROTATED_INPUT,) = (i for i, _ in LINEAR_IO.values() if i not in ROTATED_INPUTS)
+# the linears' weights and inputs: the tensors stage 1 quantizes (and learns)
+STAGE1_TENSORS = (*WEIGHTS, *dict.fromkeys(i for i, _ in LINEAR_IO.values()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """A recipe's calibration text: its token ids (stage 1 draws batches from them) and the
+    calibration windows [N, T] (static ranges, scans, smoothing)."""
+
+    ids: np.ndarray
+    windows: np.ndarray
+
+    def __post_init__(self) -> None:
+        if np.asarray(self.windows).ndim != 2 or len(self.windows) == 0:
+            raise QnpuError("calibration windows must be a non-empty [N, T] array of token ids")
+
+    @property
+    def seq_len(self) -> int:
+        return int(np.asarray(self.windows).shape[1])
+
+    @classmethod
+    def from_text(
+        cls, spec: str, tokenizer: Any, *, seq_len: int, windows: int, key: jax.Array
+    ) -> Calibration:
+        """`windows` random windows of `seq_len` tokens (drawn with `key`) of the text `spec`
+        names (`qnpu_jax.data.load_documents`; "wiki": its calib split)."""
+        from qnpu_jax.data import load_documents, sample_windows, tokenize_documents
+
+        split = "calib" if spec == "wiki" else None
+        ids = tokenize_documents(load_documents(spec, split), tokenizer)
+        return cls(ids, sample_windows(ids, seq_len, windows, key))
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """How a step runs, not what it computes: a working directory for checkpoints (stage 1
+    resumes from it; None: a temporary one) and progress bars."""
+
+    workdir: Path | None = None
+    progress: bool = False
+
+
+StepFn = Callable[[QuantizedModel, Calibration, Context], tuple[QuantizedModel, Any]]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Step:
+    """A named, recorded model transformation. `describe` is its phase announcement;
+    `resumable` steps are long and continue from their checkpoints in the working dir."""
+
+    name: str
+    args: Mapping[str, Any]
+    fn: StepFn
+    describe: str
+    resumable: bool = False
+
+    @property
+    def label(self) -> str:
+        """The step's name, with the tensor for a per-tensor step (timings, files)."""
+        tensor = self.args.get("tensor")
+        return f"{self.name}_{tensor}" if tensor else self.name
+
+    def __call__(
+        self, model: QuantizedModel, data: Calibration, context: Context | None = None
+    ) -> QuantizedModel:
+        new, info = self.fn(model, data, context or Context())
+        return new.record(self.name, self.args, info)
+
+
+def fuse_norms() -> Step:
+    """Fold the RMSNorm weights into the following linears (needed before rotations)."""
+
+    def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
+        if m.transforms.fused_norms:
+            raise QnpuError("fuse_norms: the norms are fused already")
+        if m.transforms.rotated or m.transforms.mlp_smoothing is not None:
+            raise QnpuError("fuse_norms comes before rotations and smoothing")
+        fuse_norm_weights(m.base, m.cfg)  # refuses a model it cannot fuse, now
+        return m.replace(transforms=m.transforms.replace(fused_norms=True)), None
+
+    return Step("fuse_norms", {}, fn, "fusing the norms into the linears")
+
+
+def hadamard_rotations(key: jax.Array) -> Step:
+    """Randomized Hadamard R1 (residual stream) and per-head R2 (o_proj input) from `key`."""
+
+    def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
+        if not m.transforms.fused_norms:
+            raise QnpuError("hadamard_rotations needs fused norms: put fuse_norms() first")
+        if m.transforms.rotated:
+            raise QnpuError("hadamard_rotations: the model is rotated already")
+        r1, r2 = randomized_hadamard_rotations(m.cfg, key)
+        return m.replace(transforms=m.transforms.replace(r1=r1, r2=r2)), None
+
+    args = {"key": np.asarray(jax.random.key_data(key)).tolist()}
+    return Step("hadamard_rotations", args, fn, "randomized Hadamard rotations R1/R2")
+
+
+def smooth_mlp(alpha: float) -> Step:
+    """MobileQuant/SmoothQuant-style up→down smoothing with strength `alpha`, from the down_proj
+    input ranges of the current model (rotations commute with it) over the calibration."""
+    if not 0.0 <= alpha <= 1.0:
+        raise QnpuError(f"smooth_mlp: alpha must be in [0, 1], got {alpha}")
+
+    def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
+        if m.transforms.mlp_smoothing is not None:
+            raise QnpuError("smooth_mlp: the model is smoothed already")
+        params = m.params()
+        absmax = channel_absmax(params, m.cfg, data.windows, ("down_in",), prefix=m.prefix)
+        scales = smoothing_scales(absmax["down_in"], params["layers"]["down_proj"], alpha)
+        t = m.transforms.replace(mlp_smoothing=scales, mlp_smoothing_alpha=float(alpha))
+        return m.replace(transforms=t), None
+
+    return Step("smooth_mlp", {"alpha": alpha}, fn, f"MLP smoothing (alpha {alpha})")
+
+
+def plan(
+    *,
+    w_bits: int = 4,
+    a_bits: int = 8,
+    kv_bits: int = 8,
+    down_in_bits: int = 8,
+    rules: Sequence[QuantRule] = (),
+) -> Step:
+    """The deployment plan: DESIGN §3's table at these bit-widths, then `rules` in order."""
+
+    def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
+        made = default_plan(
+            m.cfg.num_layers,
+            w_bits=w_bits,
+            a_bits=a_bits,
+            kv_bits=kv_bits,
+            down_in_bits=down_in_bits,
+            rules=list(rules),
+        )
+        return m.replace(plan=made, state=None, weight_codes=None), None
+
+    args = {
+        "w_bits": w_bits,
+        "a_bits": a_bits,
+        "kv_bits": kv_bits,
+        "down_in_bits": down_in_bits,
+        "rules": [dataclasses.asdict(r) for r in rules],
+    }
+    describe = f"plan W{w_bits}A{a_bits}KV{kv_bits}"
+    return Step("plan", args, fn, describe)
+
+
+def promote(tensor: str, fraction: float) -> Step:
+    """Eq. (4)'s sensitivity scan of the per-layer activation `tensor` on the current model,
+    then the top `fraction` of layers at 16 bits (a per-layer-bits rule on the plan)."""
+    if not 0.0 < fraction <= 1.0:
+        raise QnpuError(f"promote: fraction must be in (0, 1], got {fraction}")
+
+    def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
+        current = m.require_plan()
+        scan = tensor_sensitivity(m.params(), m.cfg, data.windows, tensor, prefix=m.prefix)
+        bits = mixed_layer_bits(scan.ratios, fraction)
+        rule = QuantRule(pattern=f"layers/{tensor}", layer_bits=tuple(bits))
+        info = {
+            "ratios": list(scan.ratios),
+            "bits_measured": scan.bits,
+            "fraction": fraction,
+            "promoted_layers": [i for i, b in enumerate(bits) if b == 16],
+            "layer_bits": list(bits),
+        }
+        return m.replace(plan=current.apply([rule]), state=None, weight_codes=None), info
+
+    describe = f"sensitivity scan (eq. 4) of layers/{tensor}"
+    return Step("promote", {"tensor": tensor, "fraction": fraction}, fn, describe)
+
+
+def stage1_plan(
+    plan: QuantPlan, *, selective: bool = True, learn: bool = True, learn_down_in: bool = True
+) -> QuantPlan:
+    """Selective optimization: only the linears' input activations and weights are quantized
+    (and learnable with `learn`) in stage 1; everything else, lm_head included, stays float.
+    Without `selective`, the linear outputs and the K/V cache are learned in stage 1 too."""
+    names = STAGE1_TENSORS if selective else (*STAGE1_TENSORS, *LINEAR_OUTPUTS, *KV_TENSORS)
+    keep = {f"layers/{n}" for n in names}
+    entries = []
+    for path, tq in plan.entries:
+        if path not in keep:
+            continue
+        learnable = learn and (path != f"layers/{UNROTATED_INPUT}" or learn_down_in)
+        entries.append((path, dataclasses.replace(tq, learnable=learnable)))
+    return QuantPlan(tuple(entries), plan.num_layers)
+
+
+def stage1(
+    config: Stage1Config,
+    key: jax.Array,
+    *,
+    learn_scales: bool = True,
+    selective: bool = True,
+    learn_down_in: bool = True,
+) -> Step:
+    """Stage 1 (§4.3): R1/R2 learned with Cayley SGD under the stage-1 plan's fake quant, and
+    with `learn_scales` the selective scales too (Quant.npu; without: SpinQuant's rotations
+    only). Batches are drawn from the calibration ids with `key`. The trained scales are kept
+    over the next calibration's encodings."""
+
+    def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
+        t = m.transforms
+        if t.r1 is None or t.r2 is None:
+            raise QnpuError("stage1 learns rotations: put hadamard_rotations(key) before it")
+        s1_plan = stage1_plan(
+            m.require_plan(), selective=selective, learn=learn_scales, learn_down_in=learn_down_in
+        )
+        s1_state = calibrate_state(m.params(), m.cfg, s1_plan, data.windows, prefix=m.prefix)
+        with tempfile.TemporaryDirectory() as tmp:
+            workdir = ctx.workdir / "stage1" if ctx.workdir is not None else Path(tmp)
+            trained = run_stage1(
+                init_train_state(t.r1, t.r2, s1_state, s1_plan, config),
+                cfg=m.cfg,
+                plan=s1_plan,
+                config=config,
+                base_params=t.apply(m.base, m.cfg, rotate=False),
+                frozen_state=s1_state,
+                calib_ids=data.ids,
+                seq_len=data.seq_len,
+                key=key,
+                run_dir=workdir,
+                prefix=m.prefix,
+                progress=ctx.progress,
+            )
+        learned = trained["params"]
+        scales = learned_scales(learned["scales"], config.scale_param) if learn_scales else None
+        new = m.replace(
+            transforms=t.replace(r1=learned["r1"], r2=learned["r2"]),
+            state=None,
+            weight_codes=None,
+            trained=scales,
+        )
+        return new, None
+
+    args = {
+        "config": dataclasses.asdict(config),
+        "key": np.asarray(jax.random.key_data(key)).tolist(),
+        "learn_scales": learn_scales,
+        "selective": selective,
+        "learn_down_in": learn_down_in,
+    }
+    what = "rotations and scales" if learn_scales else "rotations"
+    describe = f"stage 1: {config.steps} steps ({what})"
+    return Step("stage1", args, fn, describe, resumable=True)
+
+
+def calibrate() -> Step:
+    """Stage 2: static encodings of every tensor of the plan from the current model over the
+    calibration windows; stage 1's trained scales are kept over them."""
+
+    def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
+        state = calibrate_state(m.params(), m.cfg, m.require_plan(), data.windows, prefix=m.prefix)
+        if m.trained is not None:
+            state = merge_scales(state, m.trained)
+        return m.replace(state=state, weight_codes=None), None
+
+    return Step("calibrate", {}, fn, "stage 2: static calibration of every tensor of the plan")
+
+
+def gptq(damp: float = 0.01) -> Step:
+    """GPTQ's integer codes of every quantized linear weight on the calibrated grid (the
+    scales stay), from the fake-quant model's Hessians over the calibration."""
+    if not damp > 0:
+        raise QnpuError(f"gptq: damp must be positive, got {damp}")
+
+    def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
+        if m.weight_codes:
+            raise QnpuError("gptq: the weights are rounded already")
+        codes = gptq_round_weights(
+            m.params(),
+            m.require_state(),
+            m.require_plan(),
+            m.cfg,
+            data.windows,
+            damp=damp,
+            prefix=m.prefix,
+        )
+        return m.replace(weight_codes=codes), None
+
+    return Step("gptq", {"damp": damp}, fn, "GPTQ rounding of the linear weights")

@@ -1,0 +1,163 @@
+"""QuantizedModel, steps and recipes: the README's user recipe end to end, loading a run
+without running any step, legacy runs, and the steps' refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.models import load_model
+from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_recipe() -> str:
+    text = README.read_text()
+    marker = text.index("<!-- recipe:")
+    block = re.search(r"```python\n(.*?)```", text[marker:], re.S)
+    assert block is not None
+    return block.group(1)
+
+
+def _forbid_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every computation a step could run fail: a load that runs one is caught."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a recipe step ran")
+
+    for name in ("calibrate_state", "run_stage1", "gptq_round_weights", "tensor_sensitivity"):
+        monkeypatch.setattr(steps, name, refuse)
+    for name in ("channel_absmax", "randomized_hadamard_rotations"):
+        monkeypatch.setattr(steps, name, refuse)
+    monkeypatch.setattr(steps.Step, "__call__", refuse)
+
+
+def test_readme_recipe_runs_through_export_and_both_engines(two_layer_dir, tmp_path, monkeypatch):
+    code = _readme_recipe()
+    recipe_lines = code[code.index("fp = load_model") :].strip().splitlines()
+    assert len(recipe_lines) <= 15, recipe_lines  # the README promises a short recipe
+    code = code.replace('"smollm2-135m"', repr(str(two_layer_dir)))
+    code = code.replace("seq_len=128, windows=4", "seq_len=32, windows=2")
+    code = code.replace('"runs/my-recipe"', repr(str(tmp_path / "run")))
+    code = code.replace('"artifacts/my-recipe"', repr(str(tmp_path / "art")))
+    ns: dict = {}
+    exec(compile(code, str(README), "exec"), ns)
+    model = ns["model"]
+    assert [s.name for s in model.steps] == [
+        "fuse_norms", "hadamard_rotations", "smooth_mlp", "plan", "calibrate", "gptq"
+    ]  # fmt: skip
+    assert model.transforms.rotated and model.weight_codes
+    windows = ns["data"].windows
+    fake = model.perplexity(windows)["ppl"]
+    emulator, jax_engine = ns["engines"]
+    tokens = np.asarray(windows)
+    nll = [np.asarray(e.token_nll(tokens)) for e in (emulator, jax_engine)]
+    np.testing.assert_array_equal(nll[0], nll[1])  # the two engines agree bit for bit
+    integer_ppl = float(np.exp(nll[0].mean()))
+    assert integer_ppl == pytest.approx(fake, rel=0.1)
+    # the saved model comes back without any step: same params, encodings and perplexity
+    _forbid_steps(monkeypatch)
+    loaded = QuantizedModel.load(tmp_path / "run")
+    assert loaded.steps == model.steps and loaded.plan == model.plan
+    assert loaded.perplexity(windows)["ppl"] == fake
+
+
+@pytest.fixture(scope="module")
+def quick_run(two_layer_dir, tmp_path_factory):
+    """A quantnpu run with every piece a run stores: promotion, stage 1, trained scales."""
+    from qnpu_jax.cli import main
+
+    tmp = tmp_path_factory.mktemp("recipes")
+    data = {
+        "model": str(two_layer_dir), "method": "quantnpu", "w_bits": 4, "a_bits": 8,
+        "seq_len": 32, "calib_windows": 2, "eval_windows": 2,
+        "stage1": {"steps": 1, "batch_size": 1, "checkpoint_every": 1},
+    }  # fmt: skip
+    (tmp / "c.yaml").write_text(yaml.safe_dump(data))
+    out = tmp / "run"
+    args = ["quantize", "--config", str(tmp / "c.yaml"), "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    return out
+
+
+def test_load_reproduces_the_reported_perplexity_with_no_step(quick_run, monkeypatch):
+    from qnpu_jax.pipeline.run import evaluation_sets, load_run
+
+    report = json.loads((quick_run / "report.json").read_text())
+    described = json.loads((quick_run / "model.json").read_text())["steps"]
+    assert [s["name"] for s in described] == [
+        "fuse_norms", "hadamard_rotations", "plan", "promote", "stage1", "calibrate"
+    ]  # fmt: skip
+    assert described[3]["info"]["promoted_layers"] == report["sensitivity"]["promoted_layers"]
+    _forbid_steps(monkeypatch)
+    run = load_run(quick_run)
+    cfg = run.model.cfg
+    windows = evaluation_sets(
+        run.config, run.tokenizer, cfg.max_position_embeddings - len(run.model.prefix)
+    )["wiki"]
+    ppl = run.model.perplexity(windows)["ppl"]
+    assert ppl == report["perplexity"]["wiki"]["quantized_ppl"]
+    # the value is a pytree: mapping over its leaves keeps every static fact
+    same = jax.tree.map(lambda x: x, run.model)
+    assert same.steps == run.model.steps and same.plan == run.model.plan
+    assert len(jax.tree.leaves(run.model)) > len(jax.tree.leaves(run.model.base))
+
+
+def test_a_run_made_before_quantized_model_still_loads(quick_run, tmp_path):
+    """Runs of the earlier layout (no model.json) are rebuilt from their config.yaml."""
+    import shutil
+
+    from qnpu_jax.pipeline.run import load_run
+    from qnpu_jax.pipeline.run_manifest import seal_run
+
+    old = tmp_path / "old"
+    shutil.copytree(quick_run, old)
+    (old / "model.json").unlink()
+    seal_run(old)
+    new, legacy = load_run(quick_run).model, load_run(old).model
+    assert [s.name for s in legacy.steps] == ["legacy_run"]
+    assert legacy.prefix == new.prefix and legacy.plan == new.plan
+    windows = np.asarray([[1, 2, 3, 4, 5, 6, 7, 8]], np.int32)
+    assert legacy.perplexity(windows) == new.perplexity(windows)
+    # a model.json of another format version is refused with the version named
+    meta = json.loads((quick_run / "model.json").read_text())
+    (old / "model.json").write_text(json.dumps({**meta, "version": 99}))
+    seal_run(old)
+    with pytest.raises(QnpuError, match="format version 99"):
+        load_run(old)
+
+
+def test_steps_refuse_an_order_that_makes_no_model(two_layer_dir):
+    fp = load_model(str(two_layer_dir))
+    start = QuantizedModel.from_float(fp, prefix="bos")
+    data = Calibration(np.arange(100), np.arange(64).reshape(2, 32))
+    assert start.prefix == (fp.tokenizer.bos_token_id,)
+    cases = [
+        (steps.hadamard_rotations(jax.random.key(0)), "put fuse_norms"),
+        (steps.stage1(steps.Stage1Config(steps=1), jax.random.key(0)), "hadamard_rotations"),
+        (steps.calibrate(), "no quantization plan"),
+        (steps.promote("down_in", 0.5), "no quantization plan"),
+    ]
+    for step, match in cases:
+        with pytest.raises(QnpuError, match=match):
+            step(start, data)
+    fused = steps.fuse_norms()(start, data)
+    with pytest.raises(QnpuError, match="fused already"):
+        steps.fuse_norms()(fused, data)
+    with pytest.raises(QnpuError, match="alpha"):
+        steps.smooth_mlp(1.5)
+    with pytest.raises(QnpuError, match="chain takes steps"):
+        chain(steps.fuse_norms(), "calibrate")  # type: ignore[arg-type]
+    with pytest.raises(QnpuError, match="non-empty"):
+        Calibration(np.arange(10), np.zeros((0, 8), np.int32))
+    # a plan step records its arguments; the model is unchanged but for the plan and record
+    planned = steps.plan(w_bits=8, a_bits=8)(fused, data)
+    assert planned.steps[-1].args["w_bits"] == 8 and planned.base is fused.base
