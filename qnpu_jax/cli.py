@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.int_model import ENGINES
 
 
 def _positive_int(text: str) -> int:
@@ -38,9 +39,6 @@ def comma_choices(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
         return items
 
     return parse
-
-
-ENGINES = ("emulator", "jax")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,12 +230,12 @@ def _scored_model(args: argparse.Namespace) -> Scored:
 
 
 def _scored_artifact(args: argparse.Namespace) -> Scored:
-    from qnpu_jax.emulator.engine import artifact_tokenizer, load_int_model
+    from qnpu_jax.export.int_model import artifact_tokenizer, load_int_model, open_engine
 
     if args.prefix is not None:
         raise QnpuError("--prefix does not apply to an artifact: its sink prefix is built in")
     model = load_int_model(args.artifact)
-    engine = artifact_engine(args.engine, model)
+    engine = open_engine(args.engine, model)
     prefix = model.graph["prefix_tokens"]
     return Scored(
         label=f"artifact {args.artifact} ({args.engine})",
@@ -252,17 +250,6 @@ def _scored_artifact(args: argparse.Namespace) -> Scored:
             "source": model.source,
         },
     )
-
-
-def artifact_engine(name: str, model: Any) -> Any:
-    """The integer engine `name` over a loaded artifact: token_nll, token_nll_argmax, generate."""
-    if name == "emulator":
-        from qnpu_jax.emulator.engine import EmulatorEngine
-
-        return EmulatorEngine(model)
-    from qnpu_jax.integer import JaxIntEngine
-
-    return JaxIntEngine(model)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -491,14 +478,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_emulate(args: argparse.Namespace) -> int:
-    from qnpu_jax.emulator.engine import artifact_tokenizer, load_int_model
+    from qnpu_jax.export.int_model import artifact_tokenizer, load_int_model, open_engine
 
     model = load_int_model(args.artifact)
     tokenizer = artifact_tokenizer(model)
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise QnpuError("the prompt is empty")
-    engine = artifact_engine(args.engine, model)
+    engine = open_engine(args.engine, model)
     new = engine.generate(prompt, args.max_new_tokens, tokenizer.eos_token_id)
     print(args.prompt + tokenizer.decode(new))
     return 0

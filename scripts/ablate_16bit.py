@@ -30,6 +30,7 @@ from qnpu_jax.models import load_model
 from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.quant import QuantPlan, uniform_plan
+from qnpu_jax.quant.state import get_entry
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
 
@@ -90,8 +91,7 @@ def main() -> int:
                     for b in batches
                 ]
             )
-            group = state["layers"] if path.startswith("layers/") else state["outer"]
-            entry = group[path.removeprefix("layers/")]
+            entry = get_entry(state, path)
             max_abs = float(np.max(np.asarray(entry["scale"]) * np.asarray(entry["qmax"])))
             rows.append(
                 {

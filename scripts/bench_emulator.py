@@ -22,10 +22,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qnpu_jax.cli import artifact_engine
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
-from qnpu_jax.emulator.engine import artifact_tokenizer, load_int_model
 from qnpu_jax.environment import environment_info, script_command
+from qnpu_jax.export.int_model import artifact_tokenizer, load_int_model, open_engine
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models import forward, load_model
 
@@ -63,7 +62,7 @@ def main() -> int:
         "decode": {},
     }
     for name in ("emulator", "jax"):
-        engine = artifact_engine(name, int_model)
+        engine = open_engine(name, int_model)
 
         def prefill(engine: Any = engine) -> Any:
             return engine.prefill(tokens)[0]

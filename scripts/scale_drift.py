@@ -39,9 +39,9 @@ def learnable_plan(plan: Any, config: Any) -> Any:
 
 
 def state_scale(state: Any, path: str) -> np.ndarray:
-    if path.startswith("layers/"):
-        return np.asarray(state["layers"][path.removeprefix("layers/")]["scale"], np.float64)
-    return np.asarray(state["outer"][path]["scale"], np.float64)
+    from qnpu_jax.quant.state import get_entry
+
+    return np.asarray(get_entry(state, path)["scale"], np.float64)
 
 
 def drift_rows(learned: Any, reference: Any, paths: list[str]) -> list[dict[str, Any]]:

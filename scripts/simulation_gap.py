@@ -23,12 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from qnpu_jax.cli import artifact_engine
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
-from qnpu_jax.emulator.engine import load_int_model
 from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.eval import perplexity
 from qnpu_jax.export.exporter import export_run
+from qnpu_jax.export.int_model import load_int_model, open_engine
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.pipeline.run import load_run
 
@@ -98,7 +97,7 @@ def main() -> int:
             "fake_quant": fake,
         }
         for name in engines:
-            result = _ppl(artifact_engine(name, int_model).token_nll, windows)
+            result = _ppl(open_engine(name, int_model).token_nll, windows)
             result |= paired_gap(fake["window_nll"], result["window_nll"])
             entry[name] = result
             lo, hi = result["gap_2se_interval"]

@@ -17,6 +17,7 @@ from conftest import build_int_artifact  # tests/ is on sys.path (rootdir confte
 from qnpu_jax.emulator import engine as E
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import LAYER_ACTS
+from qnpu_jax.export.int_model import IntegerEngine, IntModel, load_int_model, open_engine
 from qnpu_jax.integer import forward as F
 
 TEXT = (
@@ -35,10 +36,10 @@ def text_ids(smollm) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def models(int_artifacts) -> dict[str, tuple[E.IntModel, F.JaxIntEngine]]:
+def models(int_artifacts) -> dict[str, tuple[IntModel, F.JaxIntEngine]]:
     out = {}
     for name, path in int_artifacts.items():
-        model = E.load_int_model(path)
+        model = load_int_model(path)
         out[name] = (model, F.JaxIntEngine(model))
     return out
 
@@ -80,14 +81,14 @@ def test_logits_and_caches_are_bit_exact(models, text_ids, name):
     # 1 token, 7, exactly one chunk, and across a chunk boundary (32 + 13, last chunk padded)
     for length in (1, 7, 32, 45):
         tokens = ids[None, :length]
-        emu_logits, emu_cache = E.prefill(model, tokens)
+        emu_logits, emu_cache = E.EmulatorEngine(model).prefill(tokens)
         our_logits, our_cache = engine.prefill(tokens)
         _same_logits(emu_logits, our_logits)
         _same_cache(emu_cache, our_cache)
     _decode_both(model, engine, emu_cache, our_cache, emu_logits)
     # a batch of two different prompts of equal length, then greedy decoding of both rows
     tokens = np.stack([ids[:20], ids[25:45]])
-    emu_logits, emu_cache = E.prefill(model, tokens)
+    emu_logits, emu_cache = E.EmulatorEngine(model).prefill(tokens)
     our_logits, our_cache = engine.prefill(tokens)
     _same_logits(emu_logits, our_logits)
     _same_cache(emu_cache, our_cache)
@@ -111,7 +112,7 @@ def test_one_call_equals_chunked_prefill(models, text_ids):
 
 def test_the_end_of_the_context(models):
     """A long filled cache (attention over 255 keys) and a last chunk whose padding would run
-    past max_context: the emulator runs it unpadded, we drop the padded writes."""
+    past max_context: both engines run it unpadded."""
     model, engine = models["w4a8"]
     rng = np.random.default_rng(0)
     cache = E.new_cache(model, 1)
@@ -121,7 +122,7 @@ def test_the_end_of_the_context(models):
     v[..., p:length, :] = rng.integers(-128, 128, v[..., p:length, :].shape)
     cache = E.Cache(k, v, length)
     tokens = rng.integers(0, model.model["vocab_size"], (1, 16))
-    emu_logits, emu_cache = E.prefill(model, tokens, cache)
+    emu_logits, emu_cache = E.EmulatorEngine(model).prefill(tokens, cache)
     our_logits, our_cache = engine.prefill(tokens, cache)  # an emulator cache is accepted
     _same_logits(emu_logits, our_logits)
     _same_cache(emu_cache, our_cache)
@@ -133,7 +134,7 @@ def test_the_end_of_the_context(models):
 def test_greedy_generation_matches_the_emulator(models, smollm):
     model, engine = models["w8a8"]
     prompt = smollm.tokenizer.encode("The capital of France is")
-    emu = E.generate(model, prompt, 6)
+    emu = E.EmulatorEngine(model).generate(prompt, 6)
     seen: list[int] = []
     ours = engine.generate(prompt, 6, on_token=seen.append)
     assert ours == emu == seen and len(ours) == 6
@@ -144,13 +145,30 @@ def test_greedy_generation_matches_the_emulator(models, smollm):
 def test_token_nll_matches_the_emulator(models, text_ids):
     model, engine = models["w4a8"]
     tokens = np.asarray(text_ids)[None, :12]
-    ours = F.token_nll(engine, tokens)
+    ours = engine.token_nll(tokens)
     assert ours.dtype == np.float64 and ours.shape == (1, 11)
     # identical logit codes through one shared float64 scoring function: identical NLL
-    assert np.array_equal(ours, E.token_nll(model, tokens))
-    assert F.consts_of(engine) is engine.consts
-    with pytest.raises(QnpuError, match=r"pass JaxIntEngine\(model\)"):
-        F.token_nll(model, tokens)  # no hidden per-object upload cache
+    assert np.array_equal(ours, E.EmulatorEngine(model).token_nll(tokens))
+    with pytest.raises(QnpuError, match="runs an IntModel"):
+        F.JaxIntEngine(engine.consts)  # type: ignore[arg-type]
+
+
+def test_engines_share_one_interface(models, text_ids):
+    """Both engines are `IntegerEngine`s driven by the same prefill/decode code, and each
+    continues from the other's cache."""
+    model, jax_engine = models["w8a8"]
+    emu = open_engine("emulator", model)
+    assert isinstance(emu, IntegerEngine) and isinstance(jax_engine, IntegerEngine)
+    assert type(open_engine("jax", model)) is F.JaxIntEngine
+    with pytest.raises(QnpuError, match="unknown engine 'npu'"):
+        open_engine("npu", model)
+    ids = np.asarray(text_ids)
+    _, emu_cache = emu.prefill(ids[None, :10])
+    _, jax_cache = jax_engine.prefill(ids[None, :10])
+    a, a_cache = emu.prefill(ids[None, 10:14], jax_cache)
+    b, b_cache = jax_engine.prefill(ids[None, 10:14], emu_cache)
+    _same_logits(a, b)
+    _same_cache(a_cache, b_cache)
 
 
 def test_x64_is_scoped_and_required(models, text_ids):
@@ -181,11 +199,12 @@ def test_nonzero_zero_points_agree(models, text_ids):
     tensors["act.zero_point"] = np.array([-5, 9], np.int32)
     shifted = dataclasses.replace(model, tensors=tensors)
     tokens = np.asarray(text_ids)[None, :7]
-    emu_logits, emu_cache = E.prefill(shifted, tokens)
-    our_logits, our_cache = F.prefill(F.JaxIntEngine(shifted), tokens)
+    emu_logits, emu_cache = E.EmulatorEngine(shifted).prefill(tokens)
+    our_logits, our_cache = F.JaxIntEngine(shifted).prefill(tokens)
     _same_logits(emu_logits, our_logits)
     _same_cache(emu_cache, our_cache)
-    assert not np.array_equal(emu_logits, E.prefill(model, tokens)[0])  # they did matter
+    # the shifted zero points did matter
+    assert not np.array_equal(emu_logits, E.EmulatorEngine(model).prefill(tokens)[0])
 
 
 def test_isqrt_is_exact():
@@ -228,8 +247,10 @@ def test_refusals(models):
             engine.prefill(bad)
     with pytest.raises(QnpuError, match="token ids must be integers"):
         engine.prefill(np.array([[1.0, 2.0]]))
-    with pytest.raises(QnpuError, match="cache has shape"):
+    with pytest.raises(QnpuError, match="cache holds batch 2, the tokens 1"):
         engine.prefill(np.array([[1, 2]]), engine.new_cache(2))
+    with pytest.raises(QnpuError, match="cache has shape"):
+        engine.prefill(np.array([[1, 2]]), E.Cache(np.zeros((1, 1, 1, 1)), np.zeros(1), 1))
     with pytest.raises(QnpuError, match="prompt is empty"):
         engine.generate([], 3)
 
@@ -237,18 +258,18 @@ def test_refusals(models):
 def test_the_int64_matmul_path_is_bit_exact_too(models, text_ids):
     model, engine = models["w4a8"]
     tokens = np.asarray(text_ids)[None, :5]
-    c64 = F.int_consts(model, matmul="i64")
-    assert c64.layers["q_proj.weight"].dtype == np.int8
+    e64 = F.JaxIntEngine(model, matmul="i64")
+    assert e64.consts.layers["q_proj.weight"].dtype == np.int8
     assert engine.consts.layers["q_proj.weight"].dtype == np.float64
-    a, _ = F.prefill(c64, tokens)
-    assert np.array_equal(a, E.prefill(model, tokens)[0])
+    a, _ = e64.prefill(tokens)
+    assert np.array_equal(a, E.EmulatorEngine(model).prefill(tokens)[0])
 
 
 def test_full_depth(smollm, tmp_path):
     """All 30 layers of SmolLM2-135M at W8A8: one compiled scan, bit-exact at every position."""
-    model = E.load_int_model(build_int_artifact(smollm, tmp_path / "full", w_bits=8, layers=30))
+    model = load_int_model(build_int_artifact(smollm, tmp_path / "full", w_bits=8, layers=30))
     tokens = np.asarray(smollm.tokenizer.encode(TEXT))[None, :9]
-    emu_logits, emu_cache = E.prefill(model, tokens)
+    emu_logits, emu_cache = E.EmulatorEngine(model).prefill(tokens)
     our_logits, our_cache = F.JaxIntEngine(model).prefill(tokens)
     _same_logits(emu_logits, our_logits)
     _same_cache(emu_cache, our_cache)

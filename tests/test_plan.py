@@ -94,3 +94,19 @@ def test_uniform_plan_keeps_probs_fixed():
     assert {tq.bits for _, tq in plan.entries} == {16}
     assert plan.get("layers/probs").init == "fixed"
     assert dataclasses.replace(plan.get("layers/q_proj"), bits=8) == TensorQuant(bits=8, axis=0)
+
+
+def test_state_paths_round_trip():
+    from qnpu_jax.quant.state import by_path, from_paths, get_entry, state_key, with_entry
+
+    state = {"layers": {"q_proj": {"scale": 1}, "down_in": {"scale": 2}}, "outer": {"lm_head": 3}}
+    flat = by_path(state)
+    assert flat == {"layers/q_proj": {"scale": 1}, "layers/down_in": {"scale": 2}, "lm_head": 3}
+    assert from_paths(flat) == state
+    assert from_paths({}) == {"layers": {}, "outer": {}}
+    assert state_key("layers/down_in") == ("layers", "down_in")
+    assert state_key("embed_out") == ("outer", "embed_out")
+    assert get_entry(state, "layers/down_in") == {"scale": 2}
+    new = with_entry(state, "lm_head", 4)
+    assert new["outer"]["lm_head"] == 4 and state["outer"]["lm_head"] == 3  # pure
+    assert new["layers"] is state["layers"]  # the other group is shared, not copied

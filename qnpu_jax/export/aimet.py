@@ -25,13 +25,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import LAYER_ACTS, LINEARS
+from qnpu_jax.export.graph import GRAPH, Graph, Op
 from qnpu_jax.files import write_json_atomic
 
 VERSIONS = ("1.0.0", "0.6.1")
@@ -39,98 +40,91 @@ NAMINGS = ("hf", "native")
 MIN_BITS = 2
 MAX_BITS = 16
 
-# Our tensor names, in graph order (graph.py is numpy-only, unlike quant.plan).
-LAYER_WEIGHTS = LINEARS
-LAYER_ACTIVATIONS = LAYER_ACTS
-GLOBAL_HEAD = ("embed_tokens", "embed_out")
-GLOBAL_TAIL = ("final_norm_out", "lm_head")
-GLOBAL_WEIGHTS = frozenset({"embed_tokens", "lm_head"})
 
-# Hugging Face LlamaForCausalLM module names ("hf" naming). Parameters are the state-dict keys;
-# activations are `<module>.output` / `<module>.input`, or a descriptive pseudo-module under
-# the layer for ops that are not modules in HF (RoPE, the score matmul, softmax).
-_HF_LAYER = {
-    "q_proj": "self_attn.q_proj.weight",
-    "k_proj": "self_attn.k_proj.weight",
-    "v_proj": "self_attn.v_proj.weight",
-    "o_proj": "self_attn.o_proj.weight",
-    "gate_proj": "mlp.gate_proj.weight",
-    "up_proj": "mlp.up_proj.weight",
-    "down_proj": "mlp.down_proj.weight",
-    "attn_in": "input_layernorm.output",
-    "q_out": "self_attn.q_proj.output",
-    "k_out": "self_attn.k_proj.output",
-    "v_out": "self_attn.v_proj.output",
-    "q_rope": "self_attn.q_rope.output",
-    "k_rope": "self_attn.k_rope.output",
-    "scores": "self_attn.scores.output",
-    "probs": "self_attn.softmax.output",
-    "attn_out": "self_attn.o_proj.input",
-    "o_out": "self_attn.o_proj.output",
-    "resid_attn": "post_attention_layernorm.input",
-    "mlp_in": "post_attention_layernorm.output",
-    "gate_out": "mlp.gate_proj.output",
-    "silu_out": "mlp.act_fn.output",
-    "up_out": "mlp.up_proj.output",
-    "down_in": "mlp.down_proj.input",
-    "down_out": "mlp.down_proj.output",
-    "resid_mlp": "output",
-}
-_HF_GLOBAL = {
-    "embed_tokens": "model.embed_tokens.weight",
-    "embed_out": "model.embed_tokens.output",
-    "final_norm_out": "model.norm.output",
-    "lm_head": "lm_head.weight",
-}
+@dataclass(frozen=True)
+class _Names:
+    """Our tensor names of a graph and their Hugging Face LlamaForCausalLM names ("hf"
+    naming), read from the graph description. Parameters are the state-dict keys; activations
+    are `<module>.output` / `<module>.input`, or a descriptive pseudo-module under the layer
+    for ops that are not modules in HF (RoPE, the score matmul, softmax)."""
+
+    head: tuple[str, ...]  # model tensors before the layers (embedding table, its output)
+    layer: tuple[str, ...]  # a layer's weights, then its activations, in graph order
+    tail: tuple[str, ...]  # model tensors after the layers (final norm output, lm_head)
+    weights: frozenset[str]  # parameters (AIMET param_encodings), layer and global
+    hf: dict[str, str]  # our name (layer-relative for layer tensors) -> HF name
+
+    @classmethod
+    def of(cls, graph: Graph) -> _Names:
+        split = [op.kind for op in graph.model].index("layers")
+
+        def tensors(ops: tuple[Op, ...]) -> tuple[str, ...]:
+            return tuple(t.name for op in ops for t in (op.weight, op.out) if t is not None)
+
+        weights = [t.name for t in graph.layer_weights]
+        weights += [op.weight.name for op in graph.model if op.weight is not None]
+        return cls(
+            tensors(graph.model[:split]),
+            tuple(t.name for t in graph.layer_tensors),
+            tensors(graph.model[split + 1 :]),
+            frozenset(weights),
+            {t.name: t.hf for t in (*graph.layer_tensors, *graph.global_tensors)},
+        )
+
+
+_SHIPPED = _Names.of(GRAPH)
+LAYER_WEIGHTS = tuple(t.name for t in GRAPH.layer_weights)
+LAYER_ACTIVATIONS = tuple(t.name for t in GRAPH.layer_acts)
+GLOBAL_HEAD = _SHIPPED.head
+GLOBAL_TAIL = _SHIPPED.tail
 
 _LAYER_RE = re.compile(r"layers\.(0|[1-9][0-9]*)\.([a-z_]+)")
 _ENTRY_KEYS = ("bits", "signed", "symmetric", "axis", "scale", "zero_point")
 
 
-def _parse(tensor: str) -> tuple[int, int, int]:
+def _parse(tensor: str, n: _Names = _SHIPPED) -> tuple[int, int, int]:
     """Sort key (group, layer, position) of one of our tensor names; QnpuError if unknown."""
     if not isinstance(tensor, str):
         raise QnpuError(f"tensor names must be strings, got {tensor!r}")
-    if tensor in GLOBAL_HEAD:
-        return 0, 0, GLOBAL_HEAD.index(tensor)
-    if tensor in GLOBAL_TAIL:
-        return 2, 0, GLOBAL_TAIL.index(tensor)
+    if tensor in n.head:
+        return 0, 0, n.head.index(tensor)
+    if tensor in n.tail:
+        return 2, 0, n.tail.index(tensor)
     m = _LAYER_RE.fullmatch(tensor)
-    if m is not None:
-        names = LAYER_WEIGHTS + LAYER_ACTIVATIONS
-        if m.group(2) in names:
-            return 1, int(m.group(1)), names.index(m.group(2))
+    if m is not None and m.group(2) in n.layer:
+        return 1, int(m.group(1)), n.layer.index(m.group(2))
     raise QnpuError(f"unknown tensor name {tensor!r} in the encodings table")
 
 
-def is_param(tensor: str) -> bool:
+def is_param(tensor: str, graph: Graph = GRAPH) -> bool:
     """True for weights (AIMET param_encodings), False for activations."""
-    _parse(tensor)
-    return tensor in GLOBAL_WEIGHTS or tensor.rsplit(".", 1)[-1] in LAYER_WEIGHTS
+    n = _Names.of(graph)
+    _parse(tensor, n)
+    return tensor.rsplit(".", 1)[-1] in n.weights
 
 
-def tensor_names(num_layers: int) -> list[str]:
-    """Every tensor name of a `num_layers`-layer model, in graph order."""
+def tensor_names(num_layers: int, graph: Graph = GRAPH) -> list[str]:
+    """Every tensor name of a `num_layers`-layer model of `graph`, in graph order."""
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
         raise QnpuError(f"num_layers must be a non-negative int, got {num_layers!r}")
-    layer = [
-        f"layers.{i}.{n}" for i in range(num_layers) for n in LAYER_WEIGHTS + LAYER_ACTIVATIONS
-    ]
-    return [*GLOBAL_HEAD, *layer, *GLOBAL_TAIL]
+    n = _Names.of(graph)
+    layer = [f"layers.{i}.{t}" for i in range(num_layers) for t in n.layer]
+    return [*n.head, *layer, *n.tail]
 
 
-def aimet_name(tensor: str, names: str = "hf") -> str:
+def aimet_name(tensor: str, names: str = "hf", graph: Graph = GRAPH) -> str:
     """The AIMET tensor name of one of our tensors: "hf" (Hugging Face module naming, see
     docs/aimet.md) or "native" (our name unchanged)."""
     if names not in NAMINGS:
         raise QnpuError(f"unknown naming {names!r}; expected one of {', '.join(NAMINGS)}")
-    _parse(tensor)
+    n = _Names.of(graph)
+    _parse(tensor, n)
     if names == "native":
         return tensor
-    if tensor in _HF_GLOBAL:
-        return _HF_GLOBAL[tensor]
+    if tensor in n.head or tensor in n.tail:
+        return n.hf[tensor]
     _, layer, short = tensor.split(".")
-    return f"model.layers.{layer}.{_HF_LAYER[short]}"
+    return f"model.layers.{layer}.{n.hf[short]}"
 
 
 def _bool(tensor: str, key: str, value: object) -> bool:
@@ -243,7 +237,11 @@ def _entry_0_6_1(e: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def aimet_encodings(
-    encodings: Mapping[str, Mapping[str, Any]], *, version: str = "1.0.0", names: str = "hf"
+    encodings: Mapping[str, Mapping[str, Any]],
+    *,
+    version: str = "1.0.0",
+    names: str = "hf",
+    graph: Graph = GRAPH,
 ) -> dict[str, Any]:
     """The JSON-ready AIMET encodings object of our encodings table.
 
@@ -262,15 +260,17 @@ def aimet_encodings(
         raise QnpuError(f"unknown naming {names!r}; expected one of {', '.join(NAMINGS)}")
     if not isinstance(encodings, Mapping):
         raise QnpuError(f"encodings must be a mapping, got {type(encodings).__name__}")
+    n = _Names.of(graph)
     for tensor in encodings:
-        _parse(tensor)
-    ordered = sorted(encodings, key=_parse)
+        _parse(tensor, n)
+    ordered = sorted(encodings, key=lambda t: _parse(t, n))
     checked = {t: _checked(t, encodings[t]) for t in ordered}
     if version == "1.0.0":
         acts: list[dict[str, Any]] = []
         params: list[dict[str, Any]] = []
         for t, e in checked.items():
-            (params if is_param(t) else acts).append(_entry_1_0_0(aimet_name(t, names), e))
+            target = params if is_param(t, graph) else acts
+            target.append(_entry_1_0_0(aimet_name(t, names, graph), e))
         return {
             "version": version,
             "activation_encodings": acts,
@@ -280,7 +280,8 @@ def aimet_encodings(
     act_map: dict[str, list[dict[str, Any]]] = {}
     param_map: dict[str, list[dict[str, Any]]] = {}
     for t, e in checked.items():
-        (param_map if is_param(t) else act_map)[aimet_name(t, names)] = _entry_0_6_1(e)
+        target_map = param_map if is_param(t, graph) else act_map
+        target_map[aimet_name(t, names, graph)] = _entry_0_6_1(e)
     return {"version": version, "activation_encodings": act_map, "param_encodings": param_map}
 
 

@@ -23,14 +23,12 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.artifact import write_artifact
 from qnpu_jax.export.graph import (
     FORMAT_GRAPH,
-    GLOBAL_ACTS,
-    LAYER_ACTS,
-    LINEAR_IO,
+    GRAPH,
     LOGITS_SCALE,
     NORM_FRACTION_BITS,
     NORM_UNIT_BITS,
     ROPE_FRACTION_BITS,
-    graph_ops,
+    Graph,
 )
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, forward_tapped, init_cache, lm_head_weight, rope_inv_freq
@@ -43,8 +41,9 @@ from qnpu_jax.quant.integer import (
     fixed_point_multiplier,
     quantize_to_int,
 )
-from qnpu_jax.quant.plan import PROBS_SCALE_DENOMINATOR, WEIGHTS, QuantPlan, all_paths
+from qnpu_jax.quant.plan import PROBS_SCALE_DENOMINATOR, QuantPlan, all_paths, is_weight
 from qnpu_jax.quant.spec import QuantSpec, qrange
+from qnpu_jax.quant.state import get_entry
 
 DEFAULT_CONTEXT = 2048  # tokens after the sink prefix (the paper's sequence length)
 
@@ -95,6 +94,10 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+# The real function of each LUT op of the graph, in float64 (LUTs are built offline).
+LUT_FUNCTIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"silu": _silu}
+
+
 def _narrow(a: np.ndarray) -> np.ndarray:
     """The smallest of int8/int16/int32 holding `a` (int codes), for compact storage."""
     for dt in (np.int8, np.int16, np.int32):
@@ -105,13 +108,14 @@ def _narrow(a: np.ndarray) -> np.ndarray:
 
 
 def _activation_encodings(
-    plan: QuantPlan, state: QuantState, num_layers: int
+    plan: QuantPlan, state: QuantState, num_layers: int, graph: Graph = GRAPH
 ) -> tuple[dict[str, list[Encoding]], dict[str, Encoding]]:
     layers: dict[str, list[Encoding]] = {}
-    for name in LAYER_ACTS:
+    for t in graph.layer_acts:
+        name = t.name
         tq = plan.get(f"layers/{name}")
         assert tq is not None
-        if name == "probs":
+        if t.bits == "probs":  # the integer softmax's fixed output encoding
             qmin, qmax = qrange(16, False)
             layers[name] = [Encoding(1.0 / PROBS_SCALE_DENOMINATOR, 0, qmin, qmax)] * num_layers
             continue
@@ -123,12 +127,13 @@ def _activation_encodings(
             encs.append(Encoding(float(s[i]), int(z[i]), qmin, qmax))
         layers[name] = encs
     outer: dict[str, Encoding] = {}
-    for name in GLOBAL_ACTS:
+    for name in (t.name for t in graph.global_acts):
         tq = plan.get(name)
         assert tq is not None
         qmin, qmax = tq.qrange(tq.bits)
-        s0 = float(np.asarray(state["outer"][name]["scale"], np.float32).reshape(()))
-        z0 = int(np.rint(np.asarray(state["outer"][name]["zero_point"], np.float32).reshape(())))
+        entry = get_entry(state, name)
+        s0 = float(np.asarray(entry["scale"], np.float32).reshape(()))
+        z0 = int(np.rint(np.asarray(entry["zero_point"], np.float32).reshape(())))
         outer[name] = Encoding(s0, z0, qmin, qmax)
     return layers, outer
 
@@ -160,18 +165,15 @@ def _stack(per_layer: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {k: np.stack([d[k] for d in per_layer]) for k in per_layer[0]}
 
 
-def _check_plan(plan: QuantPlan, num_layers: int) -> None:
-    missing = [p for p in all_paths() if p not in plan]
+def _check_plan(plan: QuantPlan, num_layers: int, graph: Graph = GRAPH) -> None:
+    missing = [p for p in all_paths(graph) if p not in plan]
     if missing:
         raise QnpuError(
             "the integer artifact quantizes every tensor of the graph, but the plan keeps "
             f"these in float: {', '.join(missing)} (use scope 'full')"
         )
     for path, tq in plan.entries:
-        if path.startswith("layers/") and path.removeprefix("layers/") in WEIGHTS:
-            if max(tq.layer_bits or (tq.bits,)) > 8:
-                raise QnpuError(f"{path}: integer weights are at most 8 bits")
-        elif path in ("embed_tokens", "lm_head") and tq.bits > 8:
+        if is_weight(path, graph) and max(tq.layer_bits or (tq.bits,)) > 8:
             raise QnpuError(f"{path}: integer weights are at most 8 bits")
 
 
@@ -183,6 +185,7 @@ def prefix_cache_codes(
     prefix: tuple[int, ...],
     k_enc: list[Encoding],
     v_enc: list[Encoding],
+    graph: Graph = GRAPH,
 ) -> tuple[np.ndarray, np.ndarray]:
     """K/V cache codes [L, Hkv, P, hd] of the sink prefix, computed offline as fake-quant does
     (the prefix runs in float; only its K/V are quantized)."""
@@ -192,7 +195,7 @@ def prefix_cache_codes(
     taps = CacheOnlyTaps(FakeQuantTaps(plan))
     _, cache, _ = jax.jit(
         lambda params, state, tokens, cache: forward_tapped(
-            params, tokens, cache, jnp.int32(0), state, cfg=cfg, taps=taps
+            params, tokens, cache, jnp.int32(0), state, cfg=cfg, taps=taps, graph=graph
         )
     )(params, state, tokens, cache)
     out = []
@@ -226,11 +229,12 @@ def encodings_table(
     cfg: ModelConfig,
     layer_encs: Mapping[str, list[Encoding]],
     outer_encs: Mapping[str, Encoding],
+    graph: Graph = GRAPH,
 ) -> dict[str, dict[str, Any]]:
     """Every tensor's encoding by artifact name (`layers.{i}.NAME`, `embed_tokens`, ...)."""
     table: dict[str, dict[str, Any]] = {}
     n = cfg.num_layers
-    for name in WEIGHTS:
+    for name in (t.name for t in graph.layer_weights):
         tq = plan.get(f"layers/{name}")
         assert tq is not None
         s = np.asarray(state["layers"][name]["scale"], np.float32).reshape(n, -1)
@@ -252,10 +256,10 @@ def encodings_table(
         tq = plan.get(name)
         assert tq is not None
         table[name] = _act_entry(e, tq.symmetric, tq.signed)
-    for name in ("embed_tokens", "lm_head"):
+    for name in (op.weight_name for op in graph.model if op.weight is not None):
         tq = plan.get(name)
         assert tq is not None
-        rows = np.asarray(state["outer"][name]["scale"], np.float32).reshape(-1)
+        rows = np.asarray(get_entry(state, name)["scale"], np.float32).reshape(-1)
         table[name] = {
             "bits": tq.bits,
             "signed": True,
@@ -267,13 +271,15 @@ def encodings_table(
     return table
 
 
-def run_encodings(plan: QuantPlan, state: QuantState, cfg: ModelConfig) -> dict[str, Any]:
+def run_encodings(
+    plan: QuantPlan, state: QuantState, cfg: ModelConfig, graph: Graph = GRAPH
+) -> dict[str, Any]:
     """The encodings table of a run (what `export_model` puts in the manifest and the AIMET
     file carries), without building the integer tensors."""
-    _check_plan(plan, cfg.num_layers)
+    _check_plan(plan, cfg.num_layers, graph)
     state = effective_state(plan, state)
-    acts, outer = _activation_encodings(plan, state, cfg.num_layers)
-    return encodings_table(plan, state, cfg, acts, outer)
+    acts, outer = _activation_encodings(plan, state, cfg.num_layers, graph)
+    return encodings_table(plan, state, cfg, acts, outer, graph)
 
 
 def _act_entry(e: Encoding, symmetric: bool, signed: bool) -> dict[str, Any]:
@@ -308,13 +314,14 @@ def export_model(
     prefill_chunk: int = 64,
     tokenizer_info: Mapping[str, Any] | None = None,
     source: Mapping[str, Any] | None = None,
+    graph: Graph = GRAPH,
 ) -> ExportedModel:
     """The integer artifact of a fake-quant model (`params` as the fake-quant forward uses
-    them: fused and rotated for rotated methods)."""
+    them: fused and rotated for rotated methods): the constants of each op of `graph`."""
     n = cfg.num_layers
     if plan.num_layers != n:
         raise QnpuError(f"plan has {plan.num_layers} layers, the model {n}")
-    _check_plan(plan, n)
+    _check_plan(plan, n, graph)
     state = effective_state(plan, state)
     if max_context is None:
         max_context = min(cfg.max_position_embeddings, DEFAULT_CONTEXT + len(prefix))
@@ -334,175 +341,160 @@ def export_model(
         raise QnpuError("RoPE needs an even head dimension")
     np_params = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
     layers = np_params["layers"]
-    acts, outer = _activation_encodings(plan, state, n)
+    acts, outer = _activation_encodings(plan, state, n, graph)
+    layer_acts = [t.name for t in graph.layer_acts]
+    embed_op, _, norm_op, head_op = graph.model  # embed → layers → final norm → lm_head
     tensors: dict[str, np.ndarray] = {}
     int4: set[str] = set()
 
     def enc(name: str, i: int) -> Encoding:
+        """The encoding of value `name` in layer i (the layer input: the previous output)."""
+        if name == graph.layer_input:
+            return outer[embed_op.out_name] if i == 0 else enc(graph.layer[-1].out_name, i - 1)
         return acts[name][i]
 
-    def layer_input(i: int) -> Encoding:
-        return outer["embed_out"] if i == 0 else enc("resid_mlp", i - 1)
+    def scales(name: str) -> np.ndarray:
+        """The per-layer scales [L] of value `name`, in float64."""
+        return np.array([enc(name, i).scale for i in range(n)])
 
-    # Activation ranges and zero points, [L, len(LAYER_ACTS)] and [len(GLOBAL_ACTS)].
+    # Activation ranges and zero points, [L, len(layer acts)] and [len(global acts)].
     for field in ("zero_point", "qmin", "qmax"):
         tensors[f"layers.act.{field}"] = np.array(
-            [[getattr(enc(a, i), field) for a in LAYER_ACTS] for i in range(n)], np.int32
+            [[getattr(enc(a, i), field) for a in layer_acts] for i in range(n)], np.int32
         )
-        tensors[f"act.{field}"] = np.array(
-            [getattr(outer[a], field) for a in GLOBAL_ACTS], np.int32
-        )
+        tensors[f"act.{field}"] = np.array([getattr(e, field) for e in outer.values()], np.int32)
 
     # Embedding: per-row int8 codes, requantized row by row into embed_out.
-    tq = plan.get("embed_tokens")
+    table = embed_op.weight_name
+    tq = plan.get(table)
     assert tq is not None
-    s_rows = np.asarray(state["outer"]["embed_tokens"]["scale"], np.float32).reshape(-1, 1)
+    s_rows = np.asarray(get_entry(state, table)["scale"], np.float32).reshape(-1, 1)
     tensors["embed.table"] = _weight_codes(
-        np_params["embed_tokens"], s_rows, np.zeros_like(s_rows), tq.spec(), "embed_tokens"
+        np_params[table], s_rows, np.zeros_like(s_rows), tq.spec(), table
     )
-    m, sh = _requant(s_rows[:, 0].astype(np.float64) / outer["embed_out"].scale, "embed_tokens")
+    m, sh = _requant(s_rows[:, 0].astype(np.float64) / outer[embed_op.out_name].scale, table)
     tensors["embed.M"], tensors["embed.shift"] = m, sh
 
-    # Linear layers: codes [L, out, in], per-output-channel requantization into the output.
-    for name, (src, dst) in LINEAR_IO.items():
-        tq = plan.get(f"layers/{name}")
-        assert tq is not None
-        w = layers[name]
-        s_w = np.asarray(state["layers"][name]["scale"], np.float32).reshape(n, -1, 1)
-        codes, ms, shs, biases = [], [], [], []
-        for i in range(n):
-            codes.append(
-                _weight_codes(w[i], s_w[i], np.zeros_like(s_w[i]), tq.spec(i), f"layers.{i}.{name}")
-            )
-            s_acc = enc(src, i).scale * s_w[i, :, 0].astype(np.float64)
-            m, sh = _requant(s_acc / enc(dst, i).scale, f"layers.{i}.{name}")
-            ms.append(m)
-            shs.append(sh)
-            bias_name = {"q_proj": "q_bias", "k_proj": "k_bias", "v_proj": "v_bias"}.get(name)
-            if bias_name and bias_name in layers:
-                b = np.rint(layers[bias_name][i].astype(np.float64) / s_acc)
-                if np.abs(b).max() >= 2**31:
-                    raise QnpuError(f"layers.{i}.{bias_name} does not fit int32 at s_in·s_w")
-                biases.append(b.astype(np.int32))
-        tensors[f"layers.{name}.weight"] = np.stack(codes)
-        tensors[f"layers.{name}.M"] = np.stack(ms)
-        tensors[f"layers.{name}.shift"] = np.stack(shs)
-        if biases:
-            tensors[f"layers.{name}.bias"] = np.stack(biases)
-        if max(tq.layer_bits or (tq.bits,)) <= 4:
-            int4.add(f"layers.{name}.weight")
-
-    # RMSNorms (γ = 1 after fuse_norms; kept general for unrotated methods).
     eps = cfg.rms_norm_eps
-    norms: tuple[tuple[str, str, str | None, str], ...] = (
-        ("attn_norm", "input_layernorm", None, "attn_in"),
-        ("mlp_norm", "post_attention_layernorm", "resid_attn", "mlp_in"),
-    )
-    for norm, gamma_name, norm_src, norm_dst in norms:
-        per_layer = [
-            _norm_constants(
-                layers[gamma_name][i],
-                layer_input(i) if norm_src is None else enc(norm_src, i),
-                enc(norm_dst, i),
-                eps,
-                f"layers.{i}.{gamma_name}",
+    for op in graph.layer:
+        src, dst, c = op.ins[0], op.out_name, op.const
+        if op.kind == "linear":
+            # codes [L, out, in], per-output-channel requantization into the output
+            name = op.weight_name
+            tq = plan.get(f"layers/{name}")
+            assert tq is not None
+            w = layers[name]
+            s_w = np.asarray(state["layers"][name]["scale"], np.float32).reshape(n, -1, 1)
+            codes, ms, shs, biases = [], [], [], []
+            for i in range(n):
+                where = f"layers.{i}.{name}"
+                codes.append(_weight_codes(w[i], s_w[i], np.zeros_like(s_w[i]), tq.spec(i), where))
+                s_acc = enc(src, i).scale * s_w[i, :, 0].astype(np.float64)
+                m, sh = _requant(s_acc / enc(dst, i).scale, where)
+                ms.append(m)
+                shs.append(sh)
+                if op.bias and op.bias in layers:
+                    b = np.rint(layers[op.bias][i].astype(np.float64) / s_acc)
+                    if np.abs(b).max() >= 2**31:
+                        raise QnpuError(f"layers.{i}.{op.bias} does not fit int32 at s_in·s_w")
+                    biases.append(b.astype(np.int32))
+            tensors[f"{c}.weight"] = np.stack(codes)
+            tensors[f"{c}.M"] = np.stack(ms)
+            tensors[f"{c}.shift"] = np.stack(shs)
+            if biases:
+                tensors[f"{c}.bias"] = np.stack(biases)
+            if max(tq.layer_bits or (tq.bits,)) <= 4:
+                int4.add(f"{c}.weight")
+        elif op.kind == "rmsnorm":
+            # γ = 1 after fuse_norms; kept general for unrotated methods
+            norms = [
+                _norm_constants(
+                    layers[op.gain][i], enc(src, i), enc(dst, i), eps, f"layers.{i}.{op.gain}"
+                )
+                for i in range(n)
+            ]
+            for k, v in _stack(norms).items():
+                tensors[f"{c}.{k}"] = v
+        elif op.kind == "rope":  # Q14 tables: requantize s_in·2^-14 / s_out
+            real = scales(src) * 2.0**-ROPE_FRACTION_BITS / scales(dst)
+            tensors[f"{c}.M"], tensors[f"{c}.shift"] = _requant(real, c)
+        elif op.kind == "attention":
+            # scores requantization, exp LUT of the softmax, P·V requantization
+            q_in, k_in, v_in = op.ins
+            scores, probs = (t.name for t in op.inner)
+            real = scales(q_in) * scales(k_in) / math.sqrt(cfg.head_dim) / scales(scores)
+            tensors["layers.scores.M"], tensors["layers.scores.shift"] = _requant(
+                real, "layers.scores"
             )
-            for i in range(n)
-        ]
-        for k, v in _stack(per_layer).items():
-            tensors[f"layers.{norm}.{k}"] = v
+            exp_luts = []
+            for i in range(n):
+                diff = Encoding(enc(scores, i).scale, 0, 0, (1 << 16) - 1)
+                exp_luts.append(_lut(lambda x: np.exp(-x), diff, enc(probs, i)).astype(np.uint16))
+            tensors["layers.softmax.exp_lut"] = np.stack(exp_luts)
+            real = scales(v_in) / PROBS_SCALE_DENOMINATOR / scales(dst)
+            tensors["layers.pv.M"], tensors["layers.pv.shift"] = _requant(real, "layers.pv")
+            if prefix:
+                k_codes, v_codes = prefix_cache_codes(
+                    params, cfg, plan, state, prefix, acts[k_in], acts[v_in], graph
+                )
+                tensors["layers.prefix.k"], tensors["layers.prefix.v"] = k_codes, v_codes
+        elif op.kind == "add":  # two inputs rescaled into the output with one shared shift
+            triples = [
+                _two_input_rescale(
+                    enc(op.ins[0], i).scale / enc(dst, i).scale,
+                    enc(op.ins[1], i).scale / enc(dst, i).scale,
+                    f"layers.{i}.{dst}",
+                )
+                for i in range(n)
+            ]
+            arr = np.array(triples, np.int64)
+            tensors[f"{c}.Ma"] = arr[:, 0].astype(np.int32)
+            tensors[f"{c}.Mb"] = arr[:, 1].astype(np.int32)
+            tensors[f"{c}.shift"] = arr[:, 2].astype(np.int32)
+        elif op.kind == "lut":  # a table over the input's whole code range
+            f = LUT_FUNCTIONS[op.fn]
+            luts = [_lut(f, enc(src, i), enc(dst, i)) for i in range(n)]
+            if len({len(t) for t in luts}) != 1:
+                raise QnpuError(f"layers/{src}: the {op.fn} LUTs need one bit-width in every layer")
+            tensors[f"{c}.lut"] = _narrow(np.stack(luts))
+        elif op.kind == "mul":  # the product requantized
+            real = scales(src) * scales(op.ins[1]) / scales(dst)
+            tensors[f"{c}.M"], tensors[f"{c}.shift"] = _requant(real, c)
+        else:
+            raise QnpuError(f"the exporter has no {op.kind!r} op in a layer")
+
+    # The final norm and the RoPE tables.
+    last = graph.layer[-1].out_name
     final = _norm_constants(
-        np_params["norm"], enc("resid_mlp", n - 1), outer["final_norm_out"], eps, "norm"
+        np_params[norm_op.gain], enc(last, n - 1), outer[norm_op.out_name], eps, norm_op.gain
     )
     for k, v in final.items():
-        tensors[f"final_norm.{k}"] = v
-
-    # RoPE: Q14 tables; requantize s_in·2^-14 / s_out.
+        tensors[f"{norm_op.const}.{k}"] = v
     cos, sin = rope_tables(cfg, max_context)
     tensors["rope.cos"], tensors["rope.sin"] = cos, sin
-    for name, src in (("q_rope", "q_out"), ("k_rope", "k_out")):
-        real = [enc(src, i).scale * 2.0**-ROPE_FRACTION_BITS / enc(name, i).scale for i in range(n)]
-        tensors[f"layers.{name}.M"], tensors[f"layers.{name}.shift"] = _requant(
-            np.array(real), f"layers.{name}"
-        )
-
-    # Attention: scores requantization, exp LUT of the softmax, P·V requantization.
-    real = [
-        enc("q_rope", i).scale
-        * enc("k_rope", i).scale
-        / math.sqrt(cfg.head_dim)
-        / enc("scores", i).scale
-        for i in range(n)
-    ]
-    tensors["layers.scores.M"], tensors["layers.scores.shift"] = _requant(
-        np.array(real), "layers.scores"
-    )
-    probs = Encoding(1.0 / PROBS_SCALE_DENOMINATOR, 0, 0, PROBS_SCALE_DENOMINATOR)
-    exp_luts = []
-    for i in range(n):
-        diff = Encoding(enc("scores", i).scale, 0, 0, (1 << 16) - 1)
-        exp_luts.append(_lut(lambda x: np.exp(-x), diff, probs).astype(np.uint16))
-    tensors["layers.softmax.exp_lut"] = np.stack(exp_luts)
-    real = [
-        enc("v_out", i).scale / PROBS_SCALE_DENOMINATOR / enc("attn_out", i).scale for i in range(n)
-    ]
-    tensors["layers.pv.M"], tensors["layers.pv.shift"] = _requant(np.array(real), "layers.pv")
-    if prefix:
-        k_codes, v_codes = prefix_cache_codes(
-            params, cfg, plan, state, prefix, acts["k_rope"], acts["v_out"]
-        )
-        tensors["layers.prefix.k"], tensors["layers.prefix.v"] = k_codes, v_codes
-
-    # Residual adds: two inputs rescaled into the output with one shared shift.
-    for name, a_of, b_name in (
-        ("resid_attn", layer_input, "o_out"),
-        ("resid_mlp", lambda i: enc("resid_attn", i), "down_out"),
-    ):
-        triples = [
-            _two_input_rescale(
-                a_of(i).scale / enc(name, i).scale,
-                enc(b_name, i).scale / enc(name, i).scale,
-                f"layers.{i}.{name}",
-            )
-            for i in range(n)
-        ]
-        arr = np.array(triples, np.int64)
-        tensors[f"layers.{name}.Ma"] = arr[:, 0].astype(np.int32)
-        tensors[f"layers.{name}.Mb"] = arr[:, 1].astype(np.int32)
-        tensors[f"layers.{name}.shift"] = arr[:, 2].astype(np.int32)
-
-    # SwiGLU: SiLU LUT over the 16-bit gate output, then the product requantized.
-    silu = [_lut(_silu, enc("gate_out", i), enc("silu_out", i)) for i in range(n)]
-    if len({len(t) for t in silu}) != 1:
-        raise QnpuError("layers/gate_out: the SiLU LUTs need one bit-width in every layer")
-    tensors["layers.silu.lut"] = _narrow(np.stack(silu))
-    real = [
-        enc("silu_out", i).scale * enc("up_out", i).scale / enc("down_in", i).scale
-        for i in range(n)
-    ]
-    tensors["layers.down_in.M"], tensors["layers.down_in.shift"] = _requant(
-        np.array(real), "layers.down_in"
-    )
 
     # lm_head: W8 per channel; int32 logits at the fixed scale LOGITS_SCALE.
-    tq = plan.get("lm_head")
+    head_name = head_op.weight_name
+    tq = plan.get(head_name)
     assert tq is not None
     head = np.asarray(lm_head_weight(np_params), np.float32)
-    s_head = np.asarray(state["outer"]["lm_head"]["scale"], np.float32).reshape(-1, 1)
-    tensors["lm_head.weight"] = _weight_codes(
-        head, s_head, np.zeros_like(s_head), tq.spec(), "lm_head"
+    s_head = np.asarray(get_entry(state, head_name)["scale"], np.float32).reshape(-1, 1)
+    tensors[f"{head_op.const}.weight"] = _weight_codes(
+        head, s_head, np.zeros_like(s_head), tq.spec(), head_name
     )
-    real_head = outer["final_norm_out"].scale * s_head[:, 0].astype(np.float64) / LOGITS_SCALE
-    tensors["lm_head.M"], tensors["lm_head.shift"] = _requant(real_head, "lm_head")
+    real_head = outer[norm_op.out_name].scale * s_head[:, 0].astype(np.float64) / LOGITS_SCALE
+    tensors[f"{head_op.const}.M"], tensors[f"{head_op.const}.shift"] = _requant(
+        real_head, head_name
+    )
 
     _check_multipliers(tensors)
     manifest = {
         "model": dataclasses.asdict(cfg),
         "graph": {
             "format": FORMAT_GRAPH,
-            "ops": graph_ops(),
-            "layer_activations": list(LAYER_ACTS),
-            "global_activations": list(GLOBAL_ACTS),
+            "ops": graph.ops_json(),
+            "layer_activations": layer_acts,
+            "global_activations": list(outer),
             "prefix_tokens": list(prefix),
             "max_context": max_context,
             "prefill_chunk": prefill_chunk,
@@ -511,7 +503,7 @@ def export_model(
             "rope_fraction_bits": ROPE_FRACTION_BITS,
             "logits_scale": LOGITS_SCALE,
         },
-        "encodings": encodings_table(plan, state, cfg, acts, outer),
+        "encodings": encodings_table(plan, state, cfg, acts, outer, graph),
         "tokenizer": dict(tokenizer_info or {}),
         "source": dict(source or {}),
     }

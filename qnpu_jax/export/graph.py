@@ -6,160 +6,407 @@ heavy, so the emulator stays free of JAX. docs/artifact.md describes every op.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-FORMAT_GRAPH = "qnpu-llama-int/1"
-# Activations of one decoder layer with an encoding (order of `layers.act.*` columns).
-LAYER_ACTS = (
-    "attn_in",
-    "q_out",
-    "k_out",
-    "v_out",
-    "q_rope",
-    "k_rope",
-    "scores",
-    "probs",
-    "attn_out",
-    "o_out",
-    "resid_attn",
-    "mlp_in",
-    "gate_out",
-    "silu_out",
-    "up_out",
-    "down_in",
-    "down_out",
-    "resid_mlp",
-)
-GLOBAL_ACTS = ("embed_out", "final_norm_out")
-LAYER_INPUT = "x"  # a layer's input: embed_out for layer 0, the previous resid_mlp after
+# /2: the activation columns follow the op order (/1 had silu_out before up_out)
+FORMAT_GRAPH = "qnpu-llama-int/2"
 NORM_FRACTION_BITS = 8  # F: the RMSNorm root carries F fractional bits
 NORM_UNIT_BITS = 16  # K: the normalized value carries K fractional bits before requantizing
 ROPE_FRACTION_BITS = 14  # Q14 cos/sin
 LOGITS_SCALE = 2.0**-16  # int32 logits: real logit = code · 2^-16
 LOGITS_RANGE = (-(2**31), 2**31 - 1)
 OPS = ("embed", "layers", "rmsnorm", "linear", "rope", "attention", "add", "lut", "mul")
+# The default bit-width of a tensor: a plan option ("act", "kv", "down_in", "weight") or fixed.
+BITS_ROLES = ("weight", "act", "kv", "down_in", "8", "16", "probs")
+
+
+# The width of an activation (its last axis), by the model dimension it has.
+WIDTHS = ("hidden", "q", "kv", "ffn", "")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A quantized tensor of the graph: our name, its Hugging Face module name (AIMET's name
+    of it, relative to the layer or the model), the role that sets its default bits, and for
+    an activation its width (a linear's weight shape is [width(out), width(in)])."""
+
+    name: str
+    hf: str
+    bits: str
+    width: str = ""
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS_ROLES:
+            raise ValueError(f"tensor {self.name}: bits role {self.bits!r} not in {BITS_ROLES}")
+        if self.width not in WIDTHS:
+            raise ValueError(f"tensor {self.name}: width {self.width!r} not in {WIDTHS}")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op: its kind, input values, output tensor (None: not quantized, the int32 logits)
+    and the prefix of its integer constants in the artifact. `weight` is the linear's or the
+    embedding's parameter (a quantized tensor; its name is the float parameter's), `gain` the
+    norm's float parameter, `bias` a linear's optional float bias, `inner` the tensors an op
+    quantizes inside (attention: scores and probabilities), `heads` the head count RoPE
+    splits by ("q" or "kv"), `fn` a LUT's function."""
+
+    kind: str
+    ins: tuple[str, ...]
+    out: Tensor | None
+    const: str
+    weight: Tensor | None = None
+    gain: str = ""
+    bias: str = ""
+    inner: tuple[Tensor, ...] = ()
+    heads: str = ""
+    fn: str = ""
+    value: str = ""  # the output's name when it is not a quantized tensor of its own
+
+    @property
+    def out_name(self) -> str:
+        return self.out.name if self.out is not None else self.value
+
+    @property
+    def weight_name(self) -> str:
+        if self.weight is None:
+            raise ValueError(f"the {self.kind} op {self.const} has no weight")
+        return self.weight.name
+
+    def to_json(self) -> dict[str, Any]:
+        """The artifact's op entry (manifest `graph.ops`)."""
+        return {"op": self.kind, "in": list(self.ins), "out": self.out_name, "const": self.const}
+
+
+@dataclass(frozen=True)
+class Graph:
+    """The integer graph: the model's ops and one decoder layer's, in execution order. The
+    float forward's taps, the plan's tensors and default bits, the exporter's constants and op
+    list, the AIMET names and the rotation/smoothing tables are all read from it."""
+
+    layer: tuple[Op, ...]
+    model: tuple[Op, ...]
+    layer_input: str = "x"  # a layer's input: embed_out for layer 0, the previous layer's output
+
+    def __post_init__(self) -> None:
+        for op in (*self.layer, *self.model):
+            if op.kind not in OPS:
+                raise ValueError(f"unknown op kind {op.kind!r}")
+        names = [t.name for t in self.layer_tensors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a layer tensor is named twice: {names}")
+        for op in (*self.layer, *self.model):
+            if not op.out_name:
+                raise ValueError(f"the {op.kind} op {op.const} has no output name")
+            if op.kind == "layers" and op.out_name != self.layer[-1].out_name:
+                raise ValueError("the layers op's output is the last layer op's output")
+
+    def ops(self, kind: str) -> tuple[Op, ...]:
+        return tuple(op for op in self.layer if op.kind == kind)
+
+    @property
+    def layer_weights(self) -> tuple[Tensor, ...]:
+        return tuple(op.weight for op in self.layer if op.weight is not None)
+
+    @property
+    def layer_acts(self) -> tuple[Tensor, ...]:
+        """The layer's activations with an encoding, in graph order."""
+        return tuple(t for op in self.layer for t in (*op.inner, op.out) if t is not None)
+
+    @property
+    def layer_tensors(self) -> tuple[Tensor, ...]:
+        return self.layer_weights + self.layer_acts
+
+    @property
+    def global_acts(self) -> tuple[Tensor, ...]:
+        return tuple(op.out for op in self.model if op.out is not None and op.kind != "layers")
+
+    @property
+    def global_tensors(self) -> tuple[Tensor, ...]:
+        """The model-level quantized tensors in graph order (weights before their output)."""
+        out: list[Tensor] = []
+        for op in self.model:
+            if op.kind == "layers":
+                continue
+            out += [t for t in (op.weight, op.out) if t is not None]
+        return tuple(out)
+
+    @property
+    def linear_io(self) -> dict[str, tuple[str, str]]:
+        """Each linear's weight -> (input, output) tensor: {"q_proj": ("attn_in", "q_out"), ...}."""
+        return {op.weight_name: (op.ins[0], op.out_name) for op in self.ops("linear")}
+
+    def ops_json(self) -> dict[str, list[dict[str, Any]]]:
+        return {
+            "model": [op.to_json() for op in self.model],
+            "layer": [op.to_json() for op in self.layer],
+        }
+
+
+def _t(name: str, hf: str, bits: str, width: str = "hidden") -> Tensor:
+    return Tensor(name, hf, bits, width)
+
+
+def _linear(ins: str, out: Tensor, weight: str, hf_module: str, bias: str = "") -> Op:
+    w = Tensor(weight, f"{hf_module}.weight", "weight")
+    return Op("linear", (ins,), out, f"layers.{weight}", weight=w, bias=bias)
+
+
+# The LLaMA decoder layer and model of graph FORMAT_GRAPH (docs/artifact.md describes each op).
+GRAPH = Graph(
+    layer=(
+        Op(
+            "rmsnorm",
+            ("x",),
+            _t("attn_in", "input_layernorm.output", "act"),
+            "layers.attn_norm",
+            gain="input_layernorm",
+        ),
+        _linear(
+            "attn_in",
+            _t("q_out", "self_attn.q_proj.output", "8", "q"),
+            "q_proj",
+            "self_attn.q_proj",
+            "q_bias",
+        ),
+        _linear(
+            "attn_in",
+            _t("k_out", "self_attn.k_proj.output", "8", "kv"),
+            "k_proj",
+            "self_attn.k_proj",
+            "k_bias",
+        ),
+        _linear(
+            "attn_in",
+            _t("v_out", "self_attn.v_proj.output", "kv", "kv"),
+            "v_proj",
+            "self_attn.v_proj",
+            "v_bias",
+        ),
+        Op(
+            "rope",
+            ("q_out",),
+            _t("q_rope", "self_attn.q_rope.output", "8", "q"),
+            "layers.q_rope",
+            heads="q",
+        ),
+        Op(
+            "rope",
+            ("k_out",),
+            _t("k_rope", "self_attn.k_rope.output", "kv", "kv"),
+            "layers.k_rope",
+            heads="kv",
+        ),
+        Op(
+            "attention",
+            ("q_rope", "k_rope", "v_out"),
+            _t("attn_out", "self_attn.o_proj.input", "act", "q"),
+            "layers",
+            inner=(
+                _t("scores", "self_attn.scores.output", "16", ""),
+                _t("probs", "self_attn.softmax.output", "probs", ""),
+            ),
+        ),
+        _linear(
+            "attn_out", _t("o_out", "self_attn.o_proj.output", "8"), "o_proj", "self_attn.o_proj"
+        ),
+        Op(
+            "add",
+            ("x", "o_out"),
+            _t("resid_attn", "post_attention_layernorm.input", "16"),
+            "layers.resid_attn",
+        ),
+        Op(
+            "rmsnorm",
+            ("resid_attn",),
+            _t("mlp_in", "post_attention_layernorm.output", "act"),
+            "layers.mlp_norm",
+            gain="post_attention_layernorm",
+        ),
+        # D.2: the SiLU input has a non-zero mean; it stays wide
+        _linear(
+            "mlp_in",
+            _t("gate_out", "mlp.gate_proj.output", "16", "ffn"),
+            "gate_proj",
+            "mlp.gate_proj",
+        ),
+        _linear("mlp_in", _t("up_out", "mlp.up_proj.output", "8", "ffn"), "up_proj", "mlp.up_proj"),
+        Op(
+            "lut",
+            ("gate_out",),
+            _t("silu_out", "mlp.act_fn.output", "16", "ffn"),
+            "layers.silu",
+            fn="silu",
+        ),
+        Op(
+            "mul",
+            ("silu_out", "up_out"),
+            _t("down_in", "mlp.down_proj.input", "down_in", "ffn"),
+            "layers.down_in",
+        ),
+        _linear(
+            "down_in", _t("down_out", "mlp.down_proj.output", "8"), "down_proj", "mlp.down_proj"
+        ),
+        Op("add", ("resid_attn", "down_out"), _t("resid_mlp", "output", "16"), "layers.resid_mlp"),
+    ),
+    model=(
+        Op(
+            "embed",
+            ("tokens",),
+            _t("embed_out", "model.embed_tokens.output", "16"),
+            "embed",
+            weight=Tensor("embed_tokens", "model.embed_tokens.weight", "8"),
+        ),
+        Op("layers", ("embed_out",), None, "layers", value="resid_mlp"),  # the last layer's
+        Op(
+            "rmsnorm",
+            ("resid_mlp",),
+            _t("final_norm_out", "model.norm.output", "16"),
+            "final_norm",
+            gain="norm",
+        ),
+        Op(
+            "linear",
+            ("final_norm_out",),
+            None,
+            "lm_head",
+            weight=Tensor("lm_head", "lm_head.weight", "8"),
+            value="logits",
+        ),
+    ),
+)
 
 
 def graph_ops() -> dict[str, list[dict[str, Any]]]:
-    """The op list of the model and of one decoder layer ("in" names are environment values)."""
-
-    def op(kind: str, ins: list[str], out: str, const: str, **extra: Any) -> dict[str, Any]:
-        return {"op": kind, "in": ins, "out": out, "const": const, **extra}
-
-    layer = [
-        op("rmsnorm", [LAYER_INPUT], "attn_in", "layers.attn_norm"),
-        op("linear", ["attn_in"], "q_out", "layers.q_proj"),
-        op("linear", ["attn_in"], "k_out", "layers.k_proj"),
-        op("linear", ["attn_in"], "v_out", "layers.v_proj"),
-        op("rope", ["q_out"], "q_rope", "layers.q_rope"),
-        op("rope", ["k_out"], "k_rope", "layers.k_rope"),
-        op("attention", ["q_rope", "k_rope", "v_out"], "attn_out", "layers"),
-        op("linear", ["attn_out"], "o_out", "layers.o_proj"),
-        op("add", [LAYER_INPUT, "o_out"], "resid_attn", "layers.resid_attn"),
-        op("rmsnorm", ["resid_attn"], "mlp_in", "layers.mlp_norm"),
-        op("linear", ["mlp_in"], "gate_out", "layers.gate_proj"),
-        op("linear", ["mlp_in"], "up_out", "layers.up_proj"),
-        op("lut", ["gate_out"], "silu_out", "layers.silu"),
-        op("mul", ["silu_out", "up_out"], "down_in", "layers.down_in"),
-        op("linear", ["down_in"], "down_out", "layers.down_proj"),
-        op("add", ["resid_attn", "down_out"], "resid_mlp", "layers.resid_mlp"),
-    ]
-    model = [
-        op("embed", ["tokens"], "embed_out", "embed"),
-        op("layers", ["embed_out"], "resid_mlp", "layers"),
-        op("rmsnorm", ["resid_mlp"], "final_norm_out", "final_norm"),
-        op("linear", ["final_norm_out"], "logits", "lm_head"),
-    ]
-    return {"model": model, "layer": layer}
+    """The artifact's op list of the model and of one decoder layer ("in" names are
+    environment values)."""
+    return GRAPH.ops_json()
 
 
-def _layer_ops(kind: str) -> list[dict[str, Any]]:
-    return [op for op in graph_ops()["layer"] if op["op"] == kind]
-
-
-# Derived from the decoder layer's op list, the one description of the graph:
-# each linear's (input, output) tensor, in graph order: {"q_proj": ("attn_in", "q_out"), ...}
-LINEAR_IO: dict[str, tuple[str, str]] = {
-    op["const"].removeprefix("layers."): (op["in"][0], op["out"]) for op in _layer_ops("linear")
-}
+# Tables of the shipped graph, read from GRAPH:
+LAYER_ACTS = tuple(t.name for t in GRAPH.layer_acts)  # order of `layers.act.*` columns
+GLOBAL_ACTS = tuple(t.name for t in GRAPH.global_acts)  # order of `act.*` entries
+LAYER_INPUT = GRAPH.layer_input
+LINEAR_IO = GRAPH.linear_io
 LINEARS = tuple(LINEAR_IO)  # the decoder layer's weights
 LINEAR_OUTPUTS = tuple(out for _, out in LINEAR_IO.values())
 # R1 rotates the norms' outputs (q/k/v and gate/up inputs), R2 the attention output (o_proj
 # input); the down_proj input, a product of two linear outputs, stays unrotated.
-ROTATED_INPUTS = tuple(
-    op["out"] for op in graph_ops()["layer"] if op["op"] in ("rmsnorm", "attention")
+ROTATED_INPUTS = tuple(op.out_name for op in GRAPH.layer if op.kind in ("rmsnorm", "attention"))
+KV_TENSORS = GRAPH.ops("attention")[0].ins[1:]  # the K and V cache
+# Tensors inside attention, over key positions (scores, probabilities): no channel axis.
+ATTENTION_TENSORS = tuple(t.name for t in GRAPH.ops("attention")[0].inner)
+SCORES, PROBS = ATTENTION_TENSORS  # the requantized scores; the softmax's fixed-encoding output
+# The one linear input no rotation reaches (a product of two values: down_proj's input), the
+# linear that reads it and that linear's output: what Quant.npu's scan promotes to 16 bits.
+(UNROTATED_INPUT,) = (i for i, _ in LINEAR_IO.values() if i not in ROTATED_INPUTS)
+UNROTATED_LINEAR = next(w for w, (i, _) in LINEAR_IO.items() if i == UNROTATED_INPUT)
+UNROTATED_OUTPUT = LINEAR_IO[UNROTATED_LINEAR][1]
+# The float model's transforms, read from the graph: each norm's gain folds into the linears
+# reading its output; R1 rotates those inputs and the outputs of the linears writing the
+# residual stream (the inputs of the adds); R2 rotates V (attention's third input) and the
+# input of the linear reading the attention output.
+NORM_READERS = {
+    op.gain: tuple(w for w, (i, _) in LINEAR_IO.items() if i == op.out_name)
+    for op in GRAPH.ops("rmsnorm")
+}
+RESIDUAL_WRITERS = tuple(
+    w for w, (_, o) in LINEAR_IO.items() if any(o in op.ins for op in GRAPH.ops("add"))
 )
-KV_TENSORS = tuple(_layer_ops("attention")[0]["in"][1:])  # the K and V cache
+V_LINEAR = next(w for w, (_, o) in LINEAR_IO.items() if o == GRAPH.ops("attention")[0].ins[2])
+O_LINEAR = next(w for w, (i, _) in LINEAR_IO.items() if i == GRAPH.ops("attention")[0].out_name)
+LINEAR_BIAS = {op.weight_name: op.bias for op in GRAPH.ops("linear") if op.bias}
+# Channel smoothing folds s into the linear writing one factor of that product (rows / s) and
+# the linear reading it (columns · s): up_proj → down_proj.
+SMOOTHED_LINEARS = (
+    next(
+        w
+        for w, (_, o) in LINEAR_IO.items()
+        for op in GRAPH.layer
+        if op.out_name == UNROTATED_INPUT and o in op.ins
+    ),
+    UNROTATED_LINEAR,
+)
+
+
+def layer_widths(dims: dict[str, int], graph: Graph = GRAPH) -> dict[str, int]:
+    """The last-axis size of each layer activation with a channel axis (and of the layer
+    input), from the model's `dims` {"hidden", "q", "kv", "ffn"}."""
+    out = {t.name: dims[t.width] for t in graph.layer_acts if t.width}
+    return out | {graph.layer_input: dims["hidden"]}
+
+
 _I8_16_32 = ("int8", "int16", "int32")
 
 
 def expected_tensors(model: dict[str, Any], graph: dict[str, Any]) -> dict[str, Any]:
-    """name -> (shape, allowed dtypes) of every tensor an artifact of this graph must hold.
+    """name -> (shape, allowed dtypes) of every tensor an artifact of GRAPH must hold, op by op.
 
     A None dimension is free (LUT lengths follow the input's bit-width, checked when used).
     Optional tensors (q/k/v biases, the sink prefix's K/V) are listed when the config or the
     graph says they exist.
     """
-    n, d, f = model["num_layers"], model["hidden_size"], model["intermediate_size"]
+    n, d = model["num_layers"], model["hidden_size"]
     hd, hq, hkv = model["head_dim"], model["num_heads"], model["num_kv_heads"]
     v = model["vocab_size"]
-    q_size, kv_size = hq * hd, hkv * hd
-    shapes = {
-        "q_proj": (q_size, d),
-        "k_proj": (kv_size, d),
-        "v_proj": (kv_size, d),
-        "o_proj": (d, q_size),
-        "gate_proj": (f, d),
-        "up_proj": (f, d),
-        "down_proj": (d, f),
-    }
-    out: dict[str, Any] = {
-        "layers.act.zero_point": ((n, len(LAYER_ACTS)), ("int32",)),
-        "layers.act.qmin": ((n, len(LAYER_ACTS)), ("int32",)),
-        "layers.act.qmax": ((n, len(LAYER_ACTS)), ("int32",)),
-        "act.zero_point": ((len(GLOBAL_ACTS),), ("int32",)),
-        "act.qmin": ((len(GLOBAL_ACTS),), ("int32",)),
-        "act.qmax": ((len(GLOBAL_ACTS),), ("int32",)),
-        "embed.table": ((v, d), ("int8",)),
-        "embed.M": ((v,), ("int32",)),
-        "embed.shift": ((v,), ("int32",)),
-        "rope.cos": ((graph["max_context"], hd), ("int16",)),
-        "rope.sin": ((graph["max_context"], hd), ("int16",)),
-        "layers.scores.M": ((n,), ("int32",)),
-        "layers.scores.shift": ((n,), ("int32",)),
-        "layers.softmax.exp_lut": ((n, 1 << 16), ("uint16",)),
-        "layers.pv.M": ((n,), ("int32",)),
-        "layers.pv.shift": ((n,), ("int32",)),
-        "layers.silu.lut": ((n, None), _I8_16_32),
-        "layers.down_in.M": ((n,), ("int32",)),
-        "layers.down_in.shift": ((n,), ("int32",)),
-        "lm_head.weight": ((v, d), ("int8",)),
-        "lm_head.M": ((v,), ("int32",)),
-        "lm_head.shift": ((v,), ("int32",)),
-    }
-    for name, (o, i) in shapes.items():
-        out[f"layers.{name}.weight"] = ((n, o, i), ("int8",))
-        out[f"layers.{name}.M"] = ((n, o), ("int32",))
-        out[f"layers.{name}.shift"] = ((n, o), ("int32",))
-        if model.get("attention_bias") and name in ("q_proj", "k_proj", "v_proj"):
-            out[f"layers.{name}.bias"] = ((n, o), ("int32",))
-    for rope in ("q_rope", "k_rope"):
-        out[f"layers.{rope}.M"] = ((n,), ("int32",))
-        out[f"layers.{rope}.shift"] = ((n,), ("int32",))
-    for norm, lead in (("layers.attn_norm", (n,)), ("layers.mlp_norm", (n,)), ("final_norm", ())):
-        out[f"{norm}.sign"] = ((*lead, d), ("int8",))
-        out[f"{norm}.M"] = ((*lead, d), ("int32",))
-        out[f"{norm}.shift"] = ((*lead, d), ("int32",))
-        out[f"{norm}.eps"] = (lead, ("int64",))
-    for add in ("resid_attn", "resid_mlp"):
-        for k in ("Ma", "Mb", "shift"):
-            out[f"layers.{add}.{k}"] = ((n,), ("int32",))
-    p = len(graph["prefix_tokens"])
-    if p:
-        out["layers.prefix.k"] = ((n, hkv, p, hd), _I8_16_32)
-        out["layers.prefix.v"] = ((n, hkv, p, hd), _I8_16_32)
+    widths = {"hidden": d, "q": hq * hd, "kv": hkv * hd, "ffn": model["intermediate_size"]}
+    width = {t.name: widths.get(t.width) for t in GRAPH.layer_acts} | {GRAPH.layer_input: d}
+    i32 = ("int32",)
+    out: dict[str, Any] = {}
+    for field in ("zero_point", "qmin", "qmax"):
+        out[f"layers.act.{field}"] = ((n, len(GRAPH.layer_acts)), i32)
+        out[f"act.{field}"] = ((len(GRAPH.global_acts),), i32)
+
+    def norm(const: str, lead: tuple[int, ...]) -> None:
+        out[f"{const}.sign"] = ((*lead, d), ("int8",))
+        out[f"{const}.M"] = ((*lead, d), i32)
+        out[f"{const}.shift"] = ((*lead, d), i32)
+        out[f"{const}.eps"] = (lead, ("int64",))
+
+    for op in GRAPH.layer:
+        c = op.const
+        if op.kind == "linear":
+            o, i = width[op.out_name], width[op.ins[0]]
+            out[f"{c}.weight"] = ((n, o, i), ("int8",))
+            out[f"{c}.M"] = ((n, o), i32)
+            out[f"{c}.shift"] = ((n, o), i32)
+            if model.get("attention_bias") and op.bias:
+                out[f"{c}.bias"] = ((n, o), i32)
+        elif op.kind == "rmsnorm":
+            norm(c, (n,))
+        elif op.kind in ("rope", "mul"):
+            out[f"{c}.M"] = ((n,), i32)
+            out[f"{c}.shift"] = ((n,), i32)
+        elif op.kind == "add":
+            for k in ("Ma", "Mb", "shift"):
+                out[f"{c}.{k}"] = ((n,), i32)
+        elif op.kind == "lut":
+            out[f"{c}.lut"] = ((n, None), _I8_16_32)
+        elif op.kind == "attention":
+            for k in ("scores", "pv"):
+                out[f"layers.{k}.M"] = ((n,), i32)
+                out[f"layers.{k}.shift"] = ((n,), i32)
+            out["layers.softmax.exp_lut"] = ((n, 1 << 16), ("uint16",))
+            p = len(graph["prefix_tokens"])
+            if p:
+                out["layers.prefix.k"] = ((n, hkv, p, hd), _I8_16_32)
+                out["layers.prefix.v"] = ((n, hkv, p, hd), _I8_16_32)
+    for op in GRAPH.model:
+        if op.kind == "embed":
+            out[f"{op.const}.table"] = ((v, d), ("int8",))
+            out[f"{op.const}.M"] = ((v,), i32)
+            out[f"{op.const}.shift"] = ((v,), i32)
+        elif op.kind == "rmsnorm":
+            norm(op.const, ())
+        elif op.kind == "linear":
+            out[f"{op.const}.weight"] = ((v, d), ("int8",))
+            out[f"{op.const}.M"] = ((v,), i32)
+            out[f"{op.const}.shift"] = ((v,), i32)
+    out["rope.cos"] = ((graph["max_context"], hd), ("int16",))
+    out["rope.sin"] = ((graph["max_context"], hd), ("int16",))
     return out
 
 

@@ -22,23 +22,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qnpu_jax.emulator.engine import IntModel
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import (
-    GLOBAL_ACTS,
-    LAYER_ACTS,
     LAYER_INPUT,
     LOGITS_RANGE,
-    check_generation_room,
+    SCORES,
     check_room,
-    nll_from_logit_codes,
 )
+from qnpu_jax.export.int_model import IntegerEngine, IntModel, KVCache, check_tokens
 from qnpu_jax.quant.integer import requantize_jax
 
 MATMULS = ("f64", "i64")
@@ -84,6 +81,8 @@ class IntSpec:
     logits_scale: float
     model_ops: tuple[OpSpec, ...]
     layer_ops: tuple[OpSpec, ...]
+    layer_acts: tuple[str, ...]  # the columns of `layers.act.*`
+    global_acts: tuple[str, ...]  # the entries of `act.*`
     matmul: str
 
 
@@ -136,19 +135,21 @@ def int_spec(model: IntModel, matmul: str = "f64") -> IntSpec:
             logits_scale=float(g["logits_scale"]),
             model_ops=_op_specs(ops.get("model"), "model", MODEL_OPS),
             layer_ops=_op_specs(ops.get("layer"), "layer", LAYER_OPS),
+            layer_acts=tuple(str(a) for a in g["layer_activations"]),
+            global_acts=tuple(str(a) for a in g["global_activations"]),
             matmul=matmul,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise QnpuError(f"incomplete model config or graph: {e}") from e
 
 
-def _centered_max(model: IntModel, name: str, layer: int | None) -> float:
+def _centered_max(model: IntModel, spec: IntSpec, name: str, layer: int | None) -> float:
     """max |code − zero point| over the range of activation `name`."""
     if layer is None:
-        j, prefix = GLOBAL_ACTS.index(name), "act."
+        j, prefix = spec.global_acts.index(name), "act."
         z, lo, hi = (int(model.tensors[prefix + f][j]) for f in ("zero_point", "qmin", "qmax"))
     else:
-        j, prefix = LAYER_ACTS.index(name), "layers.act."
+        j, prefix = spec.layer_acts.index(name), "layers.act."
         z, lo, hi = (
             int(model.tensors[prefix + f][layer, j]) for f in ("zero_point", "qmin", "qmax")
         )
@@ -172,10 +173,10 @@ def check_exact(model: IntModel, spec: IntSpec) -> None:
                 f"{spec.matmul!r} (limit {limit:.3g})"
             )
 
-    acts = set(LAYER_ACTS)
+    acts = set(spec.layer_acts)
     unbounded = [
         op.ins
-        for ops, known in ((spec.model_ops, set(GLOBAL_ACTS)), (spec.layer_ops, acts))
+        for ops, known in ((spec.model_ops, set(spec.global_acts)), (spec.layer_ops, acts))
         for op in ops
         if op.op in ("linear", "attention") and not set(op.ins) <= known
     ]
@@ -184,17 +185,17 @@ def check_exact(model: IntModel, spec: IntSpec) -> None:
     for op in spec.model_ops:
         if op.op == "linear":
             w = t[f"{op.const}.weight"]
-            r = _centered_max(model, op.ins[0], None)
+            r = _centered_max(model, spec, op.ins[0], None)
             check(r * _abs_max(w) * w.shape[-1], op.const)
     for i in range(spec.num_layers):
         for op in spec.layer_ops:
             if op.op == "linear":
                 w = t[f"{op.const}.weight"][i]
-                r = _centered_max(model, op.ins[0], i)
+                r = _centered_max(model, spec, op.ins[0], i)
                 bound = r * _abs_max(w) * w.shape[-1]
                 check(bound, f"{op.const} of layer {i}")
             elif op.op == "attention":
-                rq, rk, rv = (_centered_max(model, n, i) for n in op.ins)
+                rq, rk, rv = (_centered_max(model, spec, n, i) for n in op.ins)
                 check(rq * rk * spec.head_dim, f"attention scores of layer {i}")
                 check(PROB_MAX * rv * spec.max_context, f"attention P·V of layer {i}")
 
@@ -331,7 +332,7 @@ def _attention(
     vc = vl.astype(I64) - v[1].astype(I64)
     qc = _center(q).reshape(b, t, hkv, hq // hkv, hd)
     acc = _dot(spec, "btkgd,bksd->bkgts", qc, kc)
-    scores = requantize_jax(acc, c["scores.M"], c["scores.shift"], *acts("scores"))
+    scores = requantize_jax(acc, c["scores.M"], c["scores.shift"], *acts(SCORES))
     keys = jnp.arange(spec.max_context, dtype=positions.dtype)
     allowed = keys[None, :] <= positions[:, None]  # [T, S]: key position <= query position
     probs = _softmax_codes(scores, allowed, c["softmax.exp_lut"])
@@ -372,7 +373,7 @@ def _layer(
     zp, qmin, qmax = lc["act.zero_point"], lc["act.qmin"], lc["act.qmax"]
 
     def act(name: str) -> Act:
-        j = LAYER_ACTS.index(name)
+        j = spec.layer_acts.index(name)
         return zp[j], qmin[j], qmax[j]
 
     env: dict[str, Value] = {LAYER_INPUT: x}
@@ -428,7 +429,7 @@ def int_forward(
         if name == "logits":
             zero = jnp.zeros((), jnp.int32)
             return zero, jnp.asarray(LOGITS_RANGE[0], I64), jnp.asarray(LOGITS_RANGE[1], I64)
-        j = GLOBAL_ACTS.index(name)
+        j = spec.global_acts.index(name)
         return g["act.zero_point"][j], g["act.qmin"][j], g["act.qmax"][j]
 
     layer_consts = {k: v for k, v in consts.layers.items() if not k.startswith("prefix.")}
@@ -465,16 +466,7 @@ def int_forward(
     return logits, cache_k, cache_v
 
 
-# ------------------------------------------------------------------------ convenience API
-
-
-class CacheLike(Protocol):
-    @property
-    def k(self) -> Any: ...
-    @property
-    def v(self) -> Any: ...
-    @property
-    def length(self) -> int: ...
+# ------------------------------------------------------------------------ the engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,11 +480,14 @@ class IntCache:
     length: int
 
 
-class JaxIntEngine:
-    """An artifact ready to run in JAX: the validated `IntModel` and its uploaded constants
-    (uploaded once; compiled programs are cached per shape and shared by equal specs)."""
+class JaxIntEngine(IntegerEngine[IntCache]):
+    """An artifact ready to run in JAX: the validated `IntModel` and its constants, uploaded
+    once; compiled programs are cached per shape and shared by equal specs. Prefill, NLL and
+    decoding come from `IntegerEngine`; each chunk is one jitted `int_forward` call."""
 
     def __init__(self, model: IntModel, matmul: str = "f64") -> None:
+        if not isinstance(model, IntModel):
+            raise QnpuError(f"JaxIntEngine runs an IntModel (load_int_model), got {type(model)}")
         self.model = model
         self.consts = int_consts(model, matmul)
 
@@ -501,169 +496,36 @@ class JaxIntEngine:
         return self.consts.spec
 
     def new_cache(self, batch: int) -> IntCache:
-        return new_cache(self.consts, batch)
+        s = self.spec
+        if batch < 1:
+            raise QnpuError(f"batch must be >= 1, got {batch}")
+        shape = (s.num_layers, batch, s.num_kv_heads, s.max_context, s.head_dim)
+        k = np.zeros(shape, np.int16)
+        v = np.zeros(shape, np.int16)
+        if s.prefix_len:
+            k[:, :, :, : s.prefix_len] = np.asarray(self.consts.layers["prefix.k"])[:, None]
+            v[:, :, :, : s.prefix_len] = np.asarray(self.consts.layers["prefix.v"])[:, None]
+        return IntCache(jnp.asarray(k), jnp.asarray(v), s.prefix_len)
 
-    def run_chunk(self, tokens: np.ndarray, cache: CacheLike) -> tuple[np.ndarray, IntCache]:
-        return run_chunk(self.consts, tokens, cache)
+    def _own(self, cache: KVCache) -> IntCache:
+        s = self.spec
+        k, v = jnp.asarray(cache.k, jnp.int16), jnp.asarray(cache.v, jnp.int16)
+        want = (s.num_layers, s.num_kv_heads, s.max_context, s.head_dim)
+        for a in (k, v):
+            if a.ndim != 5 or (a.shape[0], *a.shape[2:]) != want:
+                expected = f"[{want[0]}, batch, {', '.join(map(str, want[1:]))}]"
+                raise QnpuError(f"cache has shape {a.shape}, expected {expected}")
+        return IntCache(k, v, int(cache.length))
 
-    def prefill(
-        self, tokens: np.ndarray, cache: CacheLike | None = None
-    ) -> tuple[np.ndarray, IntCache]:
-        return prefill(self.consts, tokens, cache)
-
-    def token_nll(self, tokens: np.ndarray) -> np.ndarray:
-        return token_nll(self.consts, tokens)
-
-    def token_nll_argmax(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return token_nll_argmax(self.consts, tokens)
-
-    def generate(
-        self,
-        prompt: Sequence[int],
-        max_new_tokens: int,
-        eos_token_id: int | None = None,
-        on_token: Callable[[int], None] | None = None,
-    ) -> list[int]:
-        return generate(self.consts, prompt, max_new_tokens, eos_token_id, on_token)
-
-
-Source = IntConsts | JaxIntEngine
-
-
-def consts_of(source: Source) -> IntConsts:
-    """The uploaded constants of an engine, or of consts themselves. An `IntModel` is refused:
-    wrap it in `JaxIntEngine` once, which uploads its constants once (no hidden cache)."""
-    if isinstance(source, IntConsts):
-        return source
-    if isinstance(source, JaxIntEngine):
-        return source.consts
-    if isinstance(source, IntModel):
-        raise QnpuError(
-            "pass JaxIntEngine(model) (or int_consts(model)), not the IntModel itself: the "
-            "engine uploads the artifact's constants once and is then reused"
-        )
-    raise QnpuError(f"expected IntConsts or a JaxIntEngine, got {type(source)}")
-
-
-def new_cache(source: Source, batch: int) -> IntCache:
-    """An empty cache holding the sink prefix's K/V at positions 0..P-1."""
-    c = consts_of(source)
-    s = c.spec
-    if batch < 1:
-        raise QnpuError(f"batch must be >= 1, got {batch}")
-    shape = (s.num_layers, batch, s.num_kv_heads, s.max_context, s.head_dim)
-    k = np.zeros(shape, np.int16)
-    v = np.zeros(shape, np.int16)
-    if s.prefix_len:
-        k[:, :, :, : s.prefix_len] = np.asarray(c.layers["prefix.k"])[:, None]
-        v[:, :, :, : s.prefix_len] = np.asarray(c.layers["prefix.v"])[:, None]
-    return IntCache(jnp.asarray(k), jnp.asarray(v), s.prefix_len)
-
-
-def _check_tokens(spec: IntSpec, tokens: Any) -> np.ndarray:
-    a = np.asarray(tokens)
-    if a.ndim != 2 or a.shape[0] == 0 or a.shape[1] == 0:
-        raise QnpuError(f"expected token ids [batch>0, length>0], got shape {a.shape}")
-    if a.size and not np.issubdtype(a.dtype, np.integer):
-        raise QnpuError(f"token ids must be integers, got {a.dtype}")
-    if a.size and (a.min() < 0 or a.max() >= spec.vocab_size):
-        raise QnpuError(f"token ids must be in [0, {spec.vocab_size})")
-    return a.astype(np.int32)
-
-
-def _device_cache(spec: IntSpec, cache: CacheLike, batch: int) -> tuple[jax.Array, jax.Array]:
-    shape = (spec.num_layers, batch, spec.num_kv_heads, spec.max_context, spec.head_dim)
-    k, v = jnp.asarray(cache.k, jnp.int16), jnp.asarray(cache.v, jnp.int16)
-    if k.shape != shape or v.shape != shape:
-        raise QnpuError(f"cache has shape {k.shape}/{v.shape}, expected {shape}")
-    return k, v
-
-
-def run_chunk(source: Source, tokens: np.ndarray, cache: CacheLike) -> tuple[np.ndarray, IntCache]:
-    """Integer logits [B, T, V] (int32 codes) of `tokens` [B, T] placed after the cache's
-    filled positions, in one call (one compiled program per shape), and the updated cache."""
-    c = consts_of(source)
-    ids = _check_tokens(c.spec, tokens)
-    start = int(cache.length)
-    check_room(start, ids.shape[1], c.spec.max_context)
-    with jax.enable_x64(True):
-        k, v = _device_cache(c.spec, cache, ids.shape[0])
-        logits, k, v = int_forward(c, jnp.asarray(ids), k, v, jnp.int32(start))
-        out = np.asarray(logits)
-    return out, IntCache(k, v, start + ids.shape[1])
-
-
-def prefill(
-    source: Source, tokens: np.ndarray, cache: CacheLike | None = None
-) -> tuple[np.ndarray, IntCache]:
-    """Run `tokens` [B, T] in chunks of `prefill_chunk` (the last one padded with token 0,
-    whose outputs are dropped and whose K/V slots lie past the returned length): the same
-    results as one call over all T, with one compiled program per batch size."""
-    c = consts_of(source)
-    s = c.spec
-    ids = _check_tokens(s, tokens)
-    b, n = ids.shape
-    cache = cache if cache is not None else new_cache(c, b)
-    start = int(cache.length)
-    check_room(start, n, s.max_context)
-    chunk = s.prefill_chunk
-    pieces = []
-    with jax.enable_x64(True):
-        k, v = _device_cache(s, cache, b)
-        for i in range(0, n, chunk):
-            part = ids[:, i : i + chunk]
-            real = part.shape[1]
-            if real < chunk:
-                part = np.pad(part, ((0, 0), (0, chunk - real)))
-            logits, k, v = int_forward(c, jnp.asarray(part), k, v, jnp.int32(start))
-            pieces.append(np.asarray(logits[:, :real]))
-            start += real
-    return np.concatenate(pieces, axis=1), IntCache(k, v, start)
-
-
-def logits_to_float(source: Source, codes: np.ndarray) -> np.ndarray:
-    return np.asarray(codes).astype(np.float64) * consts_of(source).spec.logits_scale
-
-
-def token_nll(source: Source, tokens: np.ndarray) -> np.ndarray:
-    """Next-token NLL [B, T-1] of tokens[:, 1:] (float64 numpy, from the integer logits)."""
-    codes, _ = prefill(source, tokens)
-    return nll_from_logit_codes(codes, tokens, consts_of(source).spec.logits_scale)
-
-
-def token_nll_argmax(source: Source, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """NLL of tokens[:, 1:] and the greedy prediction at each of those positions [B, T-1]."""
-    codes, _ = prefill(source, tokens)
-    nll = nll_from_logit_codes(codes, tokens, consts_of(source).spec.logits_scale)
-    return nll, np.argmax(codes[:, :-1], axis=-1)
-
-
-def generate(
-    source: Source,
-    prompt: Sequence[int],
-    max_new_tokens: int,
-    eos_token_id: int | None = None,
-    on_token: Callable[[int], None] | None = None,
-) -> list[int]:
-    """Greedy decoding (argmax ties → lowest id): the prompt through `prefill`, then one
-    jitted one-token `int_forward` step per new token (the cache stays on the device)."""
-    if not prompt:
-        raise QnpuError("the prompt is empty")
-    c = consts_of(source)
-    check_generation_room(c.spec.prefix_len, len(prompt), max_new_tokens, c.spec.max_context)
-    codes, cache = prefill(c, np.asarray([list(prompt)]))
-    out: list[int] = []
-    token = int(np.argmax(codes[0, -1]))
-    k, v, length = cache.k, cache.v, cache.length
-    with jax.enable_x64(True):
-        while len(out) < max_new_tokens:
-            out.append(token)
-            if on_token:
-                on_token(token)
-            if token == eos_token_id or len(out) == max_new_tokens:
-                break
-            ids = jnp.asarray([[token]], jnp.int32)
-            logits, k, v = int_forward(c, ids, k, v, jnp.int32(length))
-            length += 1
-            token = int(jnp.argmax(logits[0, -1]))
-    return out
+    def run_chunk(self, tokens: np.ndarray, cache: KVCache) -> tuple[np.ndarray, IntCache]:
+        ids = check_tokens(tokens, self.spec.vocab_size)
+        own = self._own(cache)
+        if own.k.shape[1] != ids.shape[0]:
+            raise QnpuError(f"the cache holds batch {own.k.shape[1]}, the tokens {ids.shape[0]}")
+        check_room(own.length, ids.shape[1], self.spec.max_context)
+        with jax.enable_x64(True):
+            logits, k, v = int_forward(
+                self.consts, jnp.asarray(ids), own.k, own.v, jnp.int32(own.length)
+            )
+            out = np.asarray(logits)
+        return out, IntCache(k, v, own.length + ids.shape[1])

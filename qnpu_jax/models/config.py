@@ -105,6 +105,16 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def dims(self) -> dict[str, int]:
+        """The activation widths the graph description names (`export.graph.Tensor.width`)."""
+        return {
+            "hidden": self.hidden_size,
+            "q": self.q_size,
+            "kv": self.kv_size,
+            "ffn": self.intermediate_size,
+        }
+
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
         """Build from a Hugging Face `config.json` dict (transformers 4.x or 5.x layout)."""

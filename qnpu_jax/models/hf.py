@@ -15,26 +15,27 @@ import jax
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import GRAPH
 from qnpu_jax.files import current_umask
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import layer_param_shapes
 from qnpu_jax.models.tokenizer import Tokenizer, tokenizer_from_file
 
-# params key inside "layers" -> HF name inside "model.layers.{i}."
-HF_LAYER_NAMES = {
-    "input_layernorm": "input_layernorm.weight",
-    "q_proj": "self_attn.q_proj.weight",
-    "k_proj": "self_attn.k_proj.weight",
-    "v_proj": "self_attn.v_proj.weight",
-    "o_proj": "self_attn.o_proj.weight",
-    "post_attention_layernorm": "post_attention_layernorm.weight",
-    "gate_proj": "mlp.gate_proj.weight",
-    "up_proj": "mlp.up_proj.weight",
-    "down_proj": "mlp.down_proj.weight",
-    "q_bias": "self_attn.q_proj.bias",
-    "k_bias": "self_attn.k_proj.bias",
-    "v_bias": "self_attn.v_proj.bias",
-}
+
+def _hf_layer_names() -> dict[str, str]:
+    """params key inside "layers" -> HF name inside "model.layers.{i}.", from the graph."""
+    names = {}
+    for op in GRAPH.layer:
+        if op.gain:
+            names[op.gain] = f"{op.gain}.weight"
+        if op.weight is not None:
+            names[op.weight.name] = op.weight.hf
+            if op.bias:
+                names[op.bias] = op.weight.hf.removesuffix(".weight") + ".bias"
+    return names
+
+
+HF_LAYER_NAMES = _hf_layer_names()
 # Buffers some exporters write that carry no parameters.
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qnpu_jax.export.graph import check_generation_room
+from qnpu_jax.export.graph import GRAPH, Graph, check_generation_room, layer_widths
 from qnpu_jax.models.config import ModelConfig, RopeConfig
 
 Params = dict[str, Any]
@@ -108,6 +108,8 @@ def _attention(
     query_pos: jax.Array,
     valid_len: jax.Array,
     tap: Tap = no_tap,
+    scores_name: str = "scores",
+    probs_name: str = "probs",
 ) -> jax.Array:
     """Causal GQA attention over a cache.
 
@@ -122,8 +124,8 @@ def _attention(
     allowed = allowed[:, None, None, :, :]
     scores = jnp.einsum("btkgd,bksd->bkgts", q, k) / math.sqrt(hd)
     # Masked entries are no data: calibration statistics skip them.
-    scores = jnp.where(allowed, tap("scores", scores, where=allowed), -jnp.inf)
-    probs = tap("probs", jax.nn.softmax(scores, axis=-1))
+    scores = jnp.where(allowed, tap(scores_name, scores, where=allowed), -jnp.inf)
+    probs = tap(probs_name, jax.nn.softmax(scores, axis=-1))
     out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
     return out.reshape(b, t, hq * hd)
 
@@ -147,6 +149,10 @@ def no_aux() -> dict[str, Any]:
     return {}
 
 
+# The float function of each LUT op of the graph.
+LUT_FUNCTIONS: dict[str, Callable[[jax.Array], jax.Array]] = {"silu": jax.nn.silu}
+
+
 def _decoder_layer(
     cfg: ModelConfig,
     x: jax.Array,
@@ -157,31 +163,44 @@ def _decoder_layer(
     cos: jax.Array,
     sin: jax.Array,
     tap: Tap = no_tap,
+    graph: Graph = GRAPH,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One decoder layer; `tap` marks every tensor of the integer graph (plan paths)."""
+    """One decoder layer: the float reading of `graph`'s layer ops, in order; `tap` marks
+    every quantized tensor (weights and op outputs) by its name in the graph."""
     b, t, _ = x.shape
     hd = cfg.head_dim
-
-    def w(name: str) -> jax.Array:
-        return tap(name, layer[name])
-
-    h = tap("attn_in", rms_norm(x, layer["input_layernorm"], cfg.rms_norm_eps))
-    q = tap("q_out", linear(h, w("q_proj"), layer.get("q_bias")))
-    k = tap("k_out", linear(h, w("k_proj"), layer.get("k_bias")))
-    v = tap("v_out", linear(h, w("v_proj"), layer.get("v_bias")))
-    q = tap("q_rope", apply_rope(q.reshape(b, t, cfg.num_heads, hd), cos, sin))
-    k = tap("k_rope", apply_rope(k.reshape(b, t, cfg.num_kv_heads, hd), cos, sin))
-    v = v.reshape(b, t, cfg.num_kv_heads, hd)
-    k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.transpose(0, 2, 1, 3), start, axis=2)
-    v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.transpose(0, 2, 1, 3), start, axis=2)
-    query_pos = start + jnp.broadcast_to(jnp.arange(t), (b, t))
-    attn = tap("attn_out", _attention(q, k_cache, v_cache, query_pos, start + t, tap))
-    x = tap("resid_attn", x + tap("o_out", linear(attn, w("o_proj"))))
-    h = tap("mlp_in", rms_norm(x, layer["post_attention_layernorm"], cfg.rms_norm_eps))
-    gate = tap("silu_out", jax.nn.silu(tap("gate_out", linear(h, w("gate_proj")))))
-    gated = tap("down_in", gate * tap("up_out", linear(h, w("up_proj"))))
-    x = tap("resid_mlp", x + tap("down_out", linear(gated, w("down_proj"))))
-    return x, k_cache, v_cache
+    heads = {"q": cfg.num_heads, "kv": cfg.num_kv_heads}
+    env = {graph.layer_input: x}
+    for op in graph.layer:
+        ins = [env[n] for n in op.ins]
+        if op.kind == "rmsnorm":
+            y = rms_norm(ins[0], layer[op.gain], cfg.rms_norm_eps)
+        elif op.kind == "linear":
+            w = op.weight_name
+            y = linear(ins[0], tap(w, layer[w]), layer.get(op.bias) if op.bias else None)
+        elif op.kind == "rope":
+            y = apply_rope(ins[0].reshape(b, t, heads[op.heads], hd), cos, sin)
+        elif op.kind == "attention":
+            q, k, v = (a.reshape(b, t, -1, hd) for a in ins)
+            k_cache = jax.lax.dynamic_update_slice_in_dim(
+                k_cache, k.transpose(0, 2, 1, 3), start, axis=2
+            )
+            v_cache = jax.lax.dynamic_update_slice_in_dim(
+                v_cache, v.transpose(0, 2, 1, 3), start, axis=2
+            )
+            query_pos = start + jnp.broadcast_to(jnp.arange(t), (b, t))
+            scores, probs = (i.name for i in op.inner)
+            y = _attention(q, k_cache, v_cache, query_pos, start + t, tap, scores, probs)
+        elif op.kind == "add":
+            y = ins[0] + ins[1]
+        elif op.kind == "lut":
+            y = LUT_FUNCTIONS[op.fn](ins[0])
+        elif op.kind == "mul":
+            y = ins[0] * ins[1]
+        else:
+            raise ValueError(f"the float forward has no {op.kind!r} op in a layer")
+        env[op.out_name] = tap(op.out_name, y) if op.out is not None else y
+    return env[graph.layer[-1].out_name], k_cache, v_cache
 
 
 def lm_head_weight(params: Params) -> jax.Array:
@@ -199,6 +218,7 @@ def forward_tapped(
     taps: Taps | None = None,
     remat: bool = False,
     residual_rotation: jax.Array | None = None,
+    graph: Graph = GRAPH,
 ) -> tuple[jax.Array, KVCache, Any]:
     """Run `tokens` [B, T] at positions start..start+T-1, writing K/V into `cache`.
 
@@ -214,6 +234,7 @@ def forward_tapped(
     fake quantization and calibration statistics are all this one function.
     """
     b, t = tokens.shape
+    embed_op, _, norm_op, head_op = graph.model  # embed → layers → final norm → lm_head
     start = jnp.asarray(start, jnp.int32)
     state = tap_state if tap_state is not None else {"layers": None, "outer": None}
     outer_tap, outer_aux = taps.outer(state["outer"]) if taps else (no_tap, no_aux)
@@ -223,21 +244,25 @@ def forward_tapped(
         x = embed_rows(params["embed_tokens"], tokens)
     if residual_rotation is not None:
         x = x @ residual_rotation
-    x = outer_tap("embed_out", x)
+    x = outer_tap(embed_op.out_name, x)
     cos, sin = rope_cos_sin(start + jnp.broadcast_to(jnp.arange(t), (b, t)), cfg)
 
     def body(x: jax.Array, xs: tuple[Params, jax.Array, jax.Array, Any]) -> tuple[jax.Array, Any]:
         layer, k_cache, v_cache, layer_state = xs
         tap, aux = taps.layer(layer_state) if taps else (no_tap, no_aux)
-        x, k_cache, v_cache = _decoder_layer(cfg, x, layer, k_cache, v_cache, start, cos, sin, tap)
+        x, k_cache, v_cache = _decoder_layer(
+            cfg, x, layer, k_cache, v_cache, start, cos, sin, tap, graph
+        )
         return x, (k_cache, v_cache, aux())
 
     xs = (params["layers"], cache["k"], cache["v"], state["layers"])
     x, (k_new, v_new, layer_aux) = jax.lax.scan(jax.checkpoint(body) if remat else body, x, xs)
-    x = outer_tap("final_norm_out", rms_norm(x, params["norm"], cfg.rms_norm_eps))
+    x = outer_tap(norm_op.out_name, rms_norm(x, params[norm_op.gain], cfg.rms_norm_eps))
     if residual_rotation is not None:
         x = x @ residual_rotation.T
-    logits = linear(x, outer_tap("lm_head", lm_head_weight(params)))
+    logits = linear(
+        x, outer_tap(head_op.weight.name if head_op.weight else "", lm_head_weight(params))
+    )
     return logits, {"k": k_new, "v": v_new}, {"layers": layer_aux, **outer_aux()}
 
 
@@ -326,35 +351,32 @@ def generate(
     return out
 
 
-def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shape of each per-layer param, without the leading layer axis."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "input_layernorm": (d,),
-        "q_proj": (cfg.q_size, d),
-        "k_proj": (cfg.kv_size, d),
-        "v_proj": (cfg.kv_size, d),
-        "o_proj": (d, cfg.q_size),
-        "post_attention_layernorm": (d,),
-        "gate_proj": (f, d),
-        "up_proj": (f, d),
-        "down_proj": (d, f),
-    }
+def layer_param_shapes(cfg: ModelConfig, graph: Graph = GRAPH) -> dict[str, tuple[int, ...]]:
+    """Shape of each per-layer param, without the leading layer axis: the norms' gains, the
+    linears' weights [width(out), width(in)] and, with attention_bias, their biases."""
+    widths = layer_widths(cfg.dims, graph)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for op in graph.layer:
+        if op.gain:
+            shapes[op.gain] = (cfg.hidden_size,)
+        if op.kind == "linear":
+            shapes[op.weight_name] = (widths[op.out_name], widths[op.ins[0]])
     if cfg.attention_bias:
-        shapes |= {"q_bias": (cfg.q_size,), "k_bias": (cfg.kv_size,), "v_bias": (cfg.kv_size,)}
+        shapes |= {op.bias: shapes[op.weight_name][:1] for op in graph.ops("linear") if op.bias}
     return shapes
 
 
 def init_random_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
     """Random float32 params of the layout above (for tests and experiments on tiny models)."""
     shapes = layer_param_shapes(cfg)
+    gains = {op.gain for op in GRAPH.layer if op.gain}
     layer_key, embed_key, head_key = jax.random.split(key, 3)
     layers = {}
     for (name, shape), k in zip(
         shapes.items(), jax.random.split(layer_key, len(shapes)), strict=True
     ):
         noise = jax.random.normal(k, (cfg.num_layers, *shape))
-        layers[name] = 1.0 + 0.1 * noise if name.endswith("layernorm") else scale * noise
+        layers[name] = 1.0 + 0.1 * noise if name in gains else scale * noise
     params: Params = {
         "embed_tokens": jax.random.normal(embed_key, (cfg.vocab_size, cfg.hidden_size)),
         "layers": layers,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import KV_TENSORS
+from qnpu_jax.export.graph import ATTENTION_TENSORS, GRAPH, KV_TENSORS, PROBS, Graph, layer_widths
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import (
     Params,
@@ -33,10 +33,10 @@ from qnpu_jax.models.llama import (
 )
 from qnpu_jax.quant.fake_quant import dynamic_fake_quant, fake_quant, positive_scale
 from qnpu_jax.quant.init import update_range_stats
-from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, TensorQuant, is_weight
+from qnpu_jax.quant.plan import QuantPlan, TensorQuant, is_weight
+from qnpu_jax.quant.state import QuantState, state_key
 
 MODES = ("static", "dynamic")
-QuantState = dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ class FakeQuantTaps:
                 return x
             s = state[name]
             # qmin/qmax are traced per-layer arrays: per-layer bit-widths apply in every mode.
-            if self.mode == "dynamic" and name != "probs":
+            if self.mode == "dynamic" and name != PROBS:
                 bits = jnp.log2(s["qmax"] - s["qmin"] + 1.0)
                 return dynamic_fake_quant(x, bits, axis=-1)  # weights [out, in]: per out row
             scale, zero_point = s["scale"], s["zero_point"]
@@ -128,7 +128,7 @@ def effective_state(plan: QuantPlan, state: QuantState) -> QuantState:
     for path, tq in plan.entries:
         if not tq.learnable:
             continue
-        group, name = ("layers", path[7:]) if path.startswith("layers/") else ("outer", path)
+        group, name = state_key(path)
         entry = dict(out[group][name])
         entry["scale"] = positive_scale(entry["scale"])
         out[group][name] = entry
@@ -137,24 +137,12 @@ def effective_state(plan: QuantPlan, state: QuantState) -> QuantState:
 
 def _elements_per_scale(name: str, tq: TensorQuant, cfg: ModelConfig, x: jax.Array) -> int:
     """N of the LSQ gradient scale: elements sharing one scale within one sample (token)."""
-    if name in WEIGHTS or name in ("embed_tokens", "lm_head"):
+    if is_weight(name):  # a layer weight by its name, or embed_tokens / lm_head
         # per channel: one output row of `in` elements; per tensor: the whole weight
         return int(x.shape[-1]) if tq.axis is not None else int(x.size)
-    if name in ("scores", "probs"):  # [B, Hkv, G, T, S]: all heads' scores of one query
+    if name in ATTENTION_TENSORS:  # [B, Hkv, G, T, S]: all heads' scores of one query
         return cfg.num_heads * int(x.shape[-1])
-    widths = {
-        "q_out": cfg.q_size,
-        "q_rope": cfg.q_size,
-        "attn_out": cfg.q_size,
-        "k_out": cfg.kv_size,
-        "k_rope": cfg.kv_size,
-        "v_out": cfg.kv_size,
-        "gate_out": cfg.intermediate_size,
-        "silu_out": cfg.intermediate_size,
-        "up_out": cfg.intermediate_size,
-        "down_in": cfg.intermediate_size,
-    }
-    return widths.get(name, cfg.hidden_size)
+    return layer_widths(cfg.dims).get(name, cfg.hidden_size)
 
 
 def state_entry(
@@ -215,7 +203,7 @@ def _carry_state(taps: Any, state: Any, aux: Any) -> Any:
     return state
 
 
-@partial(jax.jit, static_argnames=("cfg", "taps", "prefix", "remat"))
+@partial(jax.jit, static_argnames=("cfg", "taps", "prefix", "remat", "graph"))
 def tapped_forward(
     params: Params,
     tap_state: Any,
@@ -226,6 +214,7 @@ def tapped_forward(
     prefix: tuple[int, ...] = (),
     remat: bool = False,
     residual_rotation: jax.Array | None = None,
+    graph: Graph = GRAPH,
 ) -> tuple[jax.Array, Any]:
     """Full-sequence forward under `taps`: logits [B, T, V] and the taps' auxiliary output.
 
@@ -252,6 +241,7 @@ def tapped_forward(
             cfg=cfg,
             taps=prefix_taps,
             residual_rotation=residual_rotation,
+            graph=graph,
         )
         if taps is not None:
             tap_state = _carry_state(taps, tap_state, prefix_aux)
@@ -266,11 +256,12 @@ def tapped_forward(
         taps=taps,
         remat=remat,
         residual_rotation=residual_rotation,
+        graph=graph,
     )
     return logits, aux
 
 
-@partial(jax.jit, static_argnames=("cfg", "taps", "prefix"))
+@partial(jax.jit, static_argnames=("cfg", "taps", "prefix", "graph"))
 def tapped_token_nll(
     params: Params,
     tap_state: Any,
@@ -279,17 +270,20 @@ def tapped_token_nll(
     cfg: ModelConfig,
     taps: Any,
     prefix: tuple[int, ...] = (),
+    graph: Graph = GRAPH,
 ) -> jax.Array:
     """Next-token NLL [B, T-1] of tokens[:, 1:] under `taps` (logits never leave the jit).
 
     With a `prefix` the first token is conditioned on it too, but it is still not scored, so
     runs with and without a prefix predict the same tokens.
     """
-    logits, _ = tapped_forward(params, tap_state, tokens, cfg=cfg, taps=taps, prefix=prefix)
+    logits, _ = tapped_forward(
+        params, tap_state, tokens, cfg=cfg, taps=taps, prefix=prefix, graph=graph
+    )
     return next_token_nll(logits, tokens)
 
 
-@partial(jax.jit, static_argnames=("cfg", "taps", "prefix"))
+@partial(jax.jit, static_argnames=("cfg", "taps", "prefix", "graph"))
 def tapped_nll_argmax(
     params: Params,
     tap_state: Any,
@@ -298,9 +292,12 @@ def tapped_nll_argmax(
     cfg: ModelConfig,
     taps: Any,
     prefix: tuple[int, ...] = (),
+    graph: Graph = GRAPH,
 ) -> tuple[jax.Array, jax.Array]:
     """NLL of tokens[:, 1:] and the argmax prediction at each of those positions [B, T-1]."""
-    logits, _ = tapped_forward(params, tap_state, tokens, cfg=cfg, taps=taps, prefix=prefix)
+    logits, _ = tapped_forward(
+        params, tap_state, tokens, cfg=cfg, taps=taps, prefix=prefix, graph=graph
+    )
     return next_token_nll(logits, tokens), jnp.argmax(logits[:, :-1], axis=-1)
 
 

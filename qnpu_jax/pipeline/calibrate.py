@@ -17,6 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import ATTENTION_TENSORS, GRAPH, Graph
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, lm_head_weight
 from qnpu_jax.models.quantized import (
@@ -42,6 +43,7 @@ from qnpu_jax.quant.plan import (
     TensorQuant,
     is_weight,
 )
+from qnpu_jax.quant.state import is_layer_path, state_key, with_entry
 
 Encoding = tuple[np.ndarray, np.ndarray]  # (scale, zero_point)
 
@@ -57,15 +59,15 @@ def _empty_stats(plan: QuantPlan, paths: frozenset[str], num_layers: int) -> dic
         tq = plan.get(path)
         assert tq is not None
         stats = init_range_stats((1,), num_bins=2048 if tq.init == "percentile" else 0)
-        if path.startswith("layers/"):
-            name = path.removeprefix("layers/")
+        group, name = state_key(path)
+        if group == "layers":
             layers[name] = jax.tree.map(lambda a: jnp.stack([a] * num_layers), stats)
         else:
-            outer[path] = stats
+            outer[name] = stats
     return {"layers": layers, "outer": outer}
 
 
-@partial(jax.jit, static_argnames=("cfg", "taps", "prefix"))
+@partial(jax.jit, static_argnames=("cfg", "taps", "prefix", "graph"))
 def _observe_step(
     params: Params,
     stats: Any,
@@ -74,8 +76,9 @@ def _observe_step(
     cfg: ModelConfig,
     taps: ObserveTaps,
     prefix: tuple[int, ...],
+    graph: Graph,
 ) -> Any:
-    _, aux = tapped_forward(params, stats, tokens, cfg=cfg, taps=taps, prefix=prefix)
+    _, aux = tapped_forward(params, stats, tokens, cfg=cfg, taps=taps, prefix=prefix, graph=graph)
     return aux
 
 
@@ -88,9 +91,11 @@ def collect_activation_stats(
     batch_size: int = 1,
     progress: bool = False,
     prefix: tuple[int, ...] = (),
+    graph: Graph = GRAPH,
 ) -> dict[str, Any]:
     """RangeStats of every calibrated activation of `plan` over `windows` [N, T] (each after
-    the sink `prefix`, whose K/V count towards the cache ranges)."""
+    the sink `prefix`, whose K/V count towards the cache ranges), the forward read from
+    `graph`."""
     paths = _observed_paths(plan)
     taps = ObserveTaps(paths)
     stats = _empty_stats(plan, paths, cfg.num_layers)
@@ -99,7 +104,7 @@ def collect_activation_stats(
     # The last batch may be smaller (one more compilation): every window counts once.
     for i in tqdm(range(0, len(windows), batch_size), desc="calibrate", disable=not progress):
         batch = jnp.asarray(windows[i : i + batch_size])
-        stats = _observe_step(params, stats, batch, cfg=cfg, taps=taps, prefix=prefix)
+        stats = _observe_step(params, stats, batch, cfg=cfg, taps=taps, prefix=prefix, graph=graph)
     return stats
 
 
@@ -173,7 +178,7 @@ def channel_absmax(
 ) -> dict[str, np.ndarray]:
     """Per-channel max |x| [L, C] of the per-layer activations `names` over `windows` [N, T]
     (after the sink `prefix`, which is not counted), on the same forward as the calibration."""
-    channels = tuple(n for n in LAYER_ACTIVATIONS if n not in ("scores", "probs"))
+    channels = tuple(n for n in LAYER_ACTIVATIONS if n not in ATTENTION_TENSORS)
     unknown = sorted(set(names) - set(channels))
     if unknown:  # scores/probs: the last axis is key position, with masked entries
         raise QnpuError(f"no channel ranges for {unknown}; known: {channels}")
@@ -235,8 +240,9 @@ def weight_encodings(params: Params, cfg: ModelConfig, plan: QuantPlan) -> dict[
     for path, tq in plan.entries:
         if not is_weight(path):
             continue
-        if path.startswith("layers/"):
-            stacked = params["layers"][path.removeprefix("layers/")]
+        group, name = state_key(path)
+        if group == "layers":
+            stacked = params["layers"][name]
             out[path] = _stack(
                 [_weight_encoding(path, stacked[i], tq, i) for i in range(cfg.num_layers)]
             )
@@ -255,11 +261,8 @@ def reencode_weight(
         raise QnpuError(f"{path} is not a weight")
     single = QuantPlan(((path, tq),), cfg.num_layers)
     scale, zero_point = weight_encodings(params, cfg, single)[path]
-    if path.startswith("layers/"):
-        entry = state_entry(tq, scale, zero_point, layers=cfg.num_layers)
-        return {**state, "layers": {**state["layers"], path.removeprefix("layers/"): entry}}
-    entry = state_entry(tq, scale, zero_point, layers=None)
-    return {**state, "outer": {**state["outer"], path: entry}}
+    layers = cfg.num_layers if is_layer_path(path) else None
+    return with_entry(state, path, state_entry(tq, scale, zero_point, layers=layers))
 
 
 def activation_encodings(
@@ -288,7 +291,7 @@ def build_state(plan: QuantPlan, cfg: ModelConfig, encodings: Mapping[str, Encod
     state: QuantState = {"layers": {}, "outer": {}}
     for path, tq in plan.entries:
         if tq.init == "fixed":  # softmax probabilities: p / (2^16 − 1)
-            shape = (cfg.num_layers,) if path.startswith("layers/") else ()
+            shape = (cfg.num_layers,) if is_layer_path(path) else ()
             enc = (
                 np.full(shape, 1.0 / PROBS_SCALE_DENOMINATOR, np.float32),
                 np.zeros(shape, np.float32),
@@ -297,11 +300,9 @@ def build_state(plan: QuantPlan, cfg: ModelConfig, encodings: Mapping[str, Encod
             enc = encodings[path]
         else:
             raise QnpuError(f"no encoding for {path}")
-        if path.startswith("layers/"):
-            name = path.removeprefix("layers/")
-            state["layers"][name] = state_entry(tq, *enc, layers=cfg.num_layers)
-        else:
-            state["outer"][path] = state_entry(tq, *enc, layers=None)
+        layers = cfg.num_layers if is_layer_path(path) else None
+        group, name = state_key(path)
+        state[group][name] = state_entry(tq, *enc, layers=layers)
     check_scales(
         {g: {name: entry["scale"] for name, entry in state[g].items()} for g in state},
         "calibrated scale",
@@ -318,11 +319,20 @@ def calibrate(
     batch_size: int = 1,
     progress: bool = False,
     prefix: tuple[int, ...] = (),
+    graph: Graph = GRAPH,
 ) -> QuantState:
     """Static encodings of every tensor in `plan`: weights from the weights, activations from
-    statistics of the float model over calibration `windows` (after the sink `prefix`)."""
+    statistics of the float model of `graph` over calibration `windows` (after the sink
+    `prefix`)."""
     stats = collect_activation_stats(
-        params, cfg, plan, windows, batch_size=batch_size, progress=progress, prefix=prefix
+        params,
+        cfg,
+        plan,
+        windows,
+        batch_size=batch_size,
+        progress=progress,
+        prefix=prefix,
+        graph=graph,
     )
     encodings = weight_encodings(params, cfg, plan) | activation_encodings(
         stats, plan, cfg.num_layers

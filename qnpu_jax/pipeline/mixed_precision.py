@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
 from qnpu_jax.models.quantized import CaptureTaps, tapped_forward
@@ -41,7 +42,8 @@ def relative_error_sum(
     return jnp.sum(err / (jnp.abs(x) + SENSITIVITY_EPS))
 
 
-SCANNED_TENSORS = ("down_in", "down_out")  # per-layer tensors whose bits the scan may raise
+# per-layer tensors whose bits the scan may raise (down_proj's input and output)
+SCANNED_TENSORS = (UNROTATED_INPUT, UNROTATED_OUTPUT)
 
 
 @partial(jax.jit, static_argnames=("cfg", "prefix", "name"))
@@ -126,7 +128,7 @@ def down_proj_sensitivity(
 ) -> SensitivityReport:
     """Eq. (4) for every layer's down_proj input (the paper's scan)."""
     return tensor_sensitivity(
-        params, cfg, windows, "down_in", bits=bits, batch_size=batch_size, prefix=prefix
+        params, cfg, windows, UNROTATED_INPUT, bits=bits, batch_size=batch_size, prefix=prefix
     )
 
 

@@ -17,7 +17,12 @@ from typing import Any
 import jax
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import LINEAR_OUTPUTS, ROTATED_INPUTS
+from qnpu_jax.export.graph import (
+    LINEAR_OUTPUTS,
+    ROTATED_INPUTS,
+    UNROTATED_INPUT,
+    UNROTATED_OUTPUT,
+)
 from qnpu_jax.pipeline.config import QuantizeConfig
 from qnpu_jax.pipeline.model import QuantizedModel
 from qnpu_jax.pipeline.steps import (
@@ -122,14 +127,14 @@ def _before_stage1(config: QuantizeConfig, rotated: bool) -> list[Step]:
         )
     )
     if config.mixed_precision > 0 and config.down_in_bits == 8:
-        steps.append(promote("down_in", config.mixed_precision))
+        steps.append(promote(UNROTATED_INPUT, config.mixed_precision))
     return steps
 
 
 def _after_stage1(config: QuantizeConfig) -> list[Step]:
     steps: list[Step] = []
     if config.down_out_mixed_precision > 0:  # a stage-2 tensor: scanned on the final model
-        steps.append(promote("down_out", config.down_out_mixed_precision))
+        steps.append(promote(UNROTATED_OUTPUT, config.down_out_mixed_precision))
     steps.append(calibrate())
     if config.weight_rounding == "gptq":
         steps.append(gptq(config.gptq_damp))
@@ -215,7 +220,7 @@ def build_plan(
         down_in_bits=config.down_in_bits,
         rules=plan_rules(config),
     )
-    promoted = [("down_in", down_in_bits), ("down_out", down_out_bits)]
+    promoted = [(UNROTATED_INPUT, down_in_bits), (UNROTATED_OUTPUT, down_out_bits)]
     return made.apply(
         [QuantRule(pattern=f"layers/{n}", layer_bits=b) for n, b in promoted if b is not None]
     )

@@ -35,6 +35,7 @@ from qnpu_jax.data import (
 )
 from qnpu_jax.environment import environment_info
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
@@ -195,7 +196,7 @@ def quantize(
         seconds[step.label] = time.perf_counter() - t0
         if step.name == "promote":
             name = step.args["tensor"]
-            file = "sensitivity.json" if name == "down_in" else f"sensitivity_{name}.json"
+            file = "sensitivity.json" if name == UNROTATED_INPUT else f"sensitivity_{name}.json"
             write_json_atomic(run_dir / file, model.steps[-1].info)
     model.save(run_dir)
 
@@ -239,8 +240,8 @@ def quantize(
         "eval_windows_cap": config.eval_windows,
         "calibration": {"data": config.calib_data, "windows": config.calib_windows},
         "stage1_steps": config.stage1.steps if trained else 0,
-        "sensitivity": model.step_info("promote", tensor="down_in"),
-        "down_out_sensitivity": model.step_info("promote", tensor="down_out"),
+        "sensitivity": model.step_info("promote", tensor=UNROTATED_INPUT),
+        "down_out_sensitivity": model.step_info("promote", tensor=UNROTATED_OUTPUT),
         "perplexity": results,
         "seconds": seconds,
         "resumed": resume,

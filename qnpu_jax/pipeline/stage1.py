@@ -32,6 +32,7 @@ from qnpu_jax.models.llama import Params, next_token_nll
 from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, tapped_forward
 from qnpu_jax.quant.fake_quant import log_to_scale, positive_scale, scale_to_log
 from qnpu_jax.quant.plan import QuantPlan
+from qnpu_jax.quant.state import state_key
 from qnpu_jax.rotation import cayley_sgd
 from qnpu_jax.transforms import apply_rotations
 
@@ -98,7 +99,7 @@ def learnable_scales(
     for path, tq in plan.entries:
         if not tq.learnable:
             continue
-        group, name = ("layers", path[7:]) if path.startswith("layers/") else ("outer", path)
+        group, name = state_key(path)
         entry = state[group][name]
         scale = entry["scale"]
         out[group][name] = {"scale": scale_to_log(scale) if scale_param == "log" else scale}

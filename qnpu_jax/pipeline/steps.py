@@ -20,7 +20,13 @@ import jax
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import KV_TENSORS, LINEAR_IO, LINEAR_OUTPUTS, ROTATED_INPUTS
+from qnpu_jax.export.graph import (
+    KV_TENSORS,
+    LINEAR_IO,
+    LINEAR_OUTPUTS,
+    SMOOTHED_LINEARS,
+    UNROTATED_INPUT,
+)
 from qnpu_jax.pipeline.calibrate import calibrate as calibrate_state
 from qnpu_jax.pipeline.calibrate import channel_absmax
 from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits, tensor_sensitivity
@@ -37,8 +43,6 @@ from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, QuantRule, default_plan
 from qnpu_jax.transforms import fuse_norms as fuse_norm_weights
 from qnpu_jax.transforms import randomized_hadamard_rotations, smoothing_scales
 
-# the one linear input no rotation reaches (down_proj's, a product of two linear outputs)
-(UNROTATED_INPUT,) = (i for i, _ in LINEAR_IO.values() if i not in ROTATED_INPUTS)
 # the linears' weights and inputs: the tensors stage 1 quantizes (and learns)
 STAGE1_TENSORS = (*WEIGHTS, *dict.fromkeys(i for i, _ in LINEAR_IO.values()))
 
@@ -147,8 +151,9 @@ def smooth_mlp(alpha: float) -> Step:
         if m.transforms.mlp_smoothing is not None:
             raise QnpuError("smooth_mlp: the model is smoothed already")
         params = m.params()
-        absmax = channel_absmax(params, m.cfg, data.windows, ("down_in",), prefix=m.prefix)
-        scales = smoothing_scales(absmax["down_in"], params["layers"]["down_proj"], alpha)
+        x = UNROTATED_INPUT
+        absmax = channel_absmax(params, m.cfg, data.windows, (x,), prefix=m.prefix)
+        scales = smoothing_scales(absmax[x], params["layers"][SMOOTHED_LINEARS[1]], alpha)
         t = m.transforms.replace(mlp_smoothing=scales, mlp_smoothing_alpha=float(alpha))
         return m.replace(transforms=t), None
 
@@ -225,7 +230,7 @@ def stage1_plan(
             continue
         learnable = learn and (path != f"layers/{UNROTATED_INPUT}" or learn_down_in)
         entries.append((path, dataclasses.replace(tq, learnable=learnable)))
-    return QuantPlan(tuple(entries), plan.num_layers)
+    return QuantPlan(tuple(entries), plan.num_layers, plan.graph)
 
 
 def stage1(

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from qnpu_jax.export.graph import LINEAR_IO
+from qnpu_jax.export.graph import LINEAR_IO, layer_widths
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
 from qnpu_jax.models.quantized import FakeQuantTaps, HessianTaps, QuantState, tapped_forward
@@ -62,10 +62,10 @@ def collect_hessians(
     with x as the fake-quant model feeds it to the linear."""
     names = frozenset(LINEAR_INPUT[n] for n in rounded_weights(plan))
     taps = HessianTaps(FakeQuantTaps(plan), names)
-    widths = {"down_in": cfg.intermediate_size, "attn_out": cfg.q_size}
+    widths = layer_widths(cfg.dims)
     totals = {}
     for name in sorted(names):
-        width = widths.get(name, cfg.hidden_size)
+        width = widths[name]
         totals[name] = jnp.zeros((cfg.num_layers, width, width), jnp.float32)
     for i in tqdm(range(len(windows)), desc="gptq hessians", disable=not progress):
         tokens = jnp.asarray(windows[i : i + 1])

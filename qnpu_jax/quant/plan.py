@@ -18,29 +18,32 @@ import re
 from collections.abc import Iterable, Sequence
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import LAYER_ACTS, LINEARS
+from qnpu_jax.export.graph import GRAPH, LAYER_ACTS, LINEARS, PROBS, Graph, Tensor
 from qnpu_jax.quant.spec import QuantSpec, qrange
+from qnpu_jax.quant.state import is_layer_path
 
 INIT_METHODS = ("max_min", "mean_std", "percentile", "mse", "fixed")
 
-# (path, kind, role) in graph order; role picks the default precision.
-WEIGHTS = LINEARS  # the decoder layer's weights, from the graph description
-LAYER_ACTIVATIONS = LAYER_ACTS  # its activations with an encoding, in graph order
-GLOBAL_TENSORS = ("embed_tokens", "embed_out", "final_norm_out", "lm_head")
+# The tensors of the shipped graph (`export.graph.GRAPH`), in graph order.
+WEIGHTS = LINEARS  # the decoder layer's weights
+LAYER_ACTIVATIONS = LAYER_ACTS  # its activations with an encoding
+GLOBAL_TENSORS = tuple(t.name for t in GRAPH.global_tensors)  # embedding, final norm, lm_head
 # A probability code p means p / (2^16 − 1): the integer softmax's fixed output encoding.
 PROBS_SCALE_DENOMINATOR = 2**16 - 1
 
 
-def all_paths() -> tuple[str, ...]:
+def all_paths(graph: Graph = GRAPH) -> tuple[str, ...]:
+    """Every plan path of `graph`: `layers/NAME` per layer tensor, then the global ones."""
     return (
-        *(f"layers/{n}" for n in WEIGHTS),
-        *(f"layers/{n}" for n in LAYER_ACTIVATIONS),
-        *GLOBAL_TENSORS,
+        *(f"layers/{t.name}" for t in graph.layer_tensors),
+        *(t.name for t in graph.global_tensors),
     )
 
 
-def is_weight(path: str) -> bool:
-    return path.removeprefix("layers/") in WEIGHTS or path in ("embed_tokens", "lm_head")
+def is_weight(path: str, graph: Graph = GRAPH) -> bool:
+    weights = {t.name for t in graph.layer_weights}
+    globals_ = {op.weight.name for op in graph.model if op.weight is not None}
+    return path.removeprefix("layers/") in weights or path in globals_
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,6 +127,7 @@ class QuantPlan:
 
     entries: tuple[tuple[str, TensorQuant], ...]
     num_layers: int
+    graph: Graph = dataclasses.field(default=GRAPH, repr=False)  # whose tensors it quantizes
 
     def __post_init__(self) -> None:
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int):
@@ -135,7 +139,7 @@ class QuantPlan:
             raise QnpuError("a plan lists some tensor path twice")
         # Canonical order: equal plans compare and hash equal (one jit compilation).
         object.__setattr__(self, "entries", tuple(sorted(self.entries, key=lambda e: e[0])))
-        known = set(all_paths())
+        known = set(all_paths(self.graph))
         for path, tq in self.entries:
             if path not in known:
                 raise QnpuError(f"unknown tensor path {path!r} in plan")
@@ -181,9 +185,9 @@ class QuantPlan:
     def apply(self, rules: Iterable[QuantRule]) -> QuantPlan:
         """A new plan with `rules` applied in order; a rule matching nothing is an error."""
         table = dict(self.entries)
-        defaults = dict(_default_table(8, 8, 8, 8))
+        defaults = dict(_default_table(8, 8, 8, 8, self.graph))
         for rule in rules:
-            matched = [p for p in all_paths() if rule.matches(p)]
+            matched = [p for p in all_paths(self.graph) if rule.matches(p)]
             if not matched:
                 raise QnpuError(
                     f"rule pattern {rule.pattern!r} matches no tensor; paths look like "
@@ -202,13 +206,13 @@ class QuantPlan:
                 if rule.axis != -1:
                     changes["axis"] = rule.axis
                 table[path] = dataclasses.replace(base, **changes)
-        return QuantPlan(tuple(sorted(table.items())), self.num_layers)
+        return QuantPlan(tuple(sorted(table.items())), self.num_layers, self.graph)
 
 
 def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
     name = path.removeprefix("layers/")
     if tq.layer_bits is not None:
-        if not path.startswith("layers/"):
+        if not is_layer_path(path):
             raise QnpuError(f"{path}: per-layer bits apply to layers/ tensors only")
         if len(tq.layer_bits) != num_layers:
             raise QnpuError(
@@ -216,7 +220,7 @@ def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
             )
     if not is_weight(path) and tq.axis is not None:
         raise QnpuError(f"{path}: static activations are per-tensor (axis must be None)")
-    if name == "probs":
+    if name == PROBS:
         if tq.signed or tq.init != "fixed" or tq.bits != 16 or tq.layer_bits is not None:
             raise QnpuError(
                 f"{path}: softmax probabilities use the fixed unsigned 16-bit encoding of the "
@@ -240,42 +244,25 @@ def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
         raise QnpuError(f"{path}: per-row percentile histograms of the vocabulary are too large")
 
 
+def _default_quant(t: Tensor, weight: bool, bits_of: dict[str, int]) -> TensorQuant:
+    """DESIGN.md §3: a tensor's default quantizer from its role in the graph; weights are
+    per output channel (the embedding table per row)."""
+    if t.bits == "probs":
+        return TensorQuant(bits=16, signed=False, init="fixed")
+    bits = bits_of[t.bits] if t.bits in bits_of else int(t.bits)
+    return TensorQuant(bits=bits, axis=0 if weight else None)
+
+
 def _default_table(
-    w_bits: int, a_bits: int, kv_bits: int, down_in_bits: int
+    w_bits: int, a_bits: int, kv_bits: int, down_in_bits: int, graph: Graph = GRAPH
 ) -> list[tuple[str, TensorQuant]]:
-    sixteen = TensorQuant(bits=16)
-    eight = TensorQuant(bits=8)
-    table: list[tuple[str, TensorQuant]] = [
-        (f"layers/{w}", TensorQuant(bits=w_bits, axis=0)) for w in WEIGHTS
+    bits_of = {"weight": w_bits, "act": a_bits, "kv": kv_bits, "down_in": down_in_bits}
+    paths = all_paths(graph)
+    tensors = (*graph.layer_tensors, *graph.global_tensors)
+    return [
+        (p, _default_quant(t, is_weight(p, graph), bits_of))
+        for p, t in zip(paths, tensors, strict=True)
     ]
-    per_name = {
-        "attn_in": TensorQuant(bits=a_bits),
-        "attn_out": TensorQuant(bits=a_bits),
-        "mlp_in": TensorQuant(bits=a_bits),
-        "q_out": eight,
-        "k_out": eight,
-        "v_out": TensorQuant(bits=kv_bits),
-        "q_rope": eight,
-        "k_rope": TensorQuant(bits=kv_bits),
-        "scores": sixteen,
-        "probs": TensorQuant(bits=16, signed=False, init="fixed"),
-        "o_out": eight,
-        "resid_attn": sixteen,
-        "gate_out": sixteen,  # D.2: SiLU input has a non-zero mean; keep it wide
-        "silu_out": sixteen,
-        "up_out": eight,
-        "down_in": TensorQuant(bits=down_in_bits),
-        "down_out": eight,
-        "resid_mlp": sixteen,
-    }
-    table += [(f"layers/{n}", per_name[n]) for n in LAYER_ACTIVATIONS]
-    table += [
-        ("embed_tokens", TensorQuant(bits=8, axis=0)),  # per row
-        ("embed_out", sixteen),
-        ("final_norm_out", sixteen),
-        ("lm_head", TensorQuant(bits=8, axis=0)),
-    ]
-    return table
 
 
 def default_plan(
@@ -286,17 +273,19 @@ def default_plan(
     kv_bits: int = 8,
     down_in_bits: int = 8,
     rules: Sequence[QuantRule] = (),
+    graph: Graph = GRAPH,
 ) -> QuantPlan:
-    """DESIGN.md §3's table at W`w_bits` A`a_bits` KV`kv_bits`, then `rules`."""
-    table = _default_table(w_bits, a_bits, kv_bits, down_in_bits)
-    return QuantPlan(tuple(sorted(table)), num_layers).apply(rules)
+    """DESIGN.md §3's table at W`w_bits` A`a_bits` KV`kv_bits` for the tensors of `graph`,
+    then `rules`."""
+    table = _default_table(w_bits, a_bits, kv_bits, down_in_bits, graph)
+    return QuantPlan(tuple(sorted(table)), num_layers, graph).apply(rules)
 
 
 def uniform_plan(num_layers: int, bits: int) -> QuantPlan:
     """Every tensor (but the fixed-encoding probabilities) at `bits` — e.g. the 16-bit check."""
     plan = default_plan(num_layers)
     entries = tuple(
-        (p, tq if p == "layers/probs" else dataclasses.replace(tq, bits=bits))
+        (p, tq if p == f"layers/{PROBS}" else dataclasses.replace(tq, bits=bits))
         for p, tq in plan.entries
     )
     return QuantPlan(entries, num_layers)

@@ -20,14 +20,14 @@ import jax
 import jax.numpy as jnp
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import LINEAR_BIAS, NORM_READERS, O_LINEAR, RESIDUAL_WRITERS, V_LINEAR
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import lm_head_weight
 from qnpu_jax.rotation import random_hadamard
 
 Params = dict[str, Any]
 
-_READS_RESIDUAL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_WRITES_RESIDUAL = ("o_proj", "down_proj")
+_READS_RESIDUAL = tuple(w for readers in NORM_READERS.values() for w in readers)
 
 
 def fuse_norms(params: Params, cfg: ModelConfig) -> Params:
@@ -36,14 +36,12 @@ def fuse_norms(params: Params, cfg: ModelConfig) -> Params:
     The final norm folds into lm_head, so tied embeddings are untied (lm_head = E·diag(g)).
     """
     layers = dict(params["layers"])
-    g_attn = layers["input_layernorm"][:, None, :]  # [L, 1, D]: scales the `in` axis
-    g_mlp = layers["post_attention_layernorm"][:, None, :]
-    for name in ("q_proj", "k_proj", "v_proj"):
-        layers[name] = layers[name] * g_attn
-    for name in ("gate_proj", "up_proj"):
-        layers[name] = layers[name] * g_mlp
-    layers["input_layernorm"] = jnp.ones_like(layers["input_layernorm"])
-    layers["post_attention_layernorm"] = jnp.ones_like(layers["post_attention_layernorm"])
+    for gain, readers in NORM_READERS.items():
+        g = layers[gain][:, None, :]  # [L, 1, D]: scales the `in` axis
+        for name in readers:
+            layers[name] = layers[name] * g
+    for gain in NORM_READERS:
+        layers[gain] = jnp.ones_like(layers[gain])
     head = lm_head_weight(params)
     out = dict(params)
     out["layers"] = layers
@@ -54,11 +52,7 @@ def fuse_norms(params: Params, cfg: ModelConfig) -> Params:
 
 def norms_are_fused(params: Params) -> bool:
     """True when every norm weight is exactly one (eager check, not for use under jit)."""
-    leaves = [
-        params["norm"],
-        params["layers"]["input_layernorm"],
-        params["layers"]["post_attention_layernorm"],
-    ]
+    leaves = [params["norm"], *(params["layers"][gain] for gain in NORM_READERS)]
     return all(bool(jnp.all(leaf == 1.0)) for leaf in leaves)
 
 
@@ -92,7 +86,7 @@ def apply_rotations(
         _check_rotation(r1, (cfg.hidden_size, cfg.hidden_size), "R1")
         for name in _READS_RESIDUAL:
             layers[name] = layers[name] @ r1
-        for name in _WRITES_RESIDUAL:
+        for name in RESIDUAL_WRITERS:
             layers[name] = jnp.einsum("ji,ljk->lik", r1, layers[name])
         if tables:
             out["embed_tokens"] = params["embed_tokens"] @ r1
@@ -101,13 +95,14 @@ def apply_rotations(
         hd = cfg.head_dim
         _check_rotation(r2, (cfg.num_layers, hd, hd), "R2")
         n, d = cfg.num_layers, cfg.hidden_size
-        v = layers["v_proj"].reshape(n, cfg.num_kv_heads, hd, d)
-        layers["v_proj"] = jnp.einsum("lji,lhjd->lhid", r2, v).reshape(n, cfg.kv_size, d)
-        if "v_bias" in layers:
-            vb = layers["v_bias"].reshape(n, cfg.num_kv_heads, hd)
-            layers["v_bias"] = jnp.einsum("lhj,lji->lhi", vb, r2).reshape(n, cfg.kv_size)
-        o = layers["o_proj"].reshape(n, d, cfg.num_heads, hd)
-        layers["o_proj"] = jnp.einsum("ldhj,lji->ldhi", o, r2).reshape(n, d, cfg.q_size)
+        v = layers[V_LINEAR].reshape(n, cfg.num_kv_heads, hd, d)
+        layers[V_LINEAR] = jnp.einsum("lji,lhjd->lhid", r2, v).reshape(n, cfg.kv_size, d)
+        v_bias = LINEAR_BIAS.get(V_LINEAR)
+        if v_bias in layers:
+            vb = layers[v_bias].reshape(n, cfg.num_kv_heads, hd)
+            layers[v_bias] = jnp.einsum("lhj,lji->lhi", vb, r2).reshape(n, cfg.kv_size)
+        o = layers[O_LINEAR].reshape(n, d, cfg.num_heads, hd)
+        layers[O_LINEAR] = jnp.einsum("ldhj,lji->ldhi", o, r2).reshape(n, d, cfg.q_size)
     out["layers"] = layers
     return out
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import SMOOTHED_LINEARS
 
 Params = dict[str, Any]
 
@@ -52,7 +53,8 @@ def smooth_mlp(params: Params, scales: ArrayLike) -> Params:
     """Fold s [L, I] into up_proj (rows / s) and down_proj (columns * s); model-equivalent."""
     layers = dict(params["layers"])
     s = jnp.asarray(scales, jnp.float32)
-    up, down = layers["up_proj"], layers["down_proj"]  # [L, I, D], [L, D, I]
+    up_name, down_name = SMOOTHED_LINEARS
+    up, down = layers[up_name], layers[down_name]  # [L, I, D], [L, D, I]
     if s.shape != up.shape[:2] or s.shape != (down.shape[0], down.shape[2]):
         raise QnpuError(
             f"smoothing scales of shape {s.shape} do not match up_proj {up.shape} / "
@@ -60,8 +62,8 @@ def smooth_mlp(params: Params, scales: ArrayLike) -> Params:
         )
     if not bool(jnp.all(jnp.isfinite(s) & (s > 0))):
         raise QnpuError("smoothing scales must be finite and positive")
-    layers["up_proj"] = (up / s[:, :, None]).astype(up.dtype)
-    layers["down_proj"] = (down * s[:, None, :]).astype(down.dtype)
+    layers[up_name] = (up / s[:, :, None]).astype(up.dtype)
+    layers[down_name] = (down * s[:, None, :]).astype(down.dtype)
     out = dict(params)
     out["layers"] = layers
     return out

@@ -1,0 +1,338 @@
+"""An artifact read back for execution: the validated integer model every engine runs.
+
+`load_int_model` reads an artifact directory (hashes, dtypes, shapes), checks that its graph is
+the one the engines implement (op list, activation tables, fixed-point constants) and returns an
+`IntModel`. Numpy only: the emulator imports it and must never pull in JAX.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
+
+import numpy as np
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.artifact import Artifact, read_artifact
+from qnpu_jax.export.graph import (
+    FORMAT_GRAPH,
+    GLOBAL_ACTS,
+    GRAPH,
+    LAYER_ACTS,
+    LOGITS_SCALE,
+    NORM_FRACTION_BITS,
+    NORM_UNIT_BITS,
+    OPS,
+    ROPE_FRACTION_BITS,
+    check_generation_room,
+    check_room,
+    expected_tensors,
+    graph_ops,
+    nll_from_logit_codes,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class IntModel:
+    """A validated artifact: model config, graph description and integer tensors."""
+
+    path: Path
+    model: dict[str, Any]
+    graph: dict[str, Any]
+    tensors: dict[str, np.ndarray]
+    tokenizer: dict[str, Any]
+    files: dict[str, bytes]
+    source: dict[str, Any] = dataclasses.field(default_factory=dict)
+    _operands: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model["num_layers"])
+
+    def t(self, name: str) -> np.ndarray:
+        return self.tensors[name]
+
+    def weight_operand(self, prefix: str, layer: int | None) -> tuple[np.ndarray, float]:
+        """`prefix.weight` (of one layer) as float64 integers and its max |w|, converted once
+        per model: a decode step would otherwise convert every weight again (≈1 GB for
+        SmolLM2-135M, the size of this cache)."""
+        name = prefix + ".weight"
+        if name not in self._operands:
+            w = self.t(name)
+            axes = tuple(range(1, w.ndim)) if name.startswith("layers.") else None
+            self._operands[name] = (w.astype(np.float64), np.abs(w).max(axis=axes))
+        w64, absmax = self._operands[name]
+        if layer is None:
+            return w64, float(absmax)
+        return w64[layer], float(absmax[layer])
+
+
+def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], where: str) -> None:
+    """The graph is the one this emulator implements and every tensor has its shape/dtype."""
+    graph = manifest.get("graph")
+    model = manifest.get("model")
+    if not isinstance(graph, dict) or not isinstance(model, dict):
+        raise QnpuError(f"{where}: manifest lacks the 'graph' or 'model' section")
+    if graph.get("format") != FORMAT_GRAPH:
+        raise QnpuError(
+            f"{where}: graph format {graph.get('format')!r} is not supported (this version "
+            f"runs {FORMAT_GRAPH}); export the run again with this version"
+        )
+    ops = graph.get("ops")
+    if not isinstance(ops, dict):
+        raise QnpuError(f"{where}: graph has no op list")
+    for part in ("model", "layer"):
+        for op in ops.get(part) or []:
+            if not isinstance(op, dict) or op.get("op") not in OPS:
+                kind = op.get("op") if isinstance(op, dict) else op
+                raise QnpuError(f"{where}: unknown op {kind!r} in the {part} op list")
+    if ops != graph_ops():
+        raise QnpuError(f"{where}: the op list differs from graph {FORMAT_GRAPH}")
+    if list(graph.get("layer_activations", [])) != list(LAYER_ACTS) or list(
+        graph.get("global_activations", [])
+    ) != list(GLOBAL_ACTS):
+        raise QnpuError(f"{where}: activation tables differ from graph {FORMAT_GRAPH}")
+    _check_constants(manifest, where)
+    try:
+        expected = expected_tensors(model, graph)
+    except (KeyError, TypeError) as e:
+        raise QnpuError(f"{where}: incomplete model config or graph: {e}") from e
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise QnpuError(f"{where}: tensors missing from the artifact: {', '.join(missing)}")
+    for name, (shape, dtypes) in expected.items():
+        a = tensors[name]
+        ok = len(a.shape) == len(shape) and all(
+            s is None or s == t for s, t in zip(shape, a.shape, strict=True)
+        )
+        if not ok:
+            raise QnpuError(f"{where}: tensor {name} has shape {a.shape}, expected {shape}")
+        if a.dtype.name not in dtypes:
+            raise QnpuError(f"{where}: tensor {name} has dtype {a.dtype}, expected {dtypes}")
+    for op in GRAPH.ops("lut"):
+        j = LAYER_ACTS.index(op.ins[0])
+        span = tensors["layers.act.qmax"][:, j] - tensors["layers.act.qmin"][:, j] + 1
+        if (span != tensors[f"{op.const}.lut"].shape[1]).any():
+            raise QnpuError(
+                f"{where}: {op.const}.lut's length does not match the {op.ins[0]} range"
+            )
+
+
+# The fixed-point constants of graph FORMAT_GRAPH: part of the contract, not of an export.
+CONTRACT_CONSTANTS = {
+    "norm_fraction_bits": NORM_FRACTION_BITS,
+    "norm_unit_bits": NORM_UNIT_BITS,
+    "rope_fraction_bits": ROPE_FRACTION_BITS,
+    "logits_scale": LOGITS_SCALE,
+}
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_constants(manifest: dict[str, Any], where: str) -> None:
+    """Every number the engines read from the manifest (beyond tensor shapes) is the contract's
+    or lies in the range the tensors and the model config allow."""
+    graph, model = manifest["graph"], manifest["model"]
+    for key, value in CONTRACT_CONSTANTS.items():
+        got = graph.get(key)
+        if type(got) is not type(value) or got != value:
+            raise QnpuError(
+                f"{where}: graph {key} is {got!r}; graph {FORMAT_GRAPH} fixes it at {value!r}"
+            )
+    vocab, positions = model.get("vocab_size"), model.get("max_position_embeddings")
+    if not _is_int(vocab) or vocab < 1 or not _is_int(positions) or positions < 1:
+        raise QnpuError(f"{where}: model config lacks a valid vocab_size / max_position_embeddings")
+    max_context, chunk = graph.get("max_context"), graph.get("prefill_chunk")
+    if not _is_int(max_context) or not 1 <= max_context <= positions:
+        raise QnpuError(
+            f"{where}: graph max_context {max_context!r} is not in 1..{positions} (the model's "
+            "max_position_embeddings)"
+        )
+    prefix = graph.get("prefix_tokens")
+    if not isinstance(prefix, list) or not all(_is_int(t) and 0 <= t < vocab for t in prefix):
+        raise QnpuError(f"{where}: graph prefix_tokens must be a list of token ids < {vocab}")
+    if not _is_int(chunk) or not 1 <= chunk <= max_context - len(prefix):
+        raise QnpuError(
+            f"{where}: graph prefill_chunk {chunk!r} is not in 1..{max_context - len(prefix)} "
+            "(the context after the sink prefix)"
+        )
+    tokenizer = manifest.get("tokenizer") or {}
+    for key in ("bos_token_id", "eos_token_id"):
+        tid = tokenizer.get(key)
+        if tid is not None and (not _is_int(tid) or not 0 <= tid < vocab):
+            raise QnpuError(f"{where}: tokenizer {key} {tid!r} is not a token id < {vocab}")
+
+
+def load_int_model(path: Path | str) -> IntModel:
+    """Read and validate an artifact directory (hashes, dtypes, shapes, op list)."""
+    art: Artifact = read_artifact(Path(path))
+    validate_graph(art.manifest, art.tensors, str(path))
+    tensors = {k: np.ascontiguousarray(v).reshape(v.shape) for k, v in art.tensors.items()}
+    return IntModel(
+        art.path,
+        dict(art.manifest["model"]),
+        dict(art.manifest["graph"]),
+        tensors,
+        dict(art.manifest.get("tokenizer") or {}),
+        dict(art.files),
+        dict(art.manifest.get("source") or {}),
+    )
+
+
+def artifact_tokenizer(model: IntModel) -> Any:
+    """The tokenizer stored in the artifact (tokenizer.json + the manifest's BOS/EOS ids)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from qnpu_jax.models.tokenizer import Tokenizer
+
+    name = model.tokenizer.get("file")
+    if not name or name not in model.files:
+        raise QnpuError(f"artifact {model.path} holds no tokenizer")
+    try:
+        backend = HFTokenizer.from_str(model.files[name].decode())
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+        raise QnpuError(f"artifact {model.path}: unreadable tokenizer: {e}") from e
+    info = model.tokenizer
+    return Tokenizer(backend, info.get("bos_token_id"), info.get("eos_token_id"))
+
+
+# ------------------------------------------------------------------ the engine interface
+
+
+class KVCache(Protocol):
+    """An engine's integer K/V cache: codes [L, B, Hkv, max_context, hd] and the number of
+    filled positions (a frozen dataclass with these three fields)."""
+
+    @property
+    def k(self) -> Any: ...
+    @property
+    def v(self) -> Any: ...
+    @property
+    def length(self) -> int: ...
+
+
+C = TypeVar("C", bound=KVCache)
+
+
+def check_tokens(tokens: Any, vocab_size: int) -> np.ndarray:
+    """Token ids [batch>0, length>0] of integers in [0, vocab_size), as int32."""
+    a = np.asarray(tokens)
+    if a.ndim != 2 or a.shape[0] == 0 or a.shape[1] == 0:
+        raise QnpuError(f"expected token ids [batch>0, length>0], got shape {a.shape}")
+    if not np.issubdtype(a.dtype, np.integer):
+        raise QnpuError(f"token ids must be integers, got {a.dtype}")
+    if a.min() < 0 or a.max() >= vocab_size:
+        raise QnpuError(f"token ids must be in [0, {vocab_size})")
+    return a.astype(np.int32)
+
+
+class IntegerEngine(abc.ABC, Generic[C]):
+    """An artifact's integer model behind its primitives (`new_cache`, `run_chunk`); chunked
+    prefill, NLL and greedy decoding are written once here, so every engine (the numpy
+    emulator, the JAX integer forward) drives its primitive the same way."""
+
+    model: IntModel
+
+    @abc.abstractmethod
+    def new_cache(self, batch: int) -> C:
+        """An empty cache holding the sink prefix's K/V at positions 0..P-1."""
+
+    @abc.abstractmethod
+    def run_chunk(self, tokens: np.ndarray, cache: KVCache) -> tuple[np.ndarray, C]:
+        """Integer logits [B, T, V] (int32 codes) of `tokens` [B, T] placed after the cache's
+        filled positions, and a new cache with their K/V written; `cache` is left as it was
+        (any engine's cache is accepted)."""
+
+    @abc.abstractmethod
+    def _own(self, cache: KVCache) -> C:
+        """A cache of this engine's kind, equal to `cache`, that the driver may write into."""
+
+    def _extend(self, tokens: np.ndarray, cache: C) -> tuple[np.ndarray, C]:
+        """`run_chunk` on a cache the driver owns: an engine may write into its buffers."""
+        return self.run_chunk(tokens, cache)
+
+    def prefill(self, tokens: Any, cache: KVCache | None = None) -> tuple[np.ndarray, C]:
+        """Run `tokens` [B, T] in chunks of `prefill_chunk`, the last one padded with token 0
+        (its outputs dropped, its K/V slots past the returned length) unless it would run past
+        the maximum context: one compiled shape on the device, the same codes as one call."""
+        ids = check_tokens(tokens, int(self.model.model["vocab_size"]))
+        batch, n = ids.shape
+        own = self._own(cache) if cache is not None else self.new_cache(batch)
+        if np.shape(own.k)[1] != batch:
+            raise QnpuError(f"the cache holds batch {np.shape(own.k)[1]}, the tokens {batch}")
+        chunk, limit = int(self.model.graph["prefill_chunk"]), int(self.model.graph["max_context"])
+        check_room(own.length, n, limit)
+        pieces = []
+        for s in range(0, n, chunk):
+            part = ids[:, s : s + chunk]
+            real = part.shape[1]
+            if real < chunk and own.length + chunk <= limit:
+                part = np.pad(part, ((0, 0), (0, chunk - real)))
+            logits, own = self._extend(part, own)
+            pieces.append(logits[:, :real])
+            own = dataclasses.replace(own, length=own.length - (part.shape[1] - real))  # type: ignore[type-var]
+        return np.concatenate(pieces, axis=1), own
+
+    def logits_to_float(self, codes: np.ndarray) -> np.ndarray:
+        return np.asarray(codes).astype(np.float64) * float(self.model.graph["logits_scale"])
+
+    def token_nll(self, tokens: Any) -> np.ndarray:
+        """Next-token NLL [B, T-1] of tokens[:, 1:], each sequence after the sink prefix."""
+        codes, _ = self.prefill(tokens)
+        return nll_from_logit_codes(codes, np.asarray(tokens), self.model.graph["logits_scale"])
+
+    def token_nll_argmax(self, tokens: Any) -> tuple[np.ndarray, np.ndarray]:
+        """NLL of tokens[:, 1:] and the greedy prediction at each of those positions [B, T-1]."""
+        codes, _ = self.prefill(tokens)
+        nll = nll_from_logit_codes(codes, np.asarray(tokens), self.model.graph["logits_scale"])
+        return nll, np.argmax(codes[:, :-1], axis=-1)
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        eos_token_id: int | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> list[int]:
+        """Greedy decoding (argmax ties → lowest id): the prompt through `prefill`, then one
+        one-token chunk per new token into the same cache."""
+        if not prompt:
+            raise QnpuError("the prompt is empty")
+        graph = self.model.graph
+        check_generation_room(
+            len(graph["prefix_tokens"]), len(prompt), max_new_tokens, graph["max_context"]
+        )
+        codes, cache = self.prefill(np.asarray([list(prompt)]))
+        out: list[int] = []
+        token = int(np.argmax(codes[0, -1]))
+        while True:
+            out.append(token)
+            if on_token:
+                on_token(token)
+            if token == eos_token_id or len(out) == max_new_tokens:
+                return out
+            codes, cache = self._extend(np.asarray([[token]], np.int32), cache)
+            token = int(np.argmax(codes[0, -1]))
+
+
+ENGINES = ("emulator", "jax")
+
+
+def open_engine(name: str, model: IntModel) -> IntegerEngine[Any]:
+    """The integer engine `name` (one of ENGINES) over a loaded artifact."""
+    if name == "emulator":
+        from qnpu_jax.emulator.engine import EmulatorEngine
+
+        return EmulatorEngine(model)
+    if name == "jax":
+        from qnpu_jax.integer import JaxIntEngine
+
+        return JaxIntEngine(model)
+    raise QnpuError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}")
