@@ -130,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("configs", help="list the shipped configs (`qnpu quantize --config NAME`)")
 
+    st = sub.add_parser(
+        "study",
+        help="run a study (the measurements of docs/results.md); without NAME, list them",
+        add_help=False,
+    )
+    st.add_argument("name", nargs="?", help="the study; `qnpu study NAME --help` for its options")
+    st.add_argument("study_args", nargs=argparse.REMAINDER)
+
     rp = sub.add_parser(
         "report", help="results table (paper Table 1 shape) and plots from runs and evals"
     )
@@ -144,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="`qnpu eval --json` files: the float model (--model), runs, artifacts",
     )
     rp.add_argument(
-        "--sweep", type=Path, default=None, help="JSON of scripts/mixed_precision_sweep.py"
+        "--sweep", type=Path, default=None, help="JSON of `qnpu study mixed_precision_sweep`"
     )
     rp.add_argument(
         "--out",
@@ -332,7 +340,7 @@ def zero_shot_report(
     progress: bool,
 ) -> dict[str, Any]:
     """The zero-shot part of a `qnpu eval` report ("tasks", "limit", "seed"); prints a line
-    per task. Shared with scripts/compare_methods.py, so its cells are scored exactly so."""
+    per task. Shared with qnpu study compare_methods, so its cells are scored exactly so."""
     from qnpu_jax.eval import LmScorer, evaluate_tasks
 
     scorer = LmScorer(
@@ -422,6 +430,16 @@ def cmd_configs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_study(args: argparse.Namespace) -> int:
+    from qnpu_jax.studies import STUDIES, describe, run_study
+
+    if args.name is None or args.name in ("-h", "--help"):
+        for name in STUDIES:
+            print(f"{name:24s} {describe(name)}")
+        return 0
+    return run_study(args.name, args.study_args)
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from qnpu_jax.files import check_writable
     from qnpu_jax.report import build_report, write_report
@@ -503,6 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "generate": cmd_generate,
         "quantize": cmd_quantize,
         "report": cmd_report,
+        "study": cmd_study,
     }
     try:
         return commands[args.command](args)

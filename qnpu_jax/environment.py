@@ -28,6 +28,18 @@ def environment_info() -> dict[str, Any]:
     }
 
 
+def study_command(name: str, argv: Sequence[str] | None = None) -> str:
+    """The command line a study's report records: `qnpu study NAME ARGS` (argv None: the
+    arguments after the study's name on this process's command line)."""
+    if argv is None:
+        args = sys.argv[1:]
+        if name in args:
+            args = args[args.index(name) + 1 :]
+    else:
+        args = list(argv)
+    return shlex.join(["qnpu", "study", name, *args])
+
+
 def script_command(script: str, argv: Sequence[str] | None = None) -> str:
     """The command line a report records to be re-run from the repository root:
     `python scripts/NAME.py ARGS` (`script` is the script's `__file__`; argv None: sys.argv)."""

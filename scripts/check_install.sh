@@ -23,8 +23,10 @@ assert Path(sys.argv[1]).resolve() in where.parents, f"qnpu_jax imported from {w
 print(f"qnpu_jax from {where.parent}")
 PY
 "$work/venv/bin/qnpu" configs | grep '^quick ' >/dev/null
+"$work/venv/bin/qnpu" study | grep '^table_cost ' >/dev/null
+"$work/venv/bin/qnpu" study table_cost --help | grep '^usage: qnpu study table_cost' >/dev/null
 "$work/venv/bin/qnpu" quantize --config quick --out "$work/run-quick" --no-progress
 "$work/venv/bin/qnpu" quantize --model smollm2-135m --method rtn --bits w8a8 --set seq_len=32 \
   --set calib_windows=1 --set eval_windows=1 --out "$work/run-free" --no-progress
 test -f "$work/run-quick/manifest.json" && test -f "$work/run-free/manifest.json"
-echo "check_install: non-editable install runs a shipped config by name and a config-free run"
+echo "check_install: non-editable install lists the studies and runs a shipped config by name and a config-free run"

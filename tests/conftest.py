@@ -15,10 +15,15 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def load_script(name: str) -> Any:
-    """scripts/NAME.py as a module (once per session)."""
+    """Study NAME (`qnpu_jax.studies.NAME`), or scripts/NAME.py as a module (once per session)."""
+    import importlib
     import importlib.util
     import sys
 
+    from qnpu_jax.studies import STUDIES
+
+    if name in STUDIES:
+        return importlib.import_module(f"qnpu_jax.studies.{name}")
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
         assert spec is not None and spec.loader is not None

@@ -131,3 +131,18 @@ def test_hub_id_offline_fails_fast_with_clear_message(tmp_path):
     assert proc.returncode == 2
     assert "qnpu: error:" in proc.stderr and "SomeOrg/some-model" in proc.stderr
     assert "offline" in proc.stderr and "no local directory" in proc.stderr
+
+
+def test_study_lists_refuses_and_helps(capsys):
+    from qnpu_jax.studies import STUDIES
+
+    assert main(["study"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in listed] == list(STUDIES)
+    assert all(len(line.split()) > 1 for line in listed)  # each with its description
+    assert main(["study", "no_such_study"]) == 2
+    assert "unknown study 'no_such_study'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["study", "table_cost", "--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: qnpu study table_cost")

@@ -176,7 +176,7 @@ def test_chunked_prefill_equals_one_call_and_decode_continues_it(int_artifacts):
 def test_emulator_tracks_the_fake_quant_model(smollm, int_sources, int_artifacts):
     """Same windows, same encodings: the integer model's NLL follows fake-quant's up to
     rounding (2 layers, 4 held-out windows of 64; the full-model perplexity gap is measured
-    by scripts/simulation_gap.py)."""
+    by qnpu study simulation_gap)."""
     import jax
     import jax.numpy as jnp
 

@@ -178,11 +178,15 @@ def test_gptq_run_stores_codes_that_eval_and_export_use(gptq_run, tmp_path):
 
 def test_gptq_study_on_a_gptq_run(gptq_run, tmp_path):
     """The run's weights are on the grid already, so GPTQ keeps every code: both columns of
-    scripts/gptq_study.py give the run's own perplexity on the run's windows."""
-    study = load_script("gptq_study")
+    `qnpu study gptq_study` give the run's own perplexity on the run's windows."""
+    from qnpu_jax import cli
+
     args = ["--run", str(gptq_run), "--grids", "learned,max_min", "--eval-windows", "2"]
-    assert study.main([*args, "--json", str(tmp_path / "g.json")]) == 0
-    rows = {r["grid"]: r for r in json.loads((tmp_path / "g.json").read_text())["rows"]}
+    # through the CLI: `qnpu study gptq_study ...`, which the report records to re-run it
+    assert cli.main(["study", "gptq_study", *args, "--json", str(tmp_path / "g.json")]) == 0
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert doc["command"].startswith(f"qnpu study gptq_study --run {gptq_run} --grids")
+    rows = {r["grid"]: r for r in doc["rows"]}
     report = json.loads((gptq_run / "report.json").read_text())
     wiki = report["perplexity"]["wiki"]["quantized_ppl"]
     assert rows["learned"]["rtn_ppl"] == pytest.approx(wiki, rel=1e-6)

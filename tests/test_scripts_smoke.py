@@ -1,4 +1,4 @@
-"""Smoke tests of scripts/compare_methods.py and scripts/init_study.py: the run grid, the
+"""Smoke tests of the studies compare_methods and init_study: the run grid, the
 target checks, the reports, and the init study's encodings on the tiny random model (no real
 model runs here; the scripts' docstrings give the full commands)."""
 
@@ -102,7 +102,7 @@ def test_compare_target_checks_and_markdown(cm, tmp_path):
     assert status[("ours", "W8A8", "wiki")] == "not run"
 
     args = cm.parse_args(["--runs-dir", str(tmp_path)])
-    report = cm.build_report(args, rows, [], None, "python scripts/compare_methods.py", 1.0)
+    report = cm.build_report(args, rows, [], None, "qnpu study compare_methods", 1.0)
     assert report["float"]["ppl"]["wiki"] == pytest.approx(20.2 / 1.01)
     md = cm.render_markdown(report)
     assert "| Quant.npu | 8-8-8 | per-channel | 16 | 20.20 |" in md
@@ -121,11 +121,11 @@ def test_compare_target_checks_and_markdown(cm, tmp_path):
     assert "| Quant.npu | aware | ✓ | 10% | ✓ | 30.00 |" in md
     assert "| frozen | aware | ✓ | 10% | – (init kept) | 28.00 |" in md
 
-    rows[0] |= {"status": "reused", "command": "python scripts/compare_methods.py --bits W8A8"}
-    rows[1] |= {"status": "reused", "command": "python scripts/compare_methods.py"}  # this one
-    report = cm.build_report(args, rows, [], None, "python scripts/compare_methods.py", 1.0)
+    rows[0] |= {"status": "reused", "command": "qnpu study compare_methods --bits W8A8"}
+    rows[1] |= {"status": "reused", "command": "qnpu study compare_methods"}  # this one
+    report = cm.build_report(args, rows, [], None, "qnpu study compare_methods", 1.0)
     md = cm.render_markdown(report)
-    earlier = "- `python scripts/compare_methods.py --bits W8A8`\n\n"
+    earlier = "- `qnpu study compare_methods --bits W8A8`\n\n"
     assert "earlier invocations were run by:\n" + earlier in md
 
 
@@ -301,7 +301,7 @@ def test_init_study_markdown_and_claims(ist):
     assert len(claims) == 7 and not any("NOT" in c for c in claims)
     report = {
         "model": "m",
-        "command": "python scripts/init_study.py",
+        "command": "qnpu study init_study",
         "protocol": {
             "seq_len": 512,
             "eval_windows_used": 32,
@@ -437,10 +437,12 @@ def test_compare_passes_the_fp32_row_as_float_reference(cm):
 
 
 def test_script_command_records_a_rerunnable_line(monkeypatch):
-    from qnpu_jax.environment import script_command
+    from qnpu_jax.environment import script_command, study_command
 
-    line = script_command("/anywhere/scripts/restage2.py", ["--run", "runs/a b", "--json=x.json"])
-    assert line == "python scripts/restage2.py --run 'runs/a b' --json=x.json"
+    line = study_command("restage2", ["--run", "runs/a b", "--json=x.json"])
+    assert line == "qnpu study restage2 --run 'runs/a b' --json=x.json"
+    monkeypatch.setattr("sys.argv", ["/venv/bin/qnpu", "study", "table_cost", "--run", "r"])
+    assert study_command("table_cost") == "qnpu study table_cost --run r"
     monkeypatch.setattr("sys.argv", ["/abs/path/scripts/bench_forward.py", "--windows", "4"])
     assert script_command("/abs/path/scripts/bench_forward.py") == (
         "python scripts/bench_forward.py --windows 4"

@@ -142,7 +142,7 @@ def test_smoothed_run_stores_scales_that_eval_and_export_use(two_layer_dir, tmp_
     ppl = run_artifact_ppl(out, tmp_path)
     assert ppl["emulator"] == ppl["jax"]
     assert ppl["emulator"] == pytest.approx(wiki["quantized_ppl"], rel=0.1)
-    # scripts/smooth_study.py calibrates as the run does: its α = 0.5 row is the run
+    # qnpu study smooth_study calibrates as the run does: its α = 0.5 row is the run
     study = load_script("smooth_study")
     args = ["--model", str(two_layer_dir), "--alphas", "none,0.5", "--seq-len", "32"]
     args += ["--calib-windows", "2", "--eval-windows", "2", "--json", str(tmp_path / "s.json")]

@@ -155,7 +155,7 @@ def build_report(
         _Section(
             "Activation distributions (paper Figures 5–6)",
             paragraphs=(
-                "They need the model: `python scripts/plot_activations.py --run runs/NAME "
+                "They need the model: `qnpu study plot_activations --run runs/NAME "
                 "--layer L --windows N --out reports/NAME_acts`.",
             ),
         )

@@ -102,7 +102,7 @@ def plot_stage1_losses(curves: Mapping[str, Sequence[Mapping[str, float]]]) -> b
 
 
 def read_sweep(path: Path) -> dict[str, Any]:
-    """The JSON of scripts/mixed_precision_sweep.py, checked for what the plot needs."""
+    """The JSON of qnpu study mixed_precision_sweep, checked for what the plot needs."""
     path = Path(path)
     if not path.is_file():
         raise QnpuError(f"sweep JSON not found: {path}")

@@ -7,16 +7,14 @@ ppl_int / ppl_fq - 1, with a paired standard error over windows (the same window
 both models, so the window-to-window spread of the difference measures how much of the gap
 is rounding noise amplified through the layers rather than a systematic difference).
 
-    python scripts/simulation_gap.py --runs runs/smollm2-135m-quantnpu-w8a8 \
+    qnpu study simulation_gap --runs runs/smollm2-135m-quantnpu-w8a8 \
         runs/smollm2-135m-quantnpu-w4a8 --seq-len 512 --windows 32 \
         --json reports/simulation_gap.json
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,12 +22,13 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
-from qnpu_jax.environment import environment_info, script_command
+from qnpu_jax.environment import environment_info, study_command
 from qnpu_jax.eval import perplexity
 from qnpu_jax.export.exporter import export_run
 from qnpu_jax.export.int_model import load_int_model, open_engine
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.pipeline.run import load_run
+from qnpu_jax.studies import study_parser
 
 
 def _ppl(nll_fn: Any, windows: np.ndarray) -> dict[str, Any]:
@@ -58,22 +57,22 @@ def paired_gap(fake: list[float], integer: list[float]) -> dict[str, Any]:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = study_parser(__name__, __doc__)
     parser.add_argument("--runs", nargs="+", type=Path, required=True)
     parser.add_argument("--artifacts", type=Path, default=Path("artifacts"))
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--windows", type=int, default=32)
     parser.add_argument("--jax-engine", action="store_true", help="also the JAX integer engine")
     parser.add_argument("--json", type=Path, default=Path("reports/simulation_gap.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     report: dict[str, Any] = {
         "data": "wiki (eval split)",
         "seq_len": args.seq_len,
         "windows": args.windows,
         "runs": {},
         "environment": environment_info(),
-        "command": script_command(__file__),
+        "command": study_command("simulation_gap", argv),
     }
     for run in args.runs:
         loaded_run = load_run(run)
@@ -110,7 +109,3 @@ def main() -> int:
     worst = max(abs(e["emulator"]["gap"]) for e in report["runs"].values())
     print(f"largest |gap| {100 * worst:.3f}% -> {args.json}")
     return 0 if math.isfinite(worst) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,19 +6,18 @@ comes to float, the more that group costs. Groups: all weights (activations only
 activations (weights only), the down_proj input, the linear outputs, the rotated linear
 inputs, the K/V cache; `--rows outputs`: each linear output alone.
 
-    python scripts/error_budget.py --run runs/smollm2-135m-quantnpu-w4a8 --eval-windows 32 \
+    qnpu study error_budget --run runs/smollm2-135m-quantnpu-w4a8 --eval-windows 32 \
         --json reports/error_budget.json
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from qnpu_jax.export.graph import LINEAR_OUTPUTS, ROTATED_INPUTS
+from qnpu_jax.studies import study_parser
 
 
 def _name(path: str) -> str:
@@ -67,7 +66,7 @@ def without(plan: Any, state: Any, drop: Callable[[str], bool]) -> tuple[Any, An
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = study_parser(__name__, __doc__)
     parser.add_argument("--run", type=Path, required=True)
     parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument(
@@ -78,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", default="reports/error_budget.json")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import environment_info, script_command
+    from qnpu_jax.environment import environment_info, study_command
 
-    command = script_command(__file__, argv)
+    command = study_command("error_budget", argv)
 
     from qnpu_jax.files import write_json_atomic
     from qnpu_jax.models.quantized import sink_prefix
@@ -119,7 +118,3 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,7 +7,7 @@ the first `--eval-windows` windows of the `wiki` eval split. "none" is the metho
 smoothing. A stage-1 method is measured with a full run instead
 (qnpu_jax/configs/smollm2-135m-quantnpu-w4a8-smooth.yaml).
 
-    python scripts/smooth_study.py --method quarot --bits W4A8 \
+    qnpu study smooth_study --method quarot --bits W4A8 \
         --alphas none,0.2,0.3,0.5,0.7 --eval-windows 16 --json reports/smooth_study.json
 """
 
@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from qnpu_jax.studies import study_parser
 
 
 def _alphas(text: str) -> tuple[float | None, ...]:
@@ -46,7 +47,7 @@ def _bits(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = study_parser(__name__, __doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--method", choices=("rtn", "quarot"), default="quarot")
     parser.add_argument("--bits", type=_bits, default=(4, 8))
@@ -56,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--json", default="reports/smooth_study.json")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import environment_info, script_command
+    from qnpu_jax.environment import environment_info, study_command
 
-    command = script_command(__file__, argv)
+    command = study_command("smooth_study", argv)
 
     from qnpu_jax.files import write_json_atomic
     from qnpu_jax.models import load_model
@@ -109,7 +110,3 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

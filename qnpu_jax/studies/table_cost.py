@@ -9,17 +9,18 @@ the same `wiki` eval windows, so each row's difference to the run's row is the c
 saving) of that one choice. The tables' storage in bytes is listed beside (codes + one
 float32 scale per row), because they are 21% of SmolLM2-135M's parameters.
 
-    python scripts/table_cost.py --run runs/smollm2-135m-quantnpu-w4a8 --eval-windows 32 \
+    qnpu study table_cost --run runs/smollm2-135m-quantnpu-w4a8 --eval-windows 32 \
         --json reports/table_cost.json --md reports/table_cost.md
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
+
+from qnpu_jax.studies import study_parser
 
 TABLES = ("embed_tokens", "lm_head")
 # the tensors around the tables whose precision DESIGN.md §3 fixes
@@ -105,15 +106,15 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = study_parser(__name__, __doc__)
     parser.add_argument("--run", type=Path, required=True)
     parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--json", default="reports/table_cost.json")
     parser.add_argument("--md", default="reports/table_cost.md")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import environment_info, script_command
+    from qnpu_jax.environment import environment_info, study_command
 
-    command = script_command(__file__, argv)
+    command = study_command("table_cost", argv)
 
     from qnpu_jax.errors import QnpuError
     from qnpu_jax.files import write_bytes_atomic, write_json_atomic
@@ -154,7 +155,3 @@ def main(argv: list[str] | None = None) -> int:
     write_json_atomic(Path(args.json), report)
     write_bytes_atomic(Path(args.md), render_markdown(report).encode())
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,33 +11,32 @@ the model's first position carries massive "attention sink" activations; computi
 in float and keeping only its quantized K/V takes the sink out of every static range). Each
 row is compared with the float model under the same prefix.
 
-    python scripts/quant_baselines.py --seq-len 512 --calib-windows 16 --eval-windows 32 \
+    qnpu study quant_baselines --seq-len 512 --calib-windows 16 --eval-windows 32 \
         --prefixes none,bos --json reports/quant_baselines.json
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 import time
 from typing import Any
 
 import jax
 
 from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
-from qnpu_jax.environment import environment_info, script_command
+from qnpu_jax.environment import environment_info, study_command
 from qnpu_jax.eval import perplexity
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models import load_model
 from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.quant import QuantPlan, default_plan, uniform_plan
+from qnpu_jax.studies import study_parser
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = study_parser(__name__, __doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--calib-windows", type=int, default=16)
@@ -46,7 +45,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefixes", default="none,bos", help="comma list of none | bos")
     parser.add_argument("--json", default="reports/quant_baselines.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     model = load_model(args.model)
     cfg = model.config
@@ -122,12 +121,8 @@ def main() -> int:
         "rows": rows,
         "seconds": time.perf_counter() - start,
         "environment": environment_info(),
-        "command": script_command(__file__),
+        "command": study_command("quant_baselines", argv),
     }
     assert all(math.isfinite(r["ppl"]) for r in rows)
     write_json_atomic(args.json, report)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,19 +11,20 @@ the same `wiki` eval windows. Because stage 1 never sees the other tensors, the 
 what `qnpu quantize --config CONFIG` gives (same seed, same stage 1), at the cost of one
 calibration and two evaluations.
 
-    python scripts/restage2.py --run runs/smollm2-135m-quantnpu-w4a8 \
+    qnpu study restage2 --run runs/smollm2-135m-quantnpu-w4a8 \
         --config smollm2-135m-quantnpu-w4a8-clip --json reports/restage2_clip.json
-    python scripts/restage2.py --run runs/compare/quantnpu-w8a8kv8-ours-prefix-bos \
+    qnpu study restage2 --run runs/compare/quantnpu-w8a8kv8-ours-prefix-bos \
         --down-out-mixed-precision 0.1 --json reports/restage2_w8a8_ours_down_out.json
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
+
+from qnpu_jax.studies import study_parser
 
 
 def changed_entries(old: Any, new: Any) -> list[str]:
@@ -33,7 +34,7 @@ def changed_entries(old: Any, new: Any) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = study_parser(__name__, __doc__)
     parser.add_argument("--run", type=Path, required=True)
     parser.add_argument("--config", type=Path, default=None, help="default: the run's config")
     parser.add_argument(
@@ -46,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--json", default="reports/restage2.json")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import environment_info, script_command
+    from qnpu_jax.environment import environment_info, study_command
 
-    command = script_command(__file__, argv)
+    command = study_command("restage2", argv)
 
     from qnpu_jax.errors import QnpuError
     from qnpu_jax.files import write_json_atomic
@@ -145,7 +146,3 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

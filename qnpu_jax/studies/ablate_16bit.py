@@ -4,7 +4,7 @@ Every tensor of the uniform plan is fake-quantized alone (all others float), on 
 and on the randomized-Hadamard-rotated model, and its perplexity change against float on the
 `wiki` eval split is recorded with the calibrated range (max |x| over layers) of activations.
 
-    python scripts/ablate_16bit.py --seq-len 256 --calib-windows 8 --eval-windows 8 \
+    qnpu study ablate_16bit --seq-len 256 --calib-windows 8 --eval-windows 8 \
         --json reports/ablate_16bit.json
 
 `--prefix bos` runs everything after the BOS sink prefix (the float reference too).
@@ -14,9 +14,7 @@ and on the randomized-Hadamard-rotated model, and its perplexity change against 
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from typing import Any
 
 import jax
@@ -24,13 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
-from qnpu_jax.environment import environment_info, script_command
+from qnpu_jax.environment import environment_info, study_command
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models import load_model
 from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.quant import QuantPlan, uniform_plan
 from qnpu_jax.quant.state import get_entry
+from qnpu_jax.studies import study_parser
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
 
@@ -38,8 +37,8 @@ def _mean_nll(values: list[Any]) -> float:
     return float(np.mean(np.concatenate([np.asarray(v, np.float64).ravel() for v in values])))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = study_parser(__name__, __doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--calib-windows", type=int, default=8)
@@ -49,7 +48,7 @@ def main() -> int:
     parser.add_argument("--bits", type=int, default=16)
     parser.add_argument("--rotations", choices=("both", "none", "hadamard"), default="both")
     parser.add_argument("--json", default="reports/ablate_16bit.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model = load_model(args.model)
     cfg = model.config
     calib_key, rotation_key = jax.random.split(jax.random.key(args.seed))
@@ -115,11 +114,7 @@ def main() -> int:
             "float_ppl": math.exp(float_nll),
             "rows_by_rotation": results,
             "environment": environment_info(),
-            "command": script_command(__file__),
+            "command": study_command("ablate_16bit", argv),
         },
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,19 +8,20 @@ where the rule would put it for the same model, so whatever stage 1 gained there
 rotations. Scales at stage 1's positivity floor (1e-8) are counted apart and left out of the
 ratios.
 
-    python scripts/scale_drift.py --run runs/smollm2-135m-quantnpu-w4a8 \
+    qnpu study scale_drift --run runs/smollm2-135m-quantnpu-w4a8 \
         --json reports/scale_drift_quantnpu_w4a8.json
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from qnpu_jax.studies import study_parser
 
 # stage 1 keeps learned scales at max(raw, 1e-8) (`positive_scale`); below this is that floor
 FLOOR = 1e-7
@@ -70,13 +71,13 @@ def drift_rows(learned: Any, reference: Any, paths: list[str]) -> list[dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = study_parser(__name__, __doc__)
     parser.add_argument("--run", type=Path, required=True)
     parser.add_argument("--json", default="reports/scale_drift.json")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import environment_info, script_command
+    from qnpu_jax.environment import environment_info, study_command
 
-    command = script_command(__file__, argv)
+    command = study_command("scale_drift", argv)
 
     from qnpu_jax.errors import QnpuError
     from qnpu_jax.files import write_json_atomic
@@ -117,7 +118,3 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,18 +7,18 @@ nearest and with GPTQ codes (`qnpu_jax.quant.gptq`; Hessians from one calibratio
 the run's fake-quant model, the run's calibration windows). Every activation encoding stays
 the run's. `qnpu quantize` with `weight_rounding: gptq` is the "learned" column.
 
-    python scripts/gptq_study.py --run runs/smollm2-135m-quarot-w4a8 \
+    qnpu study gptq_study --run runs/smollm2-135m-quarot-w4a8 \
         --grids learned,mse,max_min --json reports/gptq_study.json
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from qnpu_jax.studies import study_parser
 
 GRIDS = ("learned", "mse", "max_min")
 
@@ -26,16 +26,16 @@ GRIDS = ("learned", "mse", "max_min")
 def main(argv: list[str] | None = None) -> int:
     from qnpu_jax.cli import comma_choices
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = study_parser(__name__, __doc__)
     parser.add_argument("--run", type=Path, required=True)
     parser.add_argument("--grids", type=comma_choices(GRIDS), default=GRIDS)
     parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--damp", type=float, default=0.01)
     parser.add_argument("--json", default="reports/gptq_study.json")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import environment_info, script_command
+    from qnpu_jax.environment import environment_info, study_command
 
-    command = script_command(__file__, argv)
+    command = study_command("gptq_study", argv)
 
     from qnpu_jax.files import write_json_atomic
     from qnpu_jax.models.quantized import sink_prefix
@@ -90,7 +90,3 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,22 +7,20 @@ layer whose down_proj input keeps the run's bit-width keeps the run's (learned) 
 layer that changes bit-width gets a static Max-Min encoding at the new one; so the p of the
 run reproduces the run, and the other points have no stage 1 of their own.
 
-    python scripts/mixed_precision_sweep.py --run runs/w4a8 --eval-windows 32 \
+    qnpu study mixed_precision_sweep --run runs/w4a8 --eval-windows 32 \
         --json reports/mixed_precision_sweep.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from qnpu_jax.environment import environment_info, script_command
+from qnpu_jax.environment import environment_info, study_command
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models.quantized import sink_prefix
@@ -30,15 +28,16 @@ from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.pipeline.mixed_precision import down_proj_sensitivity, mixed_layer_bits
 from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
 from qnpu_jax.quant.plan import QuantPlan, TensorQuant
+from qnpu_jax.studies import study_parser
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = study_parser(__name__, __doc__)
     parser.add_argument("--run", type=Path, required=True)
     parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--steps", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0")
     parser.add_argument("--json", default="reports/mixed_precision_sweep.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     run = load_run(args.run)
     config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
@@ -108,11 +107,7 @@ def main() -> int:
             "float_ppl": float_ppl,
             "rows": rows,
             "environment": environment_info(),
-            "command": script_command(__file__),
+            "command": study_command("mixed_precision_sweep", argv),
         },
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

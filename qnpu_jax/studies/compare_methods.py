@@ -36,11 +36,11 @@ Settings (paper §5.1 and Table 1; Table 2 / §5.4):
             mixed 10% with the down_proj input scale not learned in stage 1 (Appendix E's
             argument against learning unrotated scales; the issue asks for both).
 
-    python scripts/compare_methods.py                      # everything (hours on a CPU)
-    python scripts/compare_methods.py --methods float,rtn,quarot --skip-ablation
-    python scripts/compare_methods.py --only-ablation --steps 60
-    python scripts/compare_methods.py --report-only        # tables from finished runs only
-    python scripts/compare_methods.py --limit 500 \\
+    qnpu study compare_methods                      # everything (hours on a CPU)
+    qnpu study compare_methods --methods float,rtn,quarot --skip-ablation
+    qnpu study compare_methods --only-ablation --steps 60
+    qnpu study compare_methods --report-only        # tables from finished runs only
+    qnpu study compare_methods --limit 500 \\
         --tasks piqa,winogrande,hellaswag,arc_easy,arc_challenge,lambada   # + zero-shot columns
 """
 
@@ -67,8 +67,7 @@ from qnpu_jax.report.table import (
     pct,
     significance,
 )
-
-REPO = Path(__file__).resolve().parents[1]
+from qnpu_jax.studies import study_parser
 
 METHODS = ("float", "rtn", "quarot", "spinquant", "quantnpu")
 QUANT_METHODS = METHODS[1:]
@@ -167,9 +166,7 @@ class Cell:
 
 def eval_specs(args: argparse.Namespace) -> dict[str, str]:
     """Display name -> data spec of the two evaluation sets."""
-    path = Path(args.wikitext).expanduser()
-    if not path.is_absolute():
-        path = (REPO / path).resolve()
+    path = Path(args.wikitext).expanduser().resolve()  # a relative path: from the cwd
     return {"wiki": "wiki", "wikitext2": f"wikitext:{path}"}
 
 
@@ -928,7 +925,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from qnpu_jax.pipeline.stage1 import Stage1Config
 
     s1 = Stage1Config()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = study_parser(__name__, __doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--methods", type=comma_choices(METHODS), default=METHODS)
     parser.add_argument("--bits", type=comma_choices(BITS), default=BITS)
@@ -990,10 +987,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from qnpu_jax.environment import script_command
+    from qnpu_jax.environment import study_command
     from qnpu_jax.errors import QnpuError
 
-    command = script_command(__file__, argv)
+    command = study_command("compare_methods", argv)
 
     start = time.perf_counter()
     specs = eval_specs(args)
@@ -1080,7 +1077,3 @@ def _print_tasks(head: str, scores: TaskScores) -> None:
         return
     shown = ", ".join(f"{TASK_LABELS[t]} {pct(r.score)}" for t, r in scores.results.items())
     print(f"{head} {scores.status}: {shown or 'no task scored'}", flush=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

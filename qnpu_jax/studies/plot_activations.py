@@ -12,7 +12,7 @@ twice). Each panel is a log-count histogram with clipping ranges as vertical lin
     mean-based range μ ± 3σ the paper's Figure 5 draws, when the plan uses another one.
 The title gives the share of values inside the first range; the legend that of each.
 
-    python scripts/plot_activations.py --run runs/NAME --layer 10 --windows 4 \
+    qnpu study plot_activations --run runs/NAME --layer 10 --windows 4 \
         --out reports/NAME_acts
 writes reports/NAME_acts/layer10.png and layer10.json (ranges and shares).
 """
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.cli import _positive_int
-from qnpu_jax.environment import script_command
+from qnpu_jax.environment import study_command
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_bytes_atomic, write_json_atomic
 from qnpu_jax.models.quantized import effective_state, sink_prefix
@@ -43,6 +43,7 @@ from qnpu_jax.report.plots import (
     plot_activation_distributions,
     share_inside,
 )
+from qnpu_jax.studies import study_parser
 
 # (linear, the plan's name of its input activation)
 LINEAR_INPUTS = (
@@ -77,8 +78,8 @@ def run_range(entry: dict[str, Any], layer: int, label: str) -> ClipRange:
     )
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = study_parser(__name__, __doc__)
     parser.add_argument("--run", type=Path, required=True)
     parser.add_argument("--layer", type=int, required=True, help="decoder layer (from 0)")
     parser.add_argument("--windows", type=_positive_int, default=4, help="calibration windows")
@@ -86,15 +87,15 @@ def main() -> int:
         "--seq-len", type=_positive_int, default=None, help="cut windows (default: the run's)"
     )
     parser.add_argument("--out", type=Path, required=True, help="a directory")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
-        return run(args)
+        return run(args, study_command("plot_activations", argv))
     except QnpuError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, command: str) -> int:
     run = load_run(args.run)
     config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
     params, model = run.model.params(), run.loaded
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
             "seq_len": t,
             "prefix": config.prefix,
             "panels": summary,
-            "command": script_command(__file__),
+            "command": command,
         },
     )
     print(f"wrote {out / f'layer{args.layer}.png'} and {out / f'layer{args.layer}.json'}")
@@ -173,7 +174,3 @@ def run(args: argparse.Namespace) -> int:
         shares = ", ".join(f"{r['label']} {r['share_inside']:.2%}" for r in s["ranges"])
         print(f"{name}: |x| <= {max(abs(s['min']), abs(s['max'])):.3g}; {shares}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

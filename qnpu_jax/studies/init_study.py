@@ -19,7 +19,7 @@ histograms use `--num-bins` bins per sign (finer than calibrate's 2048).
 
 The JSON is rewritten after every cell; rerunning with the same protocol reuses its rows.
 
-    python scripts/init_study.py --seq-len 512 --calib-windows 16 --eval-windows 32
+    qnpu study init_study --seq-len 512 --calib-windows 16 --eval-windows 32
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.cli import comma_choices
+from qnpu_jax.studies import study_parser
 
 ACTIVATIONS = ("attn_in", "attn_out", "mlp_in")
 LINEAR_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -288,7 +288,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = study_parser(__name__, __doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--calib-windows", type=int, default=16)
@@ -306,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", default="reports/init_study.md")
     parser.add_argument("--fresh", action="store_true", help="ignore rows of an existing --json")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import environment_info, script_command
+    from qnpu_jax.environment import environment_info, study_command
 
-    command = script_command(__file__, argv)
+    command = study_command("init_study", argv)
 
     from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
     from qnpu_jax.files import write_bytes_atomic, write_json_atomic
@@ -441,7 +441,3 @@ def main(argv: list[str] | None = None) -> int:
                 flush()
     flush()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
