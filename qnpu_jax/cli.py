@@ -14,31 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from qnpu_jax.argtypes import positive_int
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.int_model import ENGINES
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from e
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def comma_choices(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
-    """An argparse type: a non-empty comma list of `choices`."""
-
-    def parse(text: str) -> tuple[str, ...]:
-        items = tuple(x.strip() for x in text.split(",") if x.strip())
-        bad = [x for x in items if x not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}; got {text!r}")
-        return items
-
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,14 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
         "arc_easy, arc_challenge, winogrande, lambada",
     )
     ev.add_argument(
-        "--limit", type=_positive_int, default=None, help="zero-shot: a seeded subset of N items"
+        "--limit", type=positive_int, default=None, help="zero-shot: a seeded subset of N items"
     )
     ev.add_argument("--seed", type=int, default=0, help="zero-shot subset seed")
     ev.add_argument("--split", default=None, help="wiki split: calib, eval (default) or all")
-    ev.add_argument("--seq-len", type=_positive_int, default=None, help="perplexity windows")
-    ev.add_argument("--max-windows", type=_positive_int, default=None)
+    ev.add_argument("--seq-len", type=positive_int, default=None, help="perplexity windows")
+    ev.add_argument("--max-windows", type=positive_int, default=None)
     ev.add_argument(
-        "--batch-size", type=_positive_int, default=None, help="default: 1 (ppl), 8 (tasks)"
+        "--batch-size", type=positive_int, default=None, help="default: 1 (ppl), 8 (tasks)"
     )
     ev.add_argument("--json", type=Path, default=None, help="write the report here")
     ev.add_argument("--no-progress", action="store_true")
@@ -118,14 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--aimet-version", choices=("1.0.0", "0.6.1"), default="1.0.0", help="AIMET schema"
     )
     ex.add_argument(
-        "--max-context", type=_positive_int, default=None, help="positions (default 2048+prefix)"
+        "--max-context", type=positive_int, default=None, help="positions (default 2048+prefix)"
     )
-    ex.add_argument("--prefill-chunk", type=_positive_int, default=64)
+    ex.add_argument("--prefill-chunk", type=positive_int, default=64)
 
     em = sub.add_parser("emulate", help="greedy generation with an integer artifact")
     em.add_argument("--artifact", required=True, type=Path)
     em.add_argument("--prompt", required=True)
-    em.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    em.add_argument("--max-new-tokens", type=positive_int, default=32)
     em.add_argument("--engine", choices=ENGINES, default="emulator")
 
     sub.add_parser("configs", help="list the shipped configs (`qnpu quantize --config NAME`)")
@@ -164,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="greedy continuation of a prompt")
     gen.add_argument("--model", required=True)
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=32)
     return parser
 
 

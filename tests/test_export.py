@@ -225,7 +225,7 @@ def test_export_refuses_plans_and_states_it_cannot_fold(tiny_cfg, tiny_params):
     with pytest.raises(QnpuError, match="keeps these in float: layers/scores"):
         export_model(tiny_params, tiny_cfg, partial, state)
     up = state["layers"]["up_proj"]
-    bad = {"layers": {**state["layers"], "up_proj": {**up, "scale": -up["scale"]}}}
+    bad = {"layers": {**state["layers"], "up_proj": up.replace(scale=-up.scale)}}
     bad["outer"] = state["outer"]
     with pytest.raises(QnpuError, match=r"layers\.0\.up_proj.*> 0"):
         export_model(tiny_params, tiny_cfg, plan, bad)

@@ -115,11 +115,7 @@ def test_hessians_are_the_quantized_linear_inputs(tiny_cfg, tiny_params):
     x = capture_activations(tiny_params, tiny_cfg, tokens, ("attn_in",), layer=0)["attn_in"]
     s = state["layers"]["attn_in"]
     xq = (
-        np.asarray(
-            fake_quant(
-                jnp.asarray(x), s["scale"][0], s["zero_point"][0], s["qmin"][0], s["qmax"][0]
-            )
-        )
+        np.asarray(fake_quant(jnp.asarray(x), s.scale[0], s.zero_point[0], s.qmin[0], s.qmax[0]))
         .reshape(-1, x.shape[-1])
         .astype(np.float64)
     )
@@ -167,7 +163,7 @@ def test_gptq_run_stores_codes_that_eval_and_export_use(gptq_run, tmp_path):
     }  # fmt: skip
     model = load_run(out).model
     params, s = model.params(), model.require_state()["layers"]["down_proj"]
-    on_grid = np.asarray(params["layers"]["down_proj"]) / np.asarray(s["scale"])
+    on_grid = np.asarray(params["layers"]["down_proj"]) / np.asarray(s.scale)
     np.testing.assert_allclose(on_grid, np.asarray(codes["down_proj"]), atol=1e-3)
     art = tmp_path / "art"
     export = ["export", "--run", str(out), "--out", str(art), "--max-context", "64"]

@@ -92,7 +92,7 @@ def test_a_new_tensor_reaches_taps_plan_exporter_aimet_and_engines(smollm, setti
     assert f"layers/{NEW}" in all_paths(fixture) and f"layers/{NEW}" not in all_paths()
     assert plan.get(f"layers/{NEW}").bits == 16
     state = calibrate(params, cfg, plan, calib, prefix=prefix, graph=fixture)
-    assert state["layers"][NEW]["scale"].shape[0] == 2
+    assert state["layers"][NEW].scale.shape[0] == 2
 
     # The exporter: op list, activation table, constants, encodings.
     exported = export_model(

@@ -83,7 +83,7 @@ def _export_and_run_the_artifact(run, tmp_path, fake_quant_ppl, capsys):
     from qnpu_jax.pipeline.run import load_run
 
     state = load_run(run).model.require_state()
-    scales = [np.asarray(e["scale"]) for g in state.values() for e in g.values()]
+    scales = [np.asarray(e.scale) for g in state.values() for e in g.values()]
     assert all((s > 0).all() for s in scales)  # learned scales are stored as the forward used them
     art = tmp_path / "artifact"
     export = ["export", "--run", str(run), "--max-context", "64", "--prefill-chunk", "16"]

@@ -110,3 +110,16 @@ def test_state_paths_round_trip():
     new = with_entry(state, "lm_head", 4)
     assert new["outer"]["lm_head"] == 4 and state["outer"]["lm_head"] == 3  # pure
     assert new["layers"] is state["layers"]  # the other group is shared, not copied
+
+
+def test_a_stored_state_reads_back_as_encodings():
+    from qnpu_jax import QnpuError
+    from qnpu_jax.quant.state import Encoding, state_from_tree
+
+    fields = {"scale": 1.0, "zero_point": 0.0, "qmin": -8.0, "qmax": 7.0}
+    state = state_from_tree({"layers": {"down_in": fields}, "outer": {}})
+    assert state["layers"]["down_in"] == Encoding(**fields)
+    with pytest.raises(QnpuError, match=r"layers/down_in: an encoding has the fields"):
+        state_from_tree({"layers": {"down_in": {"scale": 1.0}}, "outer": {}})
+    with pytest.raises(QnpuError, match="groups 'layers' and 'outer'"):
+        state_from_tree({"layers": {}})

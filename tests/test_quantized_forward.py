@@ -28,7 +28,7 @@ def _ppl(nll):
 def test_sixteen_bit_fake_quant_matches_float_on_tiny_model(tiny_cfg, tiny_params, tiny_windows):
     plan = uniform_plan(tiny_cfg.num_layers, 16)
     state = calibrate(tiny_params, tiny_cfg, plan, tiny_windows[:4], batch_size=2)
-    check_scales(jax.tree.map(lambda s: s, {k: v["scale"] for k, v in state["layers"].items()}))
+    check_scales(jax.tree.map(lambda s: s, {k: v.scale for k, v in state["layers"].items()}))
     ev = jnp.asarray(tiny_windows[4:])
     float_ppl = _ppl(token_nll(tiny_params, ev, cfg=tiny_cfg))
     fq = tapped_token_nll(tiny_params, state, ev, cfg=tiny_cfg, taps=FakeQuantTaps(plan))
@@ -50,10 +50,10 @@ def test_per_layer_bits_become_qmin_qmax_arrays(tiny_cfg, tiny_params, tiny_wind
     rule = QuantRule(pattern="layers/down_in", layer_bits=(8, 16))
     plan = default_plan(tiny_cfg.num_layers, rules=[rule])
     state = calibrate(tiny_params, tiny_cfg, plan, tiny_windows[:2], batch_size=2)
-    np.testing.assert_array_equal(state["layers"]["down_in"]["qmax"], [127, 32767])
-    np.testing.assert_allclose(state["layers"]["probs"]["scale"], [1 / 65535] * 2, rtol=1e-7)
-    assert state["layers"]["q_proj"]["scale"].shape == (2, tiny_cfg.q_size, 1)
-    assert state["outer"]["embed_tokens"]["scale"].shape == (tiny_cfg.vocab_size, 1)
+    np.testing.assert_array_equal(state["layers"]["down_in"].qmax, [127, 32767])
+    np.testing.assert_allclose(state["layers"]["probs"].scale, [1 / 65535] * 2, rtol=1e-7)
+    assert state["layers"]["q_proj"].scale.shape == (2, tiny_cfg.q_size, 1)
+    assert state["outer"]["embed_tokens"].scale.shape == (tiny_cfg.vocab_size, 1)
 
 
 def test_gradients_reach_learnable_scales_only(tiny_cfg, tiny_params, tiny_windows):
@@ -68,10 +68,10 @@ def test_gradients_reach_learnable_scales_only(tiny_cfg, tiny_params, tiny_windo
 
     grads = jax.grad(loss)(state)
     for name in ("attn_in", "q_proj", "down_in"):
-        g = np.asarray(grads["layers"][name]["scale"])
+        g = np.asarray(grads["layers"][name].scale)
         assert np.isfinite(g).all() and np.abs(g).max() > 0
     for name in ("mlp_in", "k_proj", "o_out"):  # not learnable: no gradient at all
-        assert not np.asarray(grads["layers"][name]["scale"]).any()
+        assert not np.asarray(grads["layers"][name].scale).any()
     static_logits, _ = tapped_forward(
         tiny_params, state, tokens, cfg=tiny_cfg, taps=FakeQuantTaps(plan)
     )

@@ -16,6 +16,7 @@ from qnpu_jax.cli import main
 from qnpu_jax.pipeline.config import QuantizeConfig
 from qnpu_jax.pipeline.run_manifest import seal_run
 from qnpu_jax.quant.plan import QuantRule, default_plan
+from qnpu_jax.quant.state import Encoding
 from qnpu_jax.report.plots import (
     PNG_MAGIC,
     ActivationPanel,
@@ -510,11 +511,11 @@ def test_plot_activations_script_ranges():
     r = script.init_range(values, TensorQuant(bits=8), 0, "mean_std")
     amax = max(abs(mu - 3 * sigma), abs(mu + 3 * sigma))  # s = amax / 2^7 (the paper's eq.)
     assert (r.lo, r.hi) == pytest.approx((-amax, amax * 127 / 128), rel=1e-5)
-    entry = {
-        "scale": jnp.array([0.5, 0.25]),
-        "zero_point": jnp.zeros(2),
-        "qmin": jnp.array([-128.0, -32768.0]),
-        "qmax": jnp.array([127.0, 32767.0]),
-    }
+    entry = Encoding(
+        scale=jnp.array([0.5, 0.25]),
+        zero_point=jnp.zeros(2),
+        qmin=jnp.array([-128.0, -32768.0]),
+        qmax=jnp.array([127.0, 32767.0]),
+    )
     r = script.run_range(entry, 1, "run")
     assert (r.lo, r.hi) == (-8192.0, 8191.75)

@@ -106,7 +106,7 @@ def test_compare_target_checks_and_markdown(cm, tmp_path):
     assert report["float"]["ppl"]["wiki"] == pytest.approx(20.2 / 1.01)
     md = cm.render_markdown(report)
     assert "| Quant.npu | 8-8-8 | per-channel | 16 | 20.20 |" in md
-    assert "— not met" in md and "— met" in md and "Command: `python" in md
+    assert "— not met" in md and "— met" in md and "Command: `qnpu study compare_methods" in md
     assert "PIQA" not in md and "zero-shot" not in md  # no --tasks: no zero-shot columns
     assert "earlier invocations" not in md  # every cell ran in this one
 
@@ -344,11 +344,11 @@ def test_table_cost_variants_change_only_the_table_tensors(tc, tiny_cfg, tiny_pa
     assert w16.plan.get("lm_head").bits == 16 and w16.plan.get("embed_tokens").bits == 8
     head = np.asarray(tiny_params["lm_head"])
     np.testing.assert_allclose(
-        np.asarray(w16.state["outer"]["lm_head"]["scale"])[:, 0],
+        np.asarray(w16.state["outer"]["lm_head"].scale)[:, 0],
         np.abs(head).max(axis=1) / 32767,
         rtol=1e-6,
     )
-    assert float(w16.state["outer"]["lm_head"]["qmax"]) == 32767
+    assert float(w16.state["outer"]["lm_head"].qmax) == 32767
     assert w16.state["layers"] is state["layers"]
     # fewer bits on a table cost perplexity on these windows; float tables are the 16-bit ones'
     ppl = {
@@ -414,18 +414,18 @@ def test_scale_drift_compares_the_learned_scales_with_their_rule(tiny_cfg, tiny_
     rows = sd.drift_rows(ref, ref, paths)
     assert [r["path"] for r in rows] == paths
     assert all(r["max_abs_log_ratio"] == 0 and r["at_floor"] == 0 for r in rows)
-    scale = np.array(ref["layers"]["v_proj"]["scale"])  # [L, out, 1]
+    scale = np.array(ref["layers"]["v_proj"].scale)  # [L, out, 1]
     scale[0, 0] *= np.e
     scale[1, 2] = 1e-8  # stage 1's positivity floor
-    v = {**ref["layers"]["v_proj"], "scale": scale}
+    v = ref["layers"]["v_proj"].replace(scale=scale)
     moved = {**ref, "layers": {**ref["layers"], "v_proj": v}}
     row = {r["path"]: r for r in sd.drift_rows(moved, ref, paths)}["layers/v_proj"]
     assert row["scales"] == scale.size and row["at_floor"] == 1
     assert row["max_abs_log_ratio"] == pytest.approx(1.0)
     assert row["median_ratio"] == pytest.approx(1.0)
+    short = {**moved, "layers": {**ref["layers"], "v_proj": v.replace(scale=scale[:1])}}
     with pytest.raises(ValueError, match="layers/v_proj"):
-        sd.drift_rows({**moved, "layers": {**ref["layers"], "v_proj": {"scale": scale[:1]}}}, ref,
-                      ["layers/v_proj"])  # fmt: skip
+        sd.drift_rows(short, ref, ["layers/v_proj"])
 
 
 def test_compare_passes_the_fp32_row_as_float_reference(cm):

@@ -139,6 +139,6 @@ def test_sixteen_bit_fake_quant_equals_float_with_rotation_and_bos_prefix(smollm
     # the prefixed run's own rounding (and of its spread across CPUs), so compare the ranges.
     plain = calibrate(rotated, cfg, plan, windows)
     for name in ("resid_attn", "resid_mlp", "down_in", "down_out"):
-        wide = float(jnp.max(plain["layers"][name]["scale"]))
-        narrow = float(jnp.max(state["layers"][name]["scale"]))
+        wide = float(jnp.max(plain["layers"][name].scale))
+        narrow = float(jnp.max(state["layers"][name].scale))
         assert wide > 5 * narrow, (name, wide, narrow)

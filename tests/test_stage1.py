@@ -58,9 +58,9 @@ def test_learnable_scales_are_the_learnable_tensors_only(setup):
     doubled = jax.tree.map(lambda s: 2 * s, scales)
     merged = merge_scales(state, doubled)
     np.testing.assert_allclose(
-        merged["layers"]["q_proj"]["scale"], 2 * state["layers"]["q_proj"]["scale"]
+        merged["layers"]["q_proj"].scale, 2 * state["layers"]["q_proj"].scale
     )
-    assert merged["layers"]["q_proj"]["qmax"] is state["layers"]["q_proj"]["qmax"]
+    assert merged["layers"]["q_proj"].qmax is state["layers"]["q_proj"].qmax
 
 
 def test_train_step_lowers_the_loss_and_keeps_rotations_orthogonal(tiny_cfg, setup):
@@ -131,7 +131,7 @@ def test_log_scale_parameterization(tiny_cfg, setup):
     ts_log = init_train_state(r1, r2, state, plan, log)
     np.testing.assert_allclose(
         ts_log["params"]["scales"]["layers"]["q_proj"]["scale"],
-        np.log(state["layers"]["q_proj"]["scale"]),
+        np.log(state["layers"]["q_proj"].scale),
     )
     batch = jnp.asarray(step_batch(ids, 0, log, 16, jax.random.key(1)))
     _, m_lin = make_train_step(tiny_cfg, plan, linear)(ts_lin, batch, fused, state)
@@ -139,7 +139,7 @@ def test_log_scale_parameterization(tiny_cfg, setup):
     ts, m_log = step(ts_log, batch, fused, state)
     assert float(m_log["loss"]) == pytest.approx(float(m_lin["loss"]), rel=1e-6)
     moved = learned_scales(ts["params"]["scales"], "log")
-    before = state["layers"]["q_proj"]["scale"]
+    before = state["layers"]["q_proj"].scale
     after = moved["layers"]["q_proj"]["scale"]
     assert not np.allclose(after, before) and bool(jnp.all(after > 0))
     # a step of -5 in log s shrinks every scale by e^-5 and keeps it positive, where a linear

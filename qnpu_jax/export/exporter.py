@@ -49,8 +49,9 @@ DEFAULT_CONTEXT = 2048  # tokens after the sink prefix (the paper's sequence len
 
 
 @dataclasses.dataclass(frozen=True)
-class Encoding:
-    """A per-tensor activation encoding of one layer (or a global tensor), in float64."""
+class IntEncoding:
+    """One layer's slice of an activation's `quant.state.Encoding` as the integer graph
+    uses it: a float64 scale, an integer zero point and the integer code range."""
 
     scale: float
     zero_point: int
@@ -75,7 +76,9 @@ def _two_input_rescale(ra: float, rb: float, what: str) -> tuple[int, int, int]:
     return ma, mb, s
 
 
-def _lut(f: Callable[[np.ndarray], np.ndarray], enc_in: Encoding, enc_out: Encoding) -> np.ndarray:
+def _lut(
+    f: Callable[[np.ndarray], np.ndarray], enc_in: IntEncoding, enc_out: IntEncoding
+) -> np.ndarray:
     """The contract's LUT (`build_lut`) between two encodings, zero points included."""
     return build_lut(
         f,
@@ -109,32 +112,32 @@ def _narrow(a: np.ndarray) -> np.ndarray:
 
 def _activation_encodings(
     plan: QuantPlan, state: QuantState, num_layers: int, graph: Graph = GRAPH
-) -> tuple[dict[str, list[Encoding]], dict[str, Encoding]]:
-    layers: dict[str, list[Encoding]] = {}
+) -> tuple[dict[str, list[IntEncoding]], dict[str, IntEncoding]]:
+    layers: dict[str, list[IntEncoding]] = {}
     for t in graph.layer_acts:
         name = t.name
         tq = plan.get(f"layers/{name}")
         assert tq is not None
         if t.bits == "probs":  # the integer softmax's fixed output encoding
             qmin, qmax = qrange(16, False)
-            layers[name] = [Encoding(1.0 / PROBS_SCALE_DENOMINATOR, 0, qmin, qmax)] * num_layers
+            layers[name] = [IntEncoding(1.0 / PROBS_SCALE_DENOMINATOR, 0, qmin, qmax)] * num_layers
             continue
-        s = np.asarray(state["layers"][name]["scale"], np.float32).reshape(num_layers)
-        z = np.rint(np.asarray(state["layers"][name]["zero_point"], np.float32)).reshape(num_layers)
+        s = np.asarray(state["layers"][name].scale, np.float32).reshape(num_layers)
+        z = np.rint(np.asarray(state["layers"][name].zero_point, np.float32)).reshape(num_layers)
         encs = []
         for i in range(num_layers):
             qmin, qmax = tq.qrange(tq.bits_for_layer(i))
-            encs.append(Encoding(float(s[i]), int(z[i]), qmin, qmax))
+            encs.append(IntEncoding(float(s[i]), int(z[i]), qmin, qmax))
         layers[name] = encs
-    outer: dict[str, Encoding] = {}
+    outer: dict[str, IntEncoding] = {}
     for name in (t.name for t in graph.global_acts):
         tq = plan.get(name)
         assert tq is not None
         qmin, qmax = tq.qrange(tq.bits)
         entry = get_entry(state, name)
-        s0 = float(np.asarray(entry["scale"], np.float32).reshape(()))
-        z0 = int(np.rint(np.asarray(entry["zero_point"], np.float32).reshape(())))
-        outer[name] = Encoding(s0, z0, qmin, qmax)
+        s0 = float(np.asarray(entry.scale, np.float32).reshape(()))
+        z0 = int(np.rint(np.asarray(entry.zero_point, np.float32).reshape(())))
+        outer[name] = IntEncoding(s0, z0, qmin, qmax)
     return layers, outer
 
 
@@ -148,7 +151,7 @@ def _weight_codes(
 
 
 def _norm_constants(
-    gamma: np.ndarray, enc_in: Encoding, enc_out: Encoding, eps: float, what: str
+    gamma: np.ndarray, enc_in: IntEncoding, enc_out: IntEncoding, eps: float, what: str
 ) -> dict[str, np.ndarray]:
     """RMSNorm: sign(γ), multipliers of |γ|·2^-K / s_out per channel, ε in fixed point."""
     g = np.asarray(gamma, np.float64)
@@ -183,8 +186,8 @@ def prefix_cache_codes(
     plan: QuantPlan,
     state: QuantState,
     prefix: tuple[int, ...],
-    k_enc: list[Encoding],
-    v_enc: list[Encoding],
+    k_enc: list[IntEncoding],
+    v_enc: list[IntEncoding],
     graph: Graph = GRAPH,
 ) -> tuple[np.ndarray, np.ndarray]:
     """K/V cache codes [L, Hkv, P, hd] of the sink prefix, computed offline as fake-quant does
@@ -227,8 +230,8 @@ def encodings_table(
     plan: QuantPlan,
     state: QuantState,
     cfg: ModelConfig,
-    layer_encs: Mapping[str, list[Encoding]],
-    outer_encs: Mapping[str, Encoding],
+    layer_encs: Mapping[str, list[IntEncoding]],
+    outer_encs: Mapping[str, IntEncoding],
     graph: Graph = GRAPH,
 ) -> dict[str, dict[str, Any]]:
     """Every tensor's encoding by artifact name (`layers.{i}.NAME`, `embed_tokens`, ...)."""
@@ -237,7 +240,7 @@ def encodings_table(
     for name in (t.name for t in graph.layer_weights):
         tq = plan.get(f"layers/{name}")
         assert tq is not None
-        s = np.asarray(state["layers"][name]["scale"], np.float32).reshape(n, -1)
+        s = np.asarray(state["layers"][name].scale, np.float32).reshape(n, -1)
         for i in range(n):
             table[f"layers.{i}.{name}"] = {
                 "bits": tq.bits_for_layer(i),
@@ -259,7 +262,7 @@ def encodings_table(
     for name in (op.weight_name for op in graph.model if op.weight is not None):
         tq = plan.get(name)
         assert tq is not None
-        rows = np.asarray(get_entry(state, name)["scale"], np.float32).reshape(-1)
+        rows = np.asarray(get_entry(state, name).scale, np.float32).reshape(-1)
         table[name] = {
             "bits": tq.bits,
             "signed": True,
@@ -282,7 +285,7 @@ def run_encodings(
     return encodings_table(plan, state, cfg, acts, outer, graph)
 
 
-def _act_entry(e: Encoding, symmetric: bool, signed: bool) -> dict[str, Any]:
+def _act_entry(e: IntEncoding, symmetric: bool, signed: bool) -> dict[str, Any]:
     bits = int(math.log2(e.qmax - e.qmin + 1))
     return {
         "bits": bits,
@@ -347,7 +350,7 @@ def export_model(
     tensors: dict[str, np.ndarray] = {}
     int4: set[str] = set()
 
-    def enc(name: str, i: int) -> Encoding:
+    def enc(name: str, i: int) -> IntEncoding:
         """The encoding of value `name` in layer i (the layer input: the previous output)."""
         if name == graph.layer_input:
             return outer[embed_op.out_name] if i == 0 else enc(graph.layer[-1].out_name, i - 1)
@@ -368,7 +371,7 @@ def export_model(
     table = embed_op.weight_name
     tq = plan.get(table)
     assert tq is not None
-    s_rows = np.asarray(get_entry(state, table)["scale"], np.float32).reshape(-1, 1)
+    s_rows = np.asarray(get_entry(state, table).scale, np.float32).reshape(-1, 1)
     tensors["embed.table"] = _weight_codes(
         np_params[table], s_rows, np.zeros_like(s_rows), tq.spec(), table
     )
@@ -384,7 +387,7 @@ def export_model(
             tq = plan.get(f"layers/{name}")
             assert tq is not None
             w = layers[name]
-            s_w = np.asarray(state["layers"][name]["scale"], np.float32).reshape(n, -1, 1)
+            s_w = np.asarray(state["layers"][name].scale, np.float32).reshape(n, -1, 1)
             codes, ms, shs, biases = [], [], [], []
             for i in range(n):
                 where = f"layers.{i}.{name}"
@@ -428,7 +431,7 @@ def export_model(
             )
             exp_luts = []
             for i in range(n):
-                diff = Encoding(enc(scores, i).scale, 0, 0, (1 << 16) - 1)
+                diff = IntEncoding(enc(scores, i).scale, 0, 0, (1 << 16) - 1)
                 exp_luts.append(_lut(lambda x: np.exp(-x), diff, enc(probs, i)).astype(np.uint16))
             tensors["layers.softmax.exp_lut"] = np.stack(exp_luts)
             real = scales(v_in) / PROBS_SCALE_DENOMINATOR / scales(dst)
@@ -478,7 +481,7 @@ def export_model(
     tq = plan.get(head_name)
     assert tq is not None
     head = np.asarray(lm_head_weight(np_params), np.float32)
-    s_head = np.asarray(get_entry(state, head_name)["scale"], np.float32).reshape(-1, 1)
+    s_head = np.asarray(get_entry(state, head_name).scale, np.float32).reshape(-1, 1)
     tensors[f"{head_op.const}.weight"] = _weight_codes(
         head, s_head, np.zeros_like(s_head), tq.spec(), head_name
     )

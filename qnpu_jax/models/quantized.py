@@ -34,7 +34,7 @@ from qnpu_jax.models.llama import (
 from qnpu_jax.quant.fake_quant import dynamic_fake_quant, fake_quant, positive_scale
 from qnpu_jax.quant.init import update_range_stats
 from qnpu_jax.quant.plan import QuantPlan, TensorQuant, is_weight
-from qnpu_jax.quant.state import QuantState, state_key
+from qnpu_jax.quant.state import Encoding, QuantState, state_key
 
 MODES = ("static", "dynamic")
 
@@ -76,9 +76,9 @@ class FakeQuantTaps:
             s = state[name]
             # qmin/qmax are traced per-layer arrays: per-layer bit-widths apply in every mode.
             if self.mode == "dynamic" and name != PROBS:
-                bits = jnp.log2(s["qmax"] - s["qmin"] + 1.0)
+                bits = jnp.log2(s.qmax - s.qmin + 1.0)
                 return dynamic_fake_quant(x, bits, axis=-1)  # weights [out, in]: per out row
-            scale, zero_point = s["scale"], s["zero_point"]
+            scale, zero_point = s.scale, s.zero_point
             if tq.learnable:
                 scale = positive_scale(scale)
             else:
@@ -86,8 +86,8 @@ class FakeQuantTaps:
             grad_scale: Any = 1.0
             if self.lsq_grad_scaling and self.cfg is not None:
                 n = _elements_per_scale(name, tq, self.cfg, x)
-                grad_scale = jax.lax.rsqrt(n * jnp.maximum(s["qmax"], 1.0))  # LSQ 1/√(N·Qmax)
-            args = (scale, zero_point, s["qmin"], s["qmax"])
+                grad_scale = jax.lax.rsqrt(n * jnp.maximum(s.qmax, 1.0))  # LSQ 1/√(N·Qmax)
+            args = (scale, zero_point, s.qmin, s.qmax)
             if self.local_loss and tq.learnable and not is_weight(path):
                 x0 = jax.lax.stop_gradient(x)
                 err = fake_quant(x0, *args, grad_scale=grad_scale) - x0
@@ -114,10 +114,10 @@ class FakeQuantTaps:
         s = state["embed_tokens"]  # per-row scales [V, 1]: gather the rows' own encodings
         return fake_quant(
             rows,
-            jnp.take(s["scale"], tokens, axis=0),
-            jnp.take(s["zero_point"], tokens, axis=0),
-            s["qmin"],
-            s["qmax"],
+            jnp.take(s.scale, tokens, axis=0),
+            jnp.take(s.zero_point, tokens, axis=0),
+            s.qmin,
+            s.qmax,
         )
 
 
@@ -129,9 +129,8 @@ def effective_state(plan: QuantPlan, state: QuantState) -> QuantState:
         if not tq.learnable:
             continue
         group, name = state_key(path)
-        entry = dict(out[group][name])
-        entry["scale"] = positive_scale(entry["scale"])
-        out[group][name] = entry
+        entry = out[group][name]
+        out[group][name] = entry.replace(scale=positive_scale(entry.scale))
     return out
 
 
@@ -147,7 +146,7 @@ def _elements_per_scale(name: str, tq: TensorQuant, cfg: ModelConfig, x: jax.Arr
 
 def state_entry(
     tq: TensorQuant, scale: np.ndarray, zero_point: np.ndarray, layers: int | None
-) -> dict[str, jax.Array]:
+) -> Encoding:
     """One tensor's state; `layers` set for a `layers/` tensor (qmin/qmax become [L])."""
     bounds: tuple[Any, Any]
     if layers is None:
@@ -159,12 +158,12 @@ def state_entry(
             np.array([r[0] for r in ranges], np.float32),
             np.array([r[1] for r in ranges], np.float32),
         )
-    return {
-        "scale": jnp.asarray(scale, jnp.float32),
-        "zero_point": jnp.asarray(zero_point, jnp.float32),
-        "qmin": jnp.asarray(bounds[0]),
-        "qmax": jnp.asarray(bounds[1]),
-    }
+    return Encoding(
+        scale=jnp.asarray(scale, jnp.float32),
+        zero_point=jnp.asarray(zero_point, jnp.float32),
+        qmin=jnp.asarray(bounds[0]),
+        qmax=jnp.asarray(bounds[1]),
+    )
 
 
 # The sink prefix's K/V are the only prefix tensors the device holds: they sit in its cache.

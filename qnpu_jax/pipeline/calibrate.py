@@ -45,7 +45,7 @@ from qnpu_jax.quant.plan import (
 )
 from qnpu_jax.quant.state import is_layer_path, state_key, with_entry
 
-Encoding = tuple[np.ndarray, np.ndarray]  # (scale, zero_point)
+ScaleZeroPoint = tuple[np.ndarray, np.ndarray]  # (scale, zero_point)
 
 
 def _observed_paths(plan: QuantPlan) -> frozenset[str]:
@@ -200,7 +200,7 @@ def channel_absmax(
     return out
 
 
-def _encoding(path: str, layer: int | None, compute: Callable[[], Any]) -> Encoding:
+def _encoding(path: str, layer: int | None, compute: Callable[[], Any]) -> ScaleZeroPoint:
     """Run one initializer; its errors name the tensor (and layer) they are about."""
     try:
         scale, zero_point = compute()
@@ -209,17 +209,17 @@ def _encoding(path: str, layer: int | None, compute: Callable[[], Any]) -> Encod
     return np.asarray(scale, np.float32), np.asarray(zero_point, np.float32)
 
 
-def _stack(per_layer: list[Encoding]) -> Encoding:
+def _stack(per_layer: list[ScaleZeroPoint]) -> ScaleZeroPoint:
     return np.stack([e[0] for e in per_layer]), np.stack([e[1] for e in per_layer])
 
 
 def _encoding_from_stats(
     path: str, stats: RangeStats, tq: TensorQuant, layer: int | None
-) -> Encoding:
+) -> ScaleZeroPoint:
     return _encoding(path, layer, lambda: scale_from_stats(stats, tq.init, tq.spec(layer)))
 
 
-def _weight_encoding(path: str, w: jax.Array, tq: TensorQuant, layer: int | None) -> Encoding:
+def _weight_encoding(path: str, w: jax.Array, tq: TensorQuant, layer: int | None) -> ScaleZeroPoint:
     spec = tq.spec(layer)
 
     def compute() -> Any:
@@ -234,9 +234,11 @@ def _weight_encoding(path: str, w: jax.Array, tq: TensorQuant, layer: int | None
     return _encoding(path, layer, compute)
 
 
-def weight_encodings(params: Params, cfg: ModelConfig, plan: QuantPlan) -> dict[str, Encoding]:
+def weight_encodings(
+    params: Params, cfg: ModelConfig, plan: QuantPlan
+) -> dict[str, ScaleZeroPoint]:
     """Encodings of every weight in `plan` (stacked over layers for `layers/` weights)."""
-    out: dict[str, Encoding] = {}
+    out: dict[str, ScaleZeroPoint] = {}
     for path, tq in plan.entries:
         if not is_weight(path):
             continue
@@ -267,8 +269,8 @@ def reencode_weight(
 
 def activation_encodings(
     stats: Mapping[str, Any], plan: QuantPlan, num_layers: int
-) -> dict[str, Encoding]:
-    out: dict[str, Encoding] = {}
+) -> dict[str, ScaleZeroPoint]:
+    out: dict[str, ScaleZeroPoint] = {}
     for name, layer_stats in stats["layers"].items():
         path = f"layers/{name}"
         tq = plan.get(path)
@@ -286,7 +288,9 @@ def activation_encodings(
     return out
 
 
-def build_state(plan: QuantPlan, cfg: ModelConfig, encodings: Mapping[str, Encoding]) -> QuantState:
+def build_state(
+    plan: QuantPlan, cfg: ModelConfig, encodings: Mapping[str, ScaleZeroPoint]
+) -> QuantState:
     """Assemble the quantizer state of `plan` from (scale, zero_point) of every tensor."""
     state: QuantState = {"layers": {}, "outer": {}}
     for path, tq in plan.entries:
@@ -304,7 +308,7 @@ def build_state(plan: QuantPlan, cfg: ModelConfig, encodings: Mapping[str, Encod
         group, name = state_key(path)
         state[group][name] = state_entry(tq, *enc, layers=layers)
     check_scales(
-        {g: {name: entry["scale"] for name, entry in state[g].items()} for g in state},
+        {g: {name: entry.scale for name, entry in state[g].items()} for g in state},
         "calibrated scale",
     )
     return state

@@ -98,9 +98,9 @@ def tensor_sensitivity(
         sums, size = _layer_error_sums(
             params,
             batch,
-            entry["scale"],
-            entry["qmin"],
-            entry["qmax"],
+            entry.scale,
+            entry.qmin,
+            entry.qmax,
             cfg=cfg,
             prefix=prefix,
             name=name,
@@ -113,7 +113,7 @@ def tensor_sensitivity(
     return SensitivityReport(
         ratios=tuple(float(r) for r in ratios),
         bits=bits,
-        scales=tuple(float(s) for s in np.asarray(entry["scale"]).ravel()),
+        scales=tuple(float(s) for s in np.asarray(entry.scale).ravel()),
     )
 
 

@@ -36,6 +36,7 @@ from qnpu_jax.models.llama import Params
 from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, tapped_token_nll
 from qnpu_jax.pipeline.weight_rounding import weights_from_codes
 from qnpu_jax.quant.plan import QuantPlan
+from qnpu_jax.quant.state import state_from_tree
 from qnpu_jax.transforms import apply_rotations, fuse_norms, smooth_mlp
 
 MODEL_FORMAT = "qnpu-quantized-model"
@@ -384,7 +385,7 @@ def assemble(
     return QuantizedModel(
         base.params,
         transforms,
-        state=None if state is None else jax.tree.map(jnp.asarray, state),
+        state=None if state is None else state_from_tree(jax.tree.map(jnp.asarray, state), where),
         weight_codes=None if not codes else {k: jnp.asarray(v) for k, v in codes.items()},
         cfg=base.config,
         source=base.source,

@@ -101,10 +101,10 @@ def learnable_scales(
             continue
         group, name = state_key(path)
         entry = state[group][name]
-        scale = entry["scale"]
+        scale = entry.scale
         out[group][name] = {"scale": scale_to_log(scale) if scale_param == "log" else scale}
         if not tq.symmetric:
-            out[group][name]["zero_point"] = entry["zero_point"]
+            out[group][name]["zero_point"] = entry.zero_point
     return out
 
 
@@ -139,7 +139,7 @@ def merge_scales(state: QuantState, scales: dict[str, Any]) -> QuantState:
     out: QuantState = {g: dict(state[g]) for g in state}
     for group, entries in scales.items():
         for name, fields in entries.items():
-            out[group][name] = {**state[group][name], **fields}
+            out[group][name] = state[group][name].replace(**fields)
     return out
 
 

@@ -90,13 +90,13 @@ def gptq_weight_codes(
         q = gptq_layers(
             params["layers"][name],
             hessians[LINEAR_INPUT[name]],
-            s["scale"],
-            s["zero_point"],
-            s["qmin"],
-            s["qmax"],
+            s.scale,
+            s.zero_point,
+            s.qmin,
+            s.qmax,
             damp=damp,
         )
-        dtype = np.int8 if float(jnp.max(s["qmax"])) < 128 else np.int16
+        dtype = np.int8 if float(jnp.max(s.qmax)) < 128 else np.int16
         codes[name] = np.asarray(q).astype(dtype)
     return codes
 
@@ -122,5 +122,5 @@ def weights_from_codes(params: Params, state: QuantState, codes: dict[str, Any])
     layers = dict(params["layers"])
     for name, q in codes.items():
         s = state["layers"][name]
-        layers[name] = (jnp.asarray(q, jnp.float32) - s["zero_point"]) * s["scale"]
+        layers[name] = (jnp.asarray(q, jnp.float32) - s.zero_point) * s.scale
     return {**params, "layers": layers}

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 ]
             )
             entry = get_entry(state, path)
-            max_abs = float(np.max(np.asarray(entry["scale"]) * np.asarray(entry["qmax"])))
+            max_abs = float(np.max(np.asarray(entry.scale) * np.asarray(entry.qmax)))
             rows.append(
                 {
                     "tensor": path,

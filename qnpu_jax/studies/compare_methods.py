@@ -56,7 +56,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from qnpu_jax.cli import _positive_int, comma_choices
+from qnpu_jax.argtypes import comma_choices, positive_int
 from qnpu_jax.eval import TASKS
 from qnpu_jax.report.table import (
     HEADLINE,
@@ -966,12 +966,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--limit",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="zero-shot: a seeded subset of N items per task (default: all of them)",
     )
     parser.add_argument("--task-seed", type=int, default=0, help="zero-shot subset seed")
-    parser.add_argument("--task-batch-size", type=_positive_int, default=8)
+    parser.add_argument("--task-batch-size", type=positive_int, default=8)
     parser.add_argument("--runs-dir", default="runs/compare")
     parser.add_argument("--json", default="reports/compare.json")
     parser.add_argument("--md", default="reports/compare.md")

@@ -24,7 +24,7 @@ GRIDS = ("learned", "mse", "max_min")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qnpu_jax.cli import comma_choices
+    from qnpu_jax.argtypes import comma_choices
 
     parser = study_parser(__name__, __doc__)
     parser.add_argument("--run", type=Path, required=True)

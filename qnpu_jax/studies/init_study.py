@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qnpu_jax.cli import comma_choices
+from qnpu_jax.argtypes import comma_choices
 from qnpu_jax.studies import study_parser
 
 ACTIVATIONS = ("attn_in", "attn_out", "mlp_in")

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -66,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         # a layer at the run's own bit-width keeps the run's (possibly learned) encoding
         keep = np.array([tq.bits_for_layer(i) == b for i, b in enumerate(layer_bits)])
         run_entry = state["layers"]["down_in"]
-        entry = {
-            field: jnp.where(
-                keep,
-                run_entry[field],
-                jnp.where(promoted, encodings[16][field], encodings[8][field]),
-            )
-            for field in ("scale", "zero_point", "qmin", "qmax")
-        }
+        entry = jax.tree.map(
+            lambda run_f, f16, f8, keep=keep, promoted=promoted: jnp.where(
+                keep, run_f, jnp.where(promoted, f16, f8)
+            ),
+            run_entry,
+            encodings[16],
+            encodings[8],
+        )
         swept_state = {"layers": {**state["layers"], "down_in": entry}, "outer": state["outer"]}
         swept_plan = QuantPlan(
             tuple(

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from qnpu_jax.cli import _positive_int
+from qnpu_jax.argtypes import positive_int
 from qnpu_jax.environment import study_command
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_bytes_atomic, write_json_atomic
@@ -36,6 +36,7 @@ from qnpu_jax.pipeline.run import calibration_data, load_run
 from qnpu_jax.pipeline.steps import STAGE1_TENSORS
 from qnpu_jax.quant.init import init_range_stats, mse_scale, scale_from_stats, update_range_stats
 from qnpu_jax.quant.plan import TensorQuant
+from qnpu_jax.quant.state import Encoding
 from qnpu_jax.report.plots import (
     ActivationPanel,
     ClipRange,
@@ -68,13 +69,13 @@ def init_range(values: np.ndarray, tq: TensorQuant, layer: int, method: str) -> 
     return clip_range(label, float(np.ravel(scale)[0]), float(np.ravel(zero_point)[0]), qmin, qmax)
 
 
-def run_range(entry: dict[str, Any], layer: int, label: str) -> ClipRange:
+def run_range(entry: Encoding, layer: int, label: str) -> ClipRange:
     return clip_range(
         label,
-        float(np.ravel(entry["scale"][layer])[0]),
-        float(np.ravel(entry["zero_point"][layer])[0]),
-        float(entry["qmin"][layer]),
-        float(entry["qmax"][layer]),
+        float(np.ravel(entry.scale[layer])[0]),
+        float(np.ravel(entry.zero_point[layer])[0]),
+        float(entry.qmin[layer]),
+        float(entry.qmax[layer]),
     )
 
 
@@ -82,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = study_parser(__name__, __doc__)
     parser.add_argument("--run", type=Path, required=True)
     parser.add_argument("--layer", type=int, required=True, help="decoder layer (from 0)")
-    parser.add_argument("--windows", type=_positive_int, default=4, help="calibration windows")
+    parser.add_argument("--windows", type=positive_int, default=4, help="calibration windows")
     parser.add_argument(
-        "--seq-len", type=_positive_int, default=None, help="cut windows (default: the run's)"
+        "--seq-len", type=positive_int, default=None, help="cut windows (default: the run's)"
     )
     parser.add_argument("--out", type=Path, required=True, help="a directory")
     args = parser.parse_args(argv)

@@ -42,7 +42,7 @@ def learnable_plan(plan: Any, config: Any) -> Any:
 def state_scale(state: Any, path: str) -> np.ndarray:
     from qnpu_jax.quant.state import get_entry
 
-    return np.asarray(get_entry(state, path)["scale"], np.float64)
+    return np.asarray(get_entry(state, path).scale, np.float64)
 
 
 def drift_rows(learned: Any, reference: Any, paths: list[str]) -> list[dict[str, Any]]:

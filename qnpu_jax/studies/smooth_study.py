@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         state = quantized.require_state()
         # smoothing also rescales up_proj's (8-bit) output channels by 1/s
         scale_rows = {
-            f"{name}_scale_max": [float(x) for x in state["layers"][name]["scale"]]
+            f"{name}_scale_max": [float(x) for x in state["layers"][name].scale]
             for name in ("down_in", "up_out")
         }
         rows.append({"alpha": alpha, "ppl": ppl, **scale_rows, "seconds": time.perf_counter() - t0})
