@@ -299,6 +299,10 @@ ROTATED_INPUTS = tuple(op.out_name for op in GRAPH.layer if op.kind in ("rmsnorm
 KV_TENSORS = GRAPH.ops("attention")[0].ins[1:]  # the K and V cache
 # Tensors inside attention, over key positions (scores, probabilities): no channel axis.
 ATTENTION_TENSORS = tuple(t.name for t in GRAPH.ops("attention")[0].inner)
+# The float model's global parameters: the embedding table, lm_head and the final norm's gain.
+EMBED_TABLE = next(op for op in GRAPH.model if op.kind == "embed").weight_name
+LM_HEAD = next(op for op in GRAPH.model if op.kind == "linear").weight_name
+FINAL_NORM = next(op for op in GRAPH.model if op.kind == "rmsnorm").gain
 SCORES, PROBS = ATTENTION_TENSORS  # the requantized scores; the softmax's fixed-encoding output
 # The one linear input no rotation reaches (a product of two values: down_proj's input), the
 # linear that reads it and that linear's output: what Quant.npu's scan promotes to 16 bits.

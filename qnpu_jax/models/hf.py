@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import GRAPH
+from qnpu_jax.export.graph import EMBED_TABLE, FINAL_NORM, GRAPH, LM_HEAD
 from qnpu_jax.files import current_umask
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import layer_param_shapes
@@ -36,6 +36,10 @@ def _hf_layer_names() -> dict[str, str]:
 
 
 HF_LAYER_NAMES = _hf_layer_names()
+# the global params' HF names: the embedding table's and lm_head's from the graph, the norm's
+HF_GLOBAL_NAMES = {t.name: t.hf for t in GRAPH.global_tensors if t.hf.endswith(".weight")} | {
+    FINAL_NORM: f"model.{FINAL_NORM}.weight"
+}
 # Buffers some exporters write that carry no parameters.
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -87,12 +91,12 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig) ->
         for key, hf in layer_tensor_names(cfg)
     }
     params: dict[str, Any] = {
-        "embed_tokens": f32("model.embed_tokens.weight"),
+        EMBED_TABLE: f32(HF_GLOBAL_NAMES[EMBED_TABLE]),
         "layers": layers,
-        "norm": f32("model.norm.weight"),
+        FINAL_NORM: f32(HF_GLOBAL_NAMES[FINAL_NORM]),
     }
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = f32("lm_head.weight")
+        params[LM_HEAD] = f32(HF_GLOBAL_NAMES[LM_HEAD])
     for path, value in jax.tree_util.tree_flatten_with_path(params)[0]:
         if not np.isfinite(value).all():
             name = "/".join(str(k.key) for k in path)  # type: ignore[attr-defined]
@@ -101,16 +105,13 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig) ->
 
 
 def state_dict_from_params(params: Mapping[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    state = {
-        "model.embed_tokens.weight": np.asarray(params["embed_tokens"]),
-        "model.norm.weight": np.asarray(params["norm"]),
-    }
+    state = {HF_GLOBAL_NAMES[k]: np.asarray(params[k]) for k in (EMBED_TABLE, FINAL_NORM)}
     for key, hf in layer_tensor_names(cfg):
         stacked = np.asarray(params["layers"][key])
         for i in range(cfg.num_layers):
             state[f"model.layers.{i}.{hf}"] = np.ascontiguousarray(stacked[i])
     if not cfg.tie_word_embeddings:
-        state["lm_head.weight"] = np.asarray(params["lm_head"])
+        state[HF_GLOBAL_NAMES[LM_HEAD]] = np.asarray(params[LM_HEAD])
     return state
 
 

@@ -23,7 +23,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qnpu_jax.export.graph import GRAPH, Graph, check_generation_room, layer_widths
+from qnpu_jax.export.graph import (
+    EMBED_TABLE,
+    FINAL_NORM,
+    GRAPH,
+    LM_HEAD,
+    PROBS,
+    SCORES,
+    Graph,
+    check_generation_room,
+    layer_widths,
+)
 from qnpu_jax.models.config import ModelConfig, RopeConfig
 
 Params = dict[str, Any]
@@ -108,8 +118,8 @@ def _attention(
     query_pos: jax.Array,
     valid_len: jax.Array,
     tap: Tap = no_tap,
-    scores_name: str = "scores",
-    probs_name: str = "probs",
+    scores_name: str = SCORES,
+    probs_name: str = PROBS,
 ) -> jax.Array:
     """Causal GQA attention over a cache.
 
@@ -204,7 +214,7 @@ def _decoder_layer(
 
 
 def lm_head_weight(params: Params) -> jax.Array:
-    return params["lm_head"] if "lm_head" in params else params["embed_tokens"]
+    return params[LM_HEAD] if LM_HEAD in params else params[EMBED_TABLE]
 
 
 def forward_tapped(
@@ -239,9 +249,9 @@ def forward_tapped(
     state = tap_state if tap_state is not None else {"layers": None, "outer": None}
     outer_tap, outer_aux = taps.outer(state["outer"]) if taps else (no_tap, no_aux)
     if taps:
-        x = taps.embed(state["outer"], params["embed_tokens"], tokens)
+        x = taps.embed(state["outer"], params[EMBED_TABLE], tokens)
     else:
-        x = embed_rows(params["embed_tokens"], tokens)
+        x = embed_rows(params[EMBED_TABLE], tokens)
     if residual_rotation is not None:
         x = x @ residual_rotation
     x = outer_tap(embed_op.out_name, x)
@@ -378,10 +388,10 @@ def init_random_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) ->
         noise = jax.random.normal(k, (cfg.num_layers, *shape))
         layers[name] = 1.0 + 0.1 * noise if name in gains else scale * noise
     params: Params = {
-        "embed_tokens": jax.random.normal(embed_key, (cfg.vocab_size, cfg.hidden_size)),
+        EMBED_TABLE: jax.random.normal(embed_key, (cfg.vocab_size, cfg.hidden_size)),
         "layers": layers,
-        "norm": jnp.ones((cfg.hidden_size,)),
+        FINAL_NORM: jnp.ones((cfg.hidden_size,)),
     }
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = scale * jax.random.normal(head_key, (cfg.vocab_size, cfg.hidden_size))
+        params[LM_HEAD] = scale * jax.random.normal(head_key, (cfg.vocab_size, cfg.hidden_size))
     return params

@@ -19,7 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import ATTENTION_TENSORS, GRAPH, KV_TENSORS, PROBS, Graph, layer_widths
+from qnpu_jax.export.graph import (
+    ATTENTION_TENSORS,
+    EMBED_TABLE,
+    GRAPH,
+    KV_TENSORS,
+    PROBS,
+    Graph,
+    layer_widths,
+)
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import (
     Params,
@@ -108,10 +116,10 @@ class FakeQuantTaps:
 
     def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array:
         rows = embed_rows(table, tokens)
-        tq = self.plan.get("embed_tokens")
+        tq = self.plan.get(EMBED_TABLE)
         if tq is None:
             return rows
-        s = state["embed_tokens"]  # per-row scales [V, 1]: gather the rows' own encodings
+        s = state[EMBED_TABLE]  # per-row scales [V, 1]: gather the rows' own encodings
         return fake_quant(
             rows,
             jnp.take(s.scale, tokens, axis=0),

@@ -17,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import ATTENTION_TENSORS, GRAPH, Graph
+from qnpu_jax.export.graph import ATTENTION_TENSORS, EMBED_TABLE, GRAPH, Graph
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, lm_head_weight
 from qnpu_jax.models.quantized import (
@@ -249,7 +249,7 @@ def weight_encodings(
                 [_weight_encoding(path, stacked[i], tq, i) for i in range(cfg.num_layers)]
             )
         else:
-            w = params["embed_tokens"] if path == "embed_tokens" else lm_head_weight(params)
+            w = params[EMBED_TABLE] if path == EMBED_TABLE else lm_head_weight(params)
             out[path] = _weight_encoding(path, w, tq, None)
     return out
 

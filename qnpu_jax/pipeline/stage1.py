@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from qnpu_jax.data import sample_windows
 from qnpu_jax.errors import QnpuError, first_line
+from qnpu_jax.export.graph import EMBED_TABLE, LM_HEAD
 from qnpu_jax.files import iter_jsonl
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, next_token_nll
@@ -229,7 +230,7 @@ def make_train_step(
         prefix=prefix,
         remat=config.remat,
         scale_param=config.scale_param,
-        float_tables=plan.get("embed_tokens") is None and plan.get("lm_head") is None,
+        float_tables=plan.get(EMBED_TABLE) is None and plan.get(LM_HEAD) is None,
     )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 

@@ -18,7 +18,17 @@ import re
 from collections.abc import Iterable, Sequence
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import GRAPH, LAYER_ACTS, LINEARS, PROBS, Graph, Tensor
+from qnpu_jax.export.graph import (
+    EMBED_TABLE,
+    GRAPH,
+    LAYER_ACTS,
+    LINEARS,
+    LM_HEAD,
+    PROBS,
+    UNROTATED_INPUT,
+    Graph,
+    Tensor,
+)
 from qnpu_jax.quant.spec import QuantSpec, qrange
 from qnpu_jax.quant.state import is_layer_path
 
@@ -230,7 +240,7 @@ def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
         raise QnpuError(f"{path}: only softmax probabilities are unsigned")
     elif tq.init == "fixed":
         raise QnpuError(f"{path}: only softmax probabilities have a fixed encoding")
-    if name == "down_in" and min(tq.layer_bits or (tq.bits,)) < 8:
+    if name == UNROTATED_INPUT and min(tq.layer_bits or (tq.bits,)) < 8:
         raise QnpuError(f"{path}: the unrotated down_proj input is never below 8 bits")
     if is_weight(path) and not tq.symmetric:
         raise QnpuError(f"{path}: weights are symmetric (integer matmul without weight zero point)")
@@ -238,9 +248,9 @@ def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
         raise QnpuError(
             f"{path}: 'mse' initialization needs sample data and is supported for weights only"
         )
-    if path == "embed_tokens" and tq.axis is None:
+    if path == EMBED_TABLE and tq.axis is None:
         raise QnpuError("embed_tokens: the embedding table is quantized per row (axis 0)")
-    if tq.init == "percentile" and path in ("embed_tokens", "lm_head"):
+    if tq.init == "percentile" and path in (EMBED_TABLE, LM_HEAD):
         raise QnpuError(f"{path}: per-row percentile histograms of the vocabulary are too large")
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import LINEAR_IO, UNROTATED_INPUT
 
 # lm-evaluation-harness headline metric per task, in the paper's Table 1 column order.
 HEADLINE: dict[str, str] = {
@@ -198,7 +199,7 @@ def _granularity(plan: Any) -> str:
         return "/".join(sorted(kinds)) if kinds else "float"
 
     weights = [plan.get(f"layers/{n}") for n in WEIGHTS]
-    inputs = [plan.get(f"layers/{n}") for n in ("attn_in", "attn_out", "mlp_in", "down_in")]
+    inputs = [plan.get(f"layers/{n}") for n in dict.fromkeys(i for i, _ in LINEAR_IO.values())]
     # Every activation encoding of a plan is static (that is the method); dynamic is a
     # stage-1-only baseline mode, never stored.
     w = axes_text([tq for tq in weights if tq is not None])
@@ -207,7 +208,7 @@ def _granularity(plan: Any) -> str:
 
 
 def _down_in_text(plan: Any) -> str:
-    tq = plan.get("layers/down_in")
+    tq = plan.get(f"layers/{UNROTATED_INPUT}")
     if tq is None:
         return "float"
     if tq.layer_bits is None or len(set(tq.layer_bits)) == 1:

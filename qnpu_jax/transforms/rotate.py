@@ -20,7 +20,16 @@ import jax
 import jax.numpy as jnp
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import LINEAR_BIAS, NORM_READERS, O_LINEAR, RESIDUAL_WRITERS, V_LINEAR
+from qnpu_jax.export.graph import (
+    EMBED_TABLE,
+    FINAL_NORM,
+    LINEAR_BIAS,
+    LM_HEAD,
+    NORM_READERS,
+    O_LINEAR,
+    RESIDUAL_WRITERS,
+    V_LINEAR,
+)
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import lm_head_weight
 from qnpu_jax.rotation import random_hadamard
@@ -45,14 +54,14 @@ def fuse_norms(params: Params, cfg: ModelConfig) -> Params:
     head = lm_head_weight(params)
     out = dict(params)
     out["layers"] = layers
-    out["lm_head"] = head * params["norm"][None, :]
-    out["norm"] = jnp.ones_like(params["norm"])
+    out[LM_HEAD] = head * params[FINAL_NORM][None, :]
+    out[FINAL_NORM] = jnp.ones_like(params[FINAL_NORM])
     return out
 
 
 def norms_are_fused(params: Params) -> bool:
     """True when every norm weight is exactly one (eager check, not for use under jit)."""
-    leaves = [params["norm"], *(params["layers"][gain] for gain in NORM_READERS)]
+    leaves = [params[FINAL_NORM], *(params["layers"][gain] for gain in NORM_READERS)]
     return all(bool(jnp.all(leaf == 1.0)) for leaf in leaves)
 
 
@@ -76,9 +85,9 @@ def apply_rotations(
     `tables=False` leaves embed_tokens and lm_head unrotated, for a forward that rotates the
     gathered rows and the final hidden state instead (`residual_rotation` of the forward).
     """
-    if "lm_head" not in params:
+    if LM_HEAD not in params:
         raise QnpuError("apply_rotations needs fused params with an explicit lm_head: fuse_norms")
-    if not isinstance(params["norm"], jax.core.Tracer) and not norms_are_fused(params):
+    if not isinstance(params[FINAL_NORM], jax.core.Tracer) and not norms_are_fused(params):
         raise QnpuError("apply_rotations needs fused params (norm weights of one): fuse_norms")
     layers = dict(params["layers"])
     out = dict(params)
@@ -89,8 +98,8 @@ def apply_rotations(
         for name in RESIDUAL_WRITERS:
             layers[name] = jnp.einsum("ji,ljk->lik", r1, layers[name])
         if tables:
-            out["embed_tokens"] = params["embed_tokens"] @ r1
-            out["lm_head"] = params["lm_head"] @ r1
+            out[EMBED_TABLE] = params[EMBED_TABLE] @ r1
+            out[LM_HEAD] = params[LM_HEAD] @ r1
     if r2 is not None:
         hd = cfg.head_dim
         _check_rotation(r2, (cfg.num_layers, hd, hd), "R2")
