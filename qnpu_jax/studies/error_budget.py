@@ -82,14 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     command = study_command("error_budget", argv)
 
     from qnpu_jax.files import write_json_atomic
-    from qnpu_jax.models.quantized import sink_prefix
     from qnpu_jax.pipeline.run import evaluate, load_run, wiki_eval_windows
 
     run = load_run(args.run)
     config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
     params, model = run.model.params(), run.loaded
     cfg = model.config
-    prefix = sink_prefix(config.prefix, model.tokenizer)
+    prefix = run.model.prefix  # the sink prefix the run was made with
     windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
     float_ppl = evaluate(model.params, None, None, cfg, windows, prefix)["ppl"]
     run_ppl = evaluate(params, state, plan, cfg, windows, prefix)["ppl"]

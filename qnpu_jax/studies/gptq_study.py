@@ -38,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     command = study_command("gptq_study", argv)
 
     from qnpu_jax.files import write_json_atomic
-    from qnpu_jax.models.quantized import sink_prefix
     from qnpu_jax.pipeline.calibrate import reencode_weight
     from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
     from qnpu_jax.pipeline.weight_rounding import (
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
     params, model = run.model.params(), run.loaded
     cfg = model.config
-    prefix = sink_prefix(config.prefix, model.tokenizer)
+    prefix = run.model.prefix  # the sink prefix the run was made with
     _, calib = calibration_data(config, model.tokenizer)
     windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
     t0 = time.perf_counter()

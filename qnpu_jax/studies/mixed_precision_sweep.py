@@ -24,7 +24,6 @@ import numpy as np
 from qnpu_jax.environment import environment_info, study_command
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_json_atomic
-from qnpu_jax.models.quantized import sink_prefix
 from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.pipeline.mixed_precision import down_proj_sensitivity, mixed_layer_bits
 from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
     params, model = run.model.params(), run.loaded
     cfg = model.config
-    prefix = sink_prefix(config.prefix, model.tokenizer)
+    prefix = run.model.prefix  # the sink prefix the run was made with
     _, calib = calibration_data(config, model.tokenizer)
     sensitivity_path = args.run / "sensitivity.json"
     if sensitivity_path.is_file():

@@ -30,7 +30,7 @@ from qnpu_jax.argtypes import positive_int
 from qnpu_jax.environment import study_command
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_bytes_atomic, write_json_atomic
-from qnpu_jax.models.quantized import effective_state, sink_prefix
+from qnpu_jax.models.quantized import effective_state
 from qnpu_jax.pipeline.calibrate import capture_activations
 from qnpu_jax.pipeline.run import calibration_data, load_run
 from qnpu_jax.pipeline.steps import STAGE1_TENSORS
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     cfg = model.config
     if not 0 <= args.layer < cfg.num_layers:
         raise QnpuError(f"--layer {args.layer}: the model has layers 0..{cfg.num_layers - 1}")
-    prefix = sink_prefix(config.prefix, model.tokenizer)
+    prefix = run.model.prefix  # the sink prefix the run was made with
     _, calib = calibration_data(config, model.tokenizer)
     windows = calib[: args.windows, : args.seq_len or calib.shape[1]]
     names = tuple(name for _, name in LINEAR_INPUTS)

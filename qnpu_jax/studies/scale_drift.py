@@ -81,7 +81,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from qnpu_jax.errors import QnpuError
     from qnpu_jax.files import write_json_atomic
-    from qnpu_jax.models.quantized import sink_prefix
     from qnpu_jax.pipeline.calibrate import calibrate
     from qnpu_jax.pipeline.run import calibration_data, load_run
 
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     except QnpuError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    prefix = sink_prefix(config.prefix, model.tokenizer)
+    prefix = run.model.prefix  # the sink prefix the run was made with
     _, calib = calibration_data(config, model.tokenizer)
     reference = calibrate(params, model.config, sub, calib, prefix=prefix)
     rows = drift_rows(state, reference, [p for p, _ in sub.entries])

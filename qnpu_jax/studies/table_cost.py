@@ -118,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from qnpu_jax.errors import QnpuError
     from qnpu_jax.files import write_bytes_atomic, write_json_atomic
-    from qnpu_jax.models.quantized import sink_prefix
     from qnpu_jax.pipeline.run import evaluate, load_run, wiki_eval_windows
 
     try:
@@ -130,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     except QnpuError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    prefix = sink_prefix(config.prefix, model.tokenizer)
+    prefix = run.model.prefix  # the sink prefix the run was made with
     windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
     float_ppl = evaluate(model.params, None, None, cfg, windows, prefix)["ppl"]
     print(f"float: {float_ppl:.3f}", flush=True)
