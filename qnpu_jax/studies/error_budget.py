@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from qnpu_jax.export.graph import LINEAR_OUTPUTS, ROTATED_INPUTS
+from qnpu_jax.export.graph import KV_TENSORS, LINEAR_OUTPUTS, ROTATED_INPUTS, UNROTATED_INPUT
 from qnpu_jax.studies import study_parser
 
 
@@ -38,10 +38,10 @@ def groups() -> dict[str, tuple[str, Callable[[str], bool]]]:
             lambda p: is_weight(p) and p.startswith("layers/"),
         ),
         "activations": ("activations float (weights only)", lambda p: not is_weight(p)),
-        "down_in": ("down_proj input float", _is_path("layers/down_in")),
+        "down_in": ("down_proj input float", _is_path(f"layers/{UNROTATED_INPUT}")),
         "linear_outputs": ("linear outputs float", lambda p: _name(p) in LINEAR_OUTPUTS),
         "rotated_inputs": ("rotated linear inputs float", lambda p: _name(p) in ROTATED_INPUTS),
-        "kv": ("K/V cache float", lambda p: p in ("layers/k_rope", "layers/v_out")),
+        "kv": ("K/V cache float", lambda p: _name(p) in KV_TENSORS and p.startswith("layers/")),
         **{  # each linear output alone (the "linear_outputs" group split up)
             name: (f"{name} float", _is_path(f"layers/{name}")) for name in LINEAR_OUTPUTS
         },

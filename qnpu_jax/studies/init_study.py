@@ -37,10 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.argtypes import comma_choices
+from qnpu_jax.export.graph import LINEARS, ROTATED_INPUTS
 from qnpu_jax.studies import study_parser
 
-ACTIVATIONS = ("attn_in", "attn_out", "mlp_in")
-LINEAR_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ACTIVATIONS = ROTATED_INPUTS  # the rotated linear inputs
+LINEAR_WEIGHTS = LINEARS
 TARGETS = {"activations": ACTIVATIONS, "weights": LINEAR_WEIGHTS}
 ROTATIONS = ("none", "hadamard")
 BITS = (4, 8)

@@ -23,6 +23,7 @@ import numpy as np
 
 from qnpu_jax.environment import environment_info, study_command
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import UNROTATED_INPUT as DOWN_IN
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.pipeline.mixed_precision import down_proj_sensitivity, mixed_layer_bits
@@ -52,20 +53,20 @@ def main(argv: list[str] | None = None) -> int:
         ratios = list(down_proj_sensitivity(params, cfg, calib, prefix=prefix).ratios)
     encodings = {}
     for bits in (8, 16):
-        single = QuantPlan((("layers/down_in", TensorQuant(bits=bits)),), cfg.num_layers)
-        encodings[bits] = calibrate(params, cfg, single, calib, prefix=prefix)["layers"]["down_in"]
+        single = QuantPlan(((f"layers/{DOWN_IN}", TensorQuant(bits=bits)),), cfg.num_layers)
+        encodings[bits] = calibrate(params, cfg, single, calib, prefix=prefix)["layers"][DOWN_IN]
     windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
     float_ppl = evaluate(model.params, None, None, cfg, windows, prefix)["ppl"]
     rows: list[dict[str, Any]] = []
     for p in (float(x) for x in args.steps.split(",")):
         layer_bits = mixed_layer_bits(ratios, p)
         promoted = np.array([b == 16 for b in layer_bits])
-        tq = plan.get("layers/down_in")
+        tq = plan.get(f"layers/{DOWN_IN}")
         if tq is None:
             raise QnpuError(f"{args.run}: the run does not quantize the down_proj inputs")
         # a layer at the run's own bit-width keeps the run's (possibly learned) encoding
         keep = np.array([tq.bits_for_layer(i) == b for i, b in enumerate(layer_bits)])
-        run_entry = state["layers"]["down_in"]
+        run_entry = state["layers"][DOWN_IN]
         entry = jax.tree.map(
             lambda run_f, f16, f8, keep=keep, promoted=promoted: jnp.where(
                 keep, run_f, jnp.where(promoted, f16, f8)
@@ -74,12 +75,14 @@ def main(argv: list[str] | None = None) -> int:
             encodings[16],
             encodings[8],
         )
-        swept_state = {"layers": {**state["layers"], "down_in": entry}, "outer": state["outer"]}
+        swept_state = {"layers": {**state["layers"], DOWN_IN: entry}, "outer": state["outer"]}
         swept_plan = QuantPlan(
             tuple(
                 (
                     path,
-                    TensorQuant(bits=8, layer_bits=layer_bits) if path == "layers/down_in" else t,
+                    TensorQuant(bits=8, layer_bits=layer_bits)
+                    if path == f"layers/{DOWN_IN}"
+                    else t,
                 )
                 for path, t in plan.entries
             ),

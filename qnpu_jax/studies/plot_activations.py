@@ -29,6 +29,7 @@ import numpy as np
 from qnpu_jax.argtypes import positive_int
 from qnpu_jax.environment import study_command
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import UNROTATED_INPUT
 from qnpu_jax.files import write_bytes_atomic, write_json_atomic
 from qnpu_jax.models.quantized import effective_state
 from qnpu_jax.pipeline.calibrate import capture_activations
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace, command: str) -> int:
                     ranges.append(init_range(values, tq, args.layer, "mean_std"))
                 if i == 1:  # the run's encodings belong to the model it quantizes
                     was_learned = learned and name in STAGE1_TENSORS
-                    was_learned &= name != "down_in" or config.learn_down_in
+                    was_learned &= name != UNROTATED_INPUT or config.learn_down_in
                     label = "run: learned" if was_learned else f"run: calibrated ({tq.init})"
                     ranges.insert(0, run_range(stored[name], args.layer, label))
             title = f"{linear} input ({name}), {model_name}"

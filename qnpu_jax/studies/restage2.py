@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qnpu_jax.export.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
 from qnpu_jax.studies import study_parser
 
 
@@ -82,19 +83,19 @@ def main(argv: list[str] | None = None) -> int:
                 "`down_out_mixed_precision`"
             )
         layer_bits = {}  # the run's per-layer promotions (sensitivity scans) stay
-        for name in ("down_in", "down_out"):
+        for name in (UNROTATED_INPUT, UNROTATED_OUTPUT):
             entry = plan.get(f"layers/{name}")
             layer_bits[name] = entry.layer_bits if entry is not None else None
         promotion = None
         if new_config.down_out_mixed_precision != config.down_out_mixed_precision:
-            layer_bits["down_out"] = None
+            layer_bits[UNROTATED_OUTPUT] = None
             if new_config.down_out_mixed_precision > 0:
                 data = Calibration(*calibration_data(config, model.tokenizer))
                 fraction = new_config.down_out_mixed_precision
-                promotion = promote("down_out", fraction)(run.model, data).steps[-1].info
-                layer_bits["down_out"] = tuple(promotion["layer_bits"])
+                promotion = promote(UNROTATED_OUTPUT, fraction)(run.model, data).steps[-1].info
+                layer_bits[UNROTATED_OUTPUT] = tuple(promotion["layer_bits"])
         new_plan = build_plan(
-            new_config, plan.num_layers, layer_bits["down_in"], layer_bits["down_out"]
+            new_config, plan.num_layers, layer_bits[UNROTATED_INPUT], layer_bits[UNROTATED_OUTPUT]
         )
         changed = changed_entries(plan, new_plan)
         learned = [p for p in changed if p.removeprefix("layers/") in STAGE1_TENSORS]

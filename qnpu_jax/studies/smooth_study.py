@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qnpu_jax.export.graph import LINEAR_IO, SMOOTHED_LINEARS, UNROTATED_INPUT
 from qnpu_jax.studies import study_parser
 
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         # smoothing also rescales up_proj's (8-bit) output channels by 1/s
         scale_rows = {
             f"{name}_scale_max": [float(x) for x in state["layers"][name].scale]
-            for name in ("down_in", "up_out")
+            for name in (UNROTATED_INPUT, LINEAR_IO[SMOOTHED_LINEARS[0]][1])
         }
         rows.append({"alpha": alpha, "ppl": ppl, **scale_rows, "seconds": time.perf_counter() - t0})
         print(f"alpha {alpha}: {ppl:.3f}", flush=True)

@@ -20,11 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qnpu_jax.export.graph import EMBED_TABLE, GRAPH, LM_HEAD
 from qnpu_jax.studies import study_parser
 
-TABLES = ("embed_tokens", "lm_head")
+TABLES = (EMBED_TABLE, LM_HEAD)
 # the tensors around the tables whose precision DESIGN.md §3 fixes
-TABLE_TENSORS = ("embed_tokens", "embed_out", "final_norm_out", "lm_head")
+TABLE_TENSORS = tuple(t.name for t in GRAPH.global_tensors)
 TABLE_BITS = (4, 16)
 
 
@@ -96,7 +97,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     run_ppl = report["rows"][0]["ppl"]
     for row in report["rows"]:
         diff = "" if row["key"] == "run" else f"{100 * (row['ppl'] / run_ppl - 1):+.2f}%"
-        mb = [f"{row['table_bytes'][t] / 2**20:.1f} MiB" for t in ("embed_tokens", "lm_head")]
+        mb = [f"{row['table_bytes'][t] / 2**20:.1f} MiB" for t in TABLES]
         lines.append(
             f"| {row['label']} | {mb[0]} | {mb[1]} | {row['ppl']:.3f} | {diff} | "
             f"{row['ppl'] / report['float_ppl']:.3f}× |"
