@@ -18,7 +18,13 @@ import numpy as np
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import LAYER_INPUT, LOGITS_RANGE, SCORES, check_room
-from qnpu_jax.export.int_model import IntegerEngine, IntModel, KVCache, check_tokens
+from qnpu_jax.export.int_model import (
+    IntegerEngine,
+    IntModel,
+    KVCache,
+    check_cache_batch,
+    check_tokens,
+)
 
 I64 = np.int64
 EXACT_LIMIT = float(2**53)
@@ -278,8 +284,7 @@ def _run_chunk_into(
     t = tokens.shape[1]
     start = cache.length
     check_room(start, t, model.graph["max_context"])
-    if cache.k.shape[1] != tokens.shape[0]:
-        raise QnpuError(f"the cache holds batch {cache.k.shape[1]}, the tokens {tokens.shape[0]}")
+    check_cache_batch(cache, tokens.shape[0])
     positions = start + np.arange(t)
     embed, _, norm, head = model.graph["ops"]["model"]  # embed → layers → final norm → lm_head
     z, lo, hi = _global_act(model, embed["out"])

@@ -357,7 +357,7 @@ def expected_tensors(model: dict[str, Any], graph: dict[str, Any]) -> dict[str, 
     hd, hq, hkv = model["head_dim"], model["num_heads"], model["num_kv_heads"]
     v = model["vocab_size"]
     widths = {"hidden": d, "q": hq * hd, "kv": hkv * hd, "ffn": model["intermediate_size"]}
-    width = {t.name: widths.get(t.width) for t in GRAPH.layer_acts} | {GRAPH.layer_input: d}
+    width = layer_widths(widths)
     i32 = ("int32",)
     out: dict[str, Any] = {}
     for field in ("zero_point", "qmin", "qmax"):

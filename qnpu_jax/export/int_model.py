@@ -233,6 +233,13 @@ def check_tokens(tokens: Any, vocab_size: int) -> np.ndarray:
     return a.astype(np.int32)
 
 
+def check_cache_batch(cache: KVCache, batch: int) -> None:
+    """Refuse a cache made for another batch size than the tokens'."""
+    held = np.shape(cache.k)[1]
+    if held != batch:
+        raise QnpuError(f"the cache holds batch {held}, the tokens {batch}")
+
+
 class IntegerEngine(abc.ABC, Generic[C]):
     """An artifact's integer model behind its primitives (`new_cache`, `run_chunk`); chunked
     prefill, NLL and greedy decoding are written once here, so every engine (the numpy
@@ -265,8 +272,7 @@ class IntegerEngine(abc.ABC, Generic[C]):
         ids = check_tokens(tokens, int(self.model.model["vocab_size"]))
         batch, n = ids.shape
         own = self._own(cache) if cache is not None else self.new_cache(batch)
-        if np.shape(own.k)[1] != batch:
-            raise QnpuError(f"the cache holds batch {np.shape(own.k)[1]}, the tokens {batch}")
+        check_cache_batch(own, batch)
         chunk, limit = int(self.model.graph["prefill_chunk"]), int(self.model.graph["max_context"])
         check_room(own.length, n, limit)
         pieces = []

@@ -35,7 +35,13 @@ from qnpu_jax.export.graph import (
     SCORES,
     check_room,
 )
-from qnpu_jax.export.int_model import IntegerEngine, IntModel, KVCache, check_tokens
+from qnpu_jax.export.int_model import (
+    IntegerEngine,
+    IntModel,
+    KVCache,
+    check_cache_batch,
+    check_tokens,
+)
 from qnpu_jax.quant.integer import requantize_jax
 
 MATMULS = ("f64", "i64")
@@ -520,8 +526,7 @@ class JaxIntEngine(IntegerEngine[IntCache]):
     def run_chunk(self, tokens: np.ndarray, cache: KVCache) -> tuple[np.ndarray, IntCache]:
         ids = check_tokens(tokens, self.spec.vocab_size)
         own = self._own(cache)
-        if own.k.shape[1] != ids.shape[0]:
-            raise QnpuError(f"the cache holds batch {own.k.shape[1]}, the tokens {ids.shape[0]}")
+        check_cache_batch(own, ids.shape[0])
         check_room(own.length, ids.shape[1], self.spec.max_context)
         with jax.enable_x64(True):
             logits, k, v = int_forward(

@@ -112,20 +112,23 @@ def plan_rules(config: QuantizeConfig) -> list[QuantRule]:
     return rules + list(config.rules)
 
 
+def plan_options(config: QuantizeConfig) -> dict[str, Any]:
+    """The bit-widths and rules a config's plan is built from (`default_plan`'s options)."""
+    return {
+        "w_bits": config.w_bits,
+        "a_bits": config.a_bits,
+        "kv_bits": config.kv_bits,
+        "down_in_bits": config.down_in_bits,
+        "rules": plan_rules(config),
+    }
+
+
 def _before_stage1(config: QuantizeConfig, rotated: bool) -> list[Step]:
     _, rotation_key, _ = run_keys(config.seed)
     steps = [fuse_norms(), hadamard_rotations(rotation_key)] if rotated else []
     if config.smooth_mlp is not None:
         steps.append(smooth_mlp(config.smooth_mlp))
-    steps.append(
-        plan(
-            w_bits=config.w_bits,
-            a_bits=config.a_bits,
-            kv_bits=config.kv_bits,
-            down_in_bits=config.down_in_bits,
-            rules=plan_rules(config),
-        )
-    )
+    steps.append(plan(**plan_options(config)))
     if config.mixed_precision > 0 and config.down_in_bits == 8:
         steps.append(promote(UNROTATED_INPUT, config.mixed_precision))
     return steps
@@ -212,14 +215,7 @@ def build_plan(
 ) -> QuantPlan:
     """The plan a config's recipe ends with, given the per-layer bits its promotions chose
     (None: no promotion of that tensor): for studies that vary one piece of it."""
-    made = default_plan(
-        num_layers,
-        w_bits=config.w_bits,
-        a_bits=config.a_bits,
-        kv_bits=config.kv_bits,
-        down_in_bits=config.down_in_bits,
-        rules=plan_rules(config),
-    )
+    made = default_plan(num_layers, **plan_options(config))
     promoted = [(UNROTATED_INPUT, down_in_bits), (UNROTATED_OUTPUT, down_out_bits)]
     return made.apply(
         [QuantRule(pattern=f"layers/{n}", layer_bits=b) for n, b in promoted if b is not None]
