@@ -161,3 +161,31 @@ def test_steps_refuse_an_order_that_makes_no_model(two_layer_dir):
     # a plan step records its arguments; the model is unchanged but for the plan and record
     planned = steps.plan(w_bits=8, a_bits=8)(fused, data)
     assert planned.steps[-1].args["w_bits"] == 8 and planned.base is fused.base
+
+
+def test_calibrate_paths_recalibrates_those_tensors_and_keeps_the_rest(two_layer_dir):
+    """calibrate(paths) after a rule changed one tensor equals calibrating the new plan
+    whole on that tensor; every other encoding is the one the model had."""
+    from qnpu_jax.quant.plan import QuantRule, default_plan
+    from qnpu_jax.quant.state import by_path
+
+    fp = load_model(str(two_layer_dir))
+    windows = (np.arange(64).reshape(2, 32) * 37) % fp.config.vocab_size
+    data = Calibration(np.arange(200), windows)
+    start = QuantizedModel.from_float(fp, prefix="none")
+    base = chain(steps.fuse_norms(), steps.plan(w_bits=8, a_bits=8), steps.calibrate())(start, data)
+    rule = QuantRule(pattern="layers/down_out", init="percentile")
+    new_plan = default_plan(fp.config.num_layers, w_bits=8, a_bits=8, rules=[rule])
+    part = steps.calibrate(["layers/down_out"])(base.replace(plan=new_plan), data)
+    full = steps.calibrate()(base.replace(plan=new_plan, state=None), data)
+    old, got, want = by_path(base.state), by_path(part.state), by_path(full.state)
+    assert set(got) == set(want) == set(old)
+    np.testing.assert_array_equal(got["layers/down_out"].scale, want["layers/down_out"].scale)
+    assert not np.array_equal(got["layers/down_out"].scale, old["layers/down_out"].scale)
+    assert all(got[p] is old[p] for p in got if p != "layers/down_out")
+    assert part.steps[-1].name == "calibrate"
+    assert part.steps[-1].args == {"paths": ["layers/down_out"]}
+    with pytest.raises(QnpuError, match="not tensors of the plan"):
+        steps.calibrate(["layers/nope"])(base, data)
+    with pytest.raises(QnpuError, match="empty"):
+        steps.calibrate([])

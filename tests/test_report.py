@@ -343,6 +343,21 @@ def test_report_table_marks_and_flags(inputs, capsys):
     assert "Figure 4" not in out.with_name("table1.md").read_text()
 
 
+def test_ratio_columns_divide_by_the_float_row_and_keep_its_flags(inputs):
+    """`ratios=True` (the compare study's table): "× float" after each perplexity the float
+    row has; a cell measured on other windows carries the perplexity's flag."""
+    from qnpu_jax.report.table import build_rows, build_table, rows_json
+
+    rows, notes = build_rows([Path(r) for r in inputs["runs"]], [Path(e) for e in inputs["evals"]])
+    assert "ratio:wiki" not in dict(build_table(rows, notes).columns)  # opt-in
+    table = build_table(rows, notes, ratios=True)
+    headers = [h for _, h in table.columns]
+    assert headers[headers.index("PPL wiki ↓") + 1] == "× float wiki"
+    texts = [cells["ratio:wiki"].render() for cells in table.cells]
+    assert texts == ["1.000", f"{29.7182 / 15:.3f}", f"{28.111 / 15:.3f}", f"{28.5 / 15:.3f}†"]
+    assert rows_json(table)[1]["ratio"] == {"wiki": pytest.approx(29.7182 / 15)}
+
+
 def test_report_runs_only(tmp_path):
     """No eval JSONs: an FP32 row from the float PPL the runs recorded, no task columns."""
     run = write_run(tmp_path, "rtn", method="rtn", w=8, a=8, ppl=61.12)

@@ -61,148 +61,65 @@ def test_compare_grid_matches_the_settings(cm, tmp_path):
     ]
 
 
-def _row(cm, setting, bits, method, wiki, ratio):
-    w, a = cm.parse_bits(bits)
+def _entry(cm, setting, bits, method, wiki, ratio):
     return {
         "method": method,
         "bits": bits,
-        "w_bits": w,
-        "a_bits": a,
-        "kv_bits": 8,
         "setting": setting,
-        "label": cm.METHOD_LABELS[method],
-        "down_in": "16",
         "run_dir": f"runs/{method}",
-        "config": {"init_scheme": "aware", "selective": True, "mixed_precision": 0.0},
         "status": "ran",
         "ppl": {"wiki": wiki, "wikitext2": wiki},
-        "float_ppl": {"wiki": wiki / ratio, "wikitext2": wiki / ratio},
         "ratio": {"wiki": ratio, "wikitext2": ratio},
-        "windows": {"wiki": 2, "wikitext2": 2},
-        "tokens": {"wiki": 1022, "wikitext2": 1022},
     }
 
 
-def test_compare_target_checks_and_markdown(cm, tmp_path):
-    rows = [
-        _row(cm, "table1", "W8A8", "quantnpu", 20.2, 1.01),
-        _row(cm, "table1", "W4A8", "quantnpu", 22.0, 1.10),
-        _row(cm, "table1", "W4A8", "rtn", 30.0, 1.5),
-        _row(cm, "table1", "W4A8", "quarot", 21.0, 1.05),  # beats Quant.npu
-        _row(cm, "table1", "W4A8", "spinquant", 40.0, 2.0),
-        _row(cm, "table1", "W4A4", "quantnpu", 40.0, 2.0),
-        _row(cm, "ours", "W4A8", "quantnpu", 22.0, 1.10),
-        _row(cm, "ours", "W4A8", "rtn", 30.0, 1.5),
+def test_compare_target_checks(cm):
+    entries = [
+        _entry(cm, "table1", "W8A8", "quantnpu", 20.2, 1.01),
+        _entry(cm, "table1", "W4A8", "quantnpu", 22.0, 1.10),
+        _entry(cm, "table1", "W4A8", "rtn", 30.0, 1.5),
+        _entry(cm, "table1", "W4A8", "quarot", 21.0, 1.05),  # beats Quant.npu
+        _entry(cm, "table1", "W4A8", "spinquant", 40.0, 2.0),
+        _entry(cm, "table1", "W4A4", "quantnpu", 40.0, 2.0),
+        _entry(cm, "ours", "W4A8", "quantnpu", 22.0, 1.10),
+        _entry(cm, "ours", "W4A8", "rtn", 30.0, 1.5),
     ]
-    status = {(c["setting"], c["bits"], c["eval"]): c["status"] for c in cm.target_checks(rows)}
+    checks = cm.target_checks(entries)
+    status = {(c["setting"], c["bits"], c["eval"]): c["status"] for c in checks}
     assert status[("table1", "W8A8", "wiki")] == "met"
     assert status[("table1", "W4A8", "wiki")] == "not met"  # ratio fine, not below QuaRot
     assert status[("table1", "W4A4", "wikitext2")] == "not met"
     assert status[("ours", "W4A8", "wiki")] == "incomplete"  # quarot, spinquant not run
     assert status[("ours", "W8A8", "wiki")] == "not run"
-
-    args = cm.parse_args(["--runs-dir", str(tmp_path)])
-    report = cm.build_report(args, rows, [], None, "qnpu study compare_methods", 1.0)
-    assert report["float"]["ppl"]["wiki"] == pytest.approx(20.2 / 1.01)
-    md = cm.render_markdown(report)
-    assert "| Quant.npu | 8-8-8 | per-channel | 16 | 20.20 |" in md
-    assert "— not met" in md and "— met" in md and "Command: `qnpu study compare_methods" in md
-    assert "PIQA" not in md and "zero-shot" not in md  # no --tasks: no zero-shot columns
-    assert "earlier invocations" not in md  # every cell ran in this one
-
-    chain = _row(cm, "ablation-mixed10", "W4A4", "quantnpu", 30.0, 2.0)
-    frozen = _row(cm, "ablation-mixed10-frozen-down-in", "W4A4", "quantnpu", 28.0, 1.9)
-    chain["config"] |= {"mixed_precision": 0.1, "learn_down_in": True}
-    frozen["config"] |= {"mixed_precision": 0.1, "learn_down_in": False}
-    frozen["label"] = "frozen"
-    report = cm.build_report(args, rows, [chain, frozen], None, "python x", 1.0)
-    md = cm.render_markdown(report)
-    assert "| FP32 | – | – | – | – | 20.00 | 20.00 | 1.000 | 1.000 |" in md  # ablation table
-    assert "| Quant.npu | aware | ✓ | 10% | ✓ | 30.00 |" in md
-    assert "| frozen | aware | ✓ | 10% | – (init kept) | 28.00 |" in md
-
-    rows[0] |= {"status": "reused", "command": "qnpu study compare_methods --bits W8A8"}
-    rows[1] |= {"status": "reused", "command": "qnpu study compare_methods"}  # this one
-    report = cm.build_report(args, rows, [], None, "qnpu study compare_methods", 1.0)
-    md = cm.render_markdown(report)
-    earlier = "- `qnpu study compare_methods --bits W8A8`\n\n"
-    assert "earlier invocations were run by:\n" + earlier in md
-
-
-def _task(name, metric, value, stderr):
-    from qnpu_jax.report.table import Measure, TaskResult
-
-    score = Measure(value, stderr)
-    return TaskResult(name, metric, score, 500, None, None, "none", 500, "evals.json")
-
-
-def test_compare_zero_shot_columns_and_marks(cm, tmp_path):
-    rows = [
-        _row(cm, "table1", "W4A8", "quantnpu", 22.0, 1.10),
-        _row(cm, "table1", "W4A8", "rtn", 30.0, 1.5),
-    ]
-    rows[1]["status"] = "error"
-    rows[1]["error"] = "boom"
-    args = cm.parse_args(["--runs-dir", str(tmp_path), "--tasks", "lambada,piqa", "--limit", "500"])
-    assert args.tasks == ("lambada", "piqa")
-    scores = {
-        cm.FLOAT_KEY: cm.TaskScores(
-            "reused",
-            {
-                "piqa": _task("piqa", "acc_norm", 0.60, 0.02),
-                "lambada": _task("lambada", "acc", 0.40, 0.02),
-            },
-            tmp_path / "float.json",
-        ),
-        # PIQA 0.10 below float: beyond 2·sqrt(0.02² + 0.02²) = 0.057, so ▼; LAMBADA 0.01
-        # above: within noise; the average 0.045 below, beyond 2·sqrt(2·0.01414²) = 0.04: ▼
-        "runs/quantnpu": cm.TaskScores(
-            "ran",
-            {
-                "piqa": _task("piqa", "acc_norm", 0.50, 0.02),
-                "lambada": _task("lambada", "acc", 0.41, 0.02),
-            },
-            tmp_path / "q.json",
-        ),
-    }
-    report = cm.build_report(args, rows, [], None, "cmd", 1.0, scores)
-    q = report["rows"][0]
-    piqa = {"metric": "acc_norm", "value": 0.5, "stderr": 0.02, "n": 500, "mark": "▼"}
-    assert q["tasks"]["piqa"] == piqa and q["tasks"]["lambada"]["mark"] == ""
-    assert q["tasks_average"]["value"] == pytest.approx(0.455)
-    assert q["tasks_average"]["mark"] == "▼" and q["tasks_status"] == "ran"
-    assert report["float"]["tasks"]["piqa"]["mark"] == ""  # the reference itself
-    assert report["protocol"]["task_n"] == {"piqa": 500, "lambada": 500}
-    md = cm.render_markdown(report)
-    # paper column order (PIQA before LAMBADA), percent ± stderr, the average with its mark
-    assert "| × float (WikiText-2) | PIQA ↑ | LAMBADA ↑ | Avg ↑ |" in md
-    assert "| 1.000 | 1.000 | 60.0 ±2.0 | 40.0 ±2.0 | 50.0 ±1.4 |" in md
-    assert "| 1.100 | 1.100 | 50.0 ±2.0 ▼ | 41.0 ±2.0 | 45.5 ±1.4 ▼ |" in md
-    assert "| error | error | error |" in md  # the failed cell
-    assert "a seeded subset of 500 items per task (seed 0)" in md and "PIQA 500, LAMBADA 500" in md
-    assert "a difference smaller than two standard errors is not called a difference" in md
+    line = next(c["line"] for c in checks if c["setting"] == "table1" and c["bits"] == "W4A8")
+    assert "NOT below all" in line and line.endswith("— not met")
 
 
 def test_compare_grid_scores_zero_shot_tasks_and_reads_them_back(
     cm, two_layer_dir, wikitext_test_path, tmp_path, monkeypatch
 ):
-    """FP32 + one RTN cell of the 2-layer model with --tasks piqa,lambada --limit 3: an evals
-    JSON per row in the `qnpu eval --json` layout, scored as `qnpu eval --run` scores it, the
-    columns in the markdown and the JSON; a second invocation only reads them back."""
+    """FP32, one RTN cell and one ablation cell (static joint, one stage-1 step) of the 2-layer
+    model with --tasks piqa,lambada --limit 3: an evals JSON per row in the `qnpu eval --json`
+    layout, scored as `qnpu eval --run` scores it; the report built by qnpu_jax.report from the
+    run directories (main table with × float, ablation table, target checks, the cells without
+    a row); a second invocation only reads everything back."""
     import json
 
     import qnpu_jax.cli as cli
 
     runs = tmp_path / "runs"
+    out = tmp_path / "reports" / "c"
     argv = [
         *("--model", str(two_layer_dir), "--methods", "float,rtn", "--bits", "W8A8"),
-        *("--settings", "table1", "--skip-ablation", "--seq-len", "32", "--calib-windows", "2"),
+        *("--settings", "table1", "--seq-len", "32", "--calib-windows", "2"),
+        *("--variants", "static-joint", "--ablation-bits", "W8A8", "--steps", "1"),
+        *("--stage1-batch-size", "1", "--grad-accum", "1", "--checkpoint-every", "1"),
         *("--eval-windows", "2", "--wikitext", str(wikitext_test_path), "--runs-dir", str(runs)),
-        *("--json", str(tmp_path / "c.json"), "--md", str(tmp_path / "c.md"), "--no-progress"),
-        *("--tasks", "piqa,lambada", "--limit", "3"),
+        *("--out", str(out), "--no-progress", "--tasks", "piqa,lambada", "--limit", "3"),
     ]
     assert cm.main(argv) == 0
     cell = runs / "rtn-w8a8kv8-table1"
+    ablation = runs / "quantnpu-w8a8kv8-ablation-static-joint"
     paths = [runs / "float" / "evals" / "tasks-3-0.json", cell / "evals" / "tasks-3-0.json"]
     docs = [json.loads(p.read_text()) for p in paths]
     assert docs[0]["model"] == str(two_layer_dir) and docs[0]["path"] == "float"
@@ -221,22 +138,33 @@ def test_compare_grid_scores_zero_shot_tasks_and_reads_them_back(
         json.loads(e.read_text())["tasks"]["piqa"]["metrics"] == docs[1]["tasks"]["piqa"]["metrics"]
     )
 
-    report = json.loads((tmp_path / "c.json").read_text())
-    row = next(r for r in report["rows"] if r["run_dir"] == str(cell))
-    assert row["tasks_status"] == "ran" and row["evals"] == str(paths[1])
-    piqa = docs[1]["tasks"]["piqa"]["metrics"]
-    assert row["tasks"]["piqa"]["value"] == piqa["acc_norm"]
-    assert row["tasks"]["lambada"]["metric"] == "acc" and row["tasks_average"] is not None
-    assert report["float"]["tasks_status"] == "ran"
-    assert report["protocol"]["task_n"] == {"piqa": 3, "lambada": 3}
-    md = (tmp_path / "c.md").read_text()
-    assert "| PIQA ↑ | LAMBADA ↑ | Avg ↑ |" in md
-    cells = [row["tasks"]["piqa"], row["tasks"]["lambada"], row["tasks_average"]]
-    rtn_line = next(
-        line for line in md.splitlines() if line.startswith("| RTN (ExecuTorch-like) | 8-8-8")
-    )
-    assert rtn_line.endswith(" | ".join(cm._score_text(c) for c in cells) + " |")
-    assert "(seed 0)" in md and "PIQA 3, LAMBADA 3" in md
+    assert sorted(p.name for p in out.parent.iterdir()) == ["c.html", "c.json", "c.md"]
+    report = json.loads(out.with_suffix(".json").read_text())
+    fp, row = report["rows"]  # the FP32 row, then the one finished cell of the main grid
+    assert (fp["kind"], fp["method"]) == ("float", "FP32") and row["source"] == str(cell)
+    run_report = json.loads((cell / "report.json").read_text())["perplexity"]["wiki"]
+    assert row["ratio"]["wiki"] == pytest.approx(run_report["ratio"])
+    assert row["tasks"]["piqa"]["value"] == docs[1]["tasks"]["piqa"]["metrics"]["acc_norm"]
+    assert row["tasks"]["lambada"]["metric"] == "acc" and row["average"] is not None
+    assert fp["tasks"]["piqa"]["value"] == docs[0]["tasks"]["piqa"]["metrics"]["acc_norm"]
+    entry = next(g for g in report["grid"] if g["run_dir"] == str(cell))
+    assert entry["tasks_status"] == "ran" and entry["evals"] == str(paths[1])
+    assert [s["name"] for s in entry["recipe"]] == ["plan", "calibrate"]  # recipes.rtn
+    abl = report["ablation"]["rows"]
+    assert [r["method"] for r in abl] == ["FP32", "static joint"]
+    assert abl[1]["source"] == str(ablation) and abl[1]["ratio"]["wiki"] > 0
+    assert [g["status"] for g in report["grid"]].count("ran") == 2
+    assert report["command"].startswith("qnpu study compare_methods") and report["environment"]
+
+    md = out.with_suffix(".md").read_text()
+    assert "| × float wiki |" in md and "| PIQA | LAMBADA |" in md and "| Avg ↑ |" in md
+    rtn_line = next(line for line in md.splitlines() if line.startswith("| RTN |"))
+    assert f"| {row['ratio']['wiki']:.3f} |" in rtn_line
+    assert f"| {row['cells']['Avg ↑']} |" in rtn_line
+    assert "## Ablation (paper Table 2): Quant.npu W8A8 KV8" in md
+    assert "[table1] Quant.npu W8A8 KV8 on wiki: <= 1.02x float — not run" in md
+    assert f"`{runs / 'quantnpu-w4a4kv8-ours'}`: not run" in md  # the cells without a row
+    assert "a seeded subset of 3 items per task (seed 0)" in md and "PIQA 3, LAMBADA 3" in md
 
     # resumable: a second invocation reads every task back, scores nothing, rewrites nothing
     mtimes = [p.stat().st_mtime_ns for p in paths]
@@ -247,10 +175,10 @@ def test_compare_grid_scores_zero_shot_tasks_and_reads_them_back(
     monkeypatch.setattr(cli, "zero_shot_report", no_scoring)
     assert cm.main(argv) == 0
     assert [p.stat().st_mtime_ns for p in paths] == mtimes
-    again = json.loads((tmp_path / "c.json").read_text())
-    row2 = next(r for r in again["rows"] if r["run_dir"] == str(cell))
-    assert row2["tasks_status"] == "reused" and row2["tasks"] == row["tasks"]
-    assert again["float"]["tasks"] == report["float"]["tasks"]
+    again = json.loads(out.with_suffix(".json").read_text())
+    entry2 = next(g for g in again["grid"] if g["run_dir"] == str(cell))
+    assert entry2["status"] == "reused" and entry2["tasks_status"] == "reused"
+    assert again["rows"][1]["tasks"] == row["tasks"] and again["rows"][0]["tasks"] == fp["tasks"]
 
 
 def test_init_study_encodings_on_the_tiny_model(ist, tiny_cfg, tiny_params):

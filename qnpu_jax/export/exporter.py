@@ -28,6 +28,7 @@ from qnpu_jax.export.graph import (
     NORM_FRACTION_BITS,
     NORM_UNIT_BITS,
     ROPE_FRACTION_BITS,
+    SOFTMAX_ROLE,
     Graph,
 )
 from qnpu_jax.models.config import ModelConfig
@@ -118,7 +119,7 @@ def _activation_encodings(
         name = t.name
         tq = plan.get(f"layers/{name}")
         assert tq is not None
-        if t.bits == "probs":  # the integer softmax's fixed output encoding
+        if t.bits == SOFTMAX_ROLE:  # the integer softmax's fixed output encoding
             qmin, qmax = qrange(16, False)
             layers[name] = [IntEncoding(1.0 / PROBS_SCALE_DENOMINATOR, 0, qmin, qmax)] * num_layers
             continue

@@ -19,8 +19,11 @@ ROPE_FRACTION_BITS = 14  # Q14 cos/sin
 LOGITS_SCALE = 2.0**-16  # int32 logits: real logit = code · 2^-16
 LOGITS_RANGE = (-(2**31), 2**31 - 1)
 OPS = ("embed", "layers", "rmsnorm", "linear", "rope", "attention", "add", "lut", "mul")
-# The default bit-width of a tensor: a plan option ("act", "kv", "down_in", "weight") or fixed.
-BITS_ROLES = ("weight", "act", "kv", "down_in", "8", "16", "probs")
+# The default bit-width of a tensor: a plan option (`w_bits`, `a_bits`, `kv_bits`,
+# `down_in_bits` for the unrotated input), fixed bits, or the softmax output's fixed encoding.
+UNROTATED_ROLE = "unrotated"
+SOFTMAX_ROLE = "softmax"  # 16-bit unsigned, scale 1/65535 (DESIGN §3)
+BITS_ROLES = ("weight", "act", "kv", UNROTATED_ROLE, "8", "16", SOFTMAX_ROLE)
 
 
 # The width of an activation (its last axis), by the model dimension it has.
@@ -207,7 +210,7 @@ GRAPH = Graph(
             "layers",
             inner=(
                 _t("scores", "self_attn.scores.output", "16", ""),
-                _t("probs", "self_attn.softmax.output", "probs", ""),
+                _t("probs", "self_attn.softmax.output", SOFTMAX_ROLE, ""),
             ),
         ),
         _linear(
@@ -244,7 +247,7 @@ GRAPH = Graph(
         Op(
             "mul",
             ("silu_out", "up_out"),
-            _t("down_in", "mlp.down_proj.input", "down_in", "ffn"),
+            _t("down_in", "mlp.down_proj.input", UNROTATED_ROLE, "ffn"),
             "layers.down_in",
         ),
         _linear(

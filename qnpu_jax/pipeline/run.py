@@ -145,8 +145,10 @@ def quantize(
     command: str | None = None,
     float_reference: Mapping[str, Mapping[str, Any]] | None = None,
     announce: Callable[[str], None] | None = None,
+    recipe: Recipe | None = None,
 ) -> dict[str, Any]:
-    """Run the recipe of `config` into `run_dir`; returns the report (also report.json).
+    """Run `recipe` (default: the recipe of `config`, `recipes.for_config`) into `run_dir`;
+    returns the report (also report.json). `config` gives the model, data and evaluation.
 
     `float_reference` ({eval spec: {"ppl", "windows", "tokens"}}) is the float model measured
     on the same evaluation windows (e.g. a comparison's FP32 row): it replaces the float
@@ -159,7 +161,7 @@ def quantize(
 
     run_dir = Path(run_dir)
     _check_run_dir(run_dir, config, resume)
-    recipe = for_config(config)
+    recipe = for_config(config) if recipe is None else recipe
     seconds: dict[str, float] = {}
     say = announce or (lambda message: None)
     t0 = time.perf_counter()

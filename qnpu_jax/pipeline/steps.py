@@ -40,6 +40,7 @@ from qnpu_jax.pipeline.stage1 import (
 )
 from qnpu_jax.pipeline.weight_rounding import gptq_round_weights
 from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, QuantRule, default_plan
+from qnpu_jax.quant.state import by_path, from_paths
 from qnpu_jax.transforms import fuse_norms as fuse_norm_weights
 from qnpu_jax.transforms import randomized_hadamard_rotations, smoothing_scales
 
@@ -292,17 +293,43 @@ def stage1(
     return Step("stage1", args, fn, describe, resumable=True)
 
 
-def calibrate() -> Step:
+def calibrate(paths: Sequence[str] | None = None) -> Step:
     """Stage 2: static encodings of every tensor of the plan from the current model over the
-    calibration windows; stage 1's trained scales are kept over them."""
+    calibration windows; stage 1's trained scales are kept over them.
+
+    With `paths`, only those plan entries are calibrated again (e.g. after a rule changed
+    them): the other encodings stay, those of tensors the plan no longer quantizes go, and
+    GPTQ's weight codes stay unless a recalibrated path is a rounded weight (an error: run
+    gptq again)."""
+    chosen = None if paths is None else tuple(paths)
+    if chosen is not None and not chosen:
+        raise QnpuError("calibrate: `paths` is empty (None calibrates every tensor)")
 
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
-        state = calibrate_state(m.params(), m.cfg, m.require_plan(), data.windows, prefix=m.prefix)
-        if m.trained is not None:
-            state = merge_scales(state, m.trained)
-        return m.replace(state=state, weight_codes=None), None
+        plan = m.require_plan()
+        if chosen is None:
+            state = calibrate_state(m.params(), m.cfg, plan, data.windows, prefix=m.prefix)
+            if m.trained is not None:
+                state = merge_scales(state, m.trained)
+            return m.replace(state=state, weight_codes=None), None
+        planned = {p for p, _ in plan.entries}
+        unknown = [p for p in chosen if p not in planned]
+        if unknown:
+            raise QnpuError(f"calibrate: {unknown} are not tensors of the plan")
+        rounded = [p for p in chosen if p.removeprefix("layers/") in (m.weight_codes or {})]
+        if rounded:
+            raise QnpuError(f"calibrate: {rounded} carry GPTQ codes; run gptq again instead")
+        sub = QuantPlan(tuple(e for e in plan.entries if e[0] in chosen), plan.num_layers)
+        fresh = by_path(calibrate_state(m.params(), m.cfg, sub, data.windows, prefix=m.prefix))
+        for p, fields in by_path(m.trained or {}).items():  # stage 1's scales stay
+            if p in fresh:
+                fresh[p] = fresh[p].replace(**fields)
+        kept = {p: e for p, e in by_path(m.require_state()).items() if p in planned}
+        return m.replace(state=from_paths({**kept, **fresh})), None
 
-    return Step("calibrate", {}, fn, "stage 2: static calibration of every tensor of the plan")
+    args = {} if chosen is None else {"paths": list(chosen)}
+    what = "every tensor of the plan" if chosen is None else ", ".join(chosen)
+    return Step("calibrate", args, fn, f"stage 2: static calibration of {what}")
 
 
 def gptq(damp: float = 0.01) -> Step:

@@ -25,7 +25,9 @@ from qnpu_jax.export.graph import (
     LINEARS,
     LM_HEAD,
     PROBS,
+    SOFTMAX_ROLE,
     UNROTATED_INPUT,
+    UNROTATED_ROLE,
     Graph,
     Tensor,
 )
@@ -257,7 +259,7 @@ def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
 def _default_quant(t: Tensor, weight: bool, bits_of: dict[str, int]) -> TensorQuant:
     """DESIGN.md §3: a tensor's default quantizer from its role in the graph; weights are
     per output channel (the embedding table per row)."""
-    if t.bits == "probs":
+    if t.bits == SOFTMAX_ROLE:
         return TensorQuant(bits=16, signed=False, init="fixed")
     bits = bits_of[t.bits] if t.bits in bits_of else int(t.bits)
     return TensorQuant(bits=bits, axis=0 if weight else None)
@@ -266,7 +268,7 @@ def _default_quant(t: Tensor, weight: bool, bits_of: dict[str, int]) -> TensorQu
 def _default_table(
     w_bits: int, a_bits: int, kv_bits: int, down_in_bits: int, graph: Graph = GRAPH
 ) -> list[tuple[str, TensorQuant]]:
-    bits_of = {"weight": w_bits, "act": a_bits, "kv": kv_bits, "down_in": down_in_bits}
+    bits_of = {"weight": w_bits, "act": a_bits, "kv": kv_bits, UNROTATED_ROLE: down_in_bits}
     paths = all_paths(graph)
     tensors = (*graph.layer_tensors, *graph.global_tensors)
     return [

@@ -5,6 +5,13 @@
 NAME.json and NAME/*.png. Nothing here imports JAX or matplotlib at package import.
 """
 
-from qnpu_jax.report.build import Report, build_report, write_report
+from qnpu_jax.report.build import (
+    Report,
+    Section,
+    assemble,
+    build_report,
+    table_sections,
+    write_report,
+)
 
-__all__ = ["Report", "build_report", "write_report"]
+__all__ = ["Report", "Section", "assemble", "build_report", "table_sections", "write_report"]

@@ -49,18 +49,20 @@ class Report:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Section:
-    """A report section with text in both renderings and an optional picture."""
+class Section:
+    """A report section with text in both renderings, an optional results table
+    (`qnpu_jax.report.table.Table`), a plain table and a picture."""
 
     title: str
     paragraphs: tuple[str, ...] = ()
     items: tuple[str, ...] = ()
     image: str | None = None  # file name under NAME/
     table: tuple[tuple[str, ...], ...] = ()  # header row first
-    results: bool = False  # the main table goes under this heading
+    results: Table | None = None  # rendered before the paragraphs
 
 
-def _row_sources(row: Row) -> str:
+def row_sources(row: Row) -> str:
+    """Where a row's numbers come from, as one line."""
     parts = []
     for key, p in row.ppl.items():
         parts.append(f"PPL {data_label(key)} from {p.source} ({protocol_text(p.protocol())})")
@@ -99,22 +101,13 @@ def build_report(
         images[SWEEP_PNG] = plot_sweep(sweep_doc)
 
     sections = [
-        _Section(
+        Section(
             "Results (in the shape of the paper's Table 1)",
             paragraphs=tuple(legend(table)),
-            results=True,
+            results=table,
         ),
-        _Section("Where each row's numbers come from", items=tuple(map(_row_sources, rows))),
+        *table_sections(table),
     ]
-    if table.flags:
-        sections.append(
-            _Section(
-                "Flags: cells measured under other settings (not compared silently)",
-                items=table.flags,
-            )
-        )
-    if table.notes:
-        sections.append(_Section("Notes", items=table.notes))
     stage1_text = []
     if skipped:
         listed = ", ".join(f"`{s}`" for s in skipped)
@@ -122,7 +115,7 @@ def build_report(
     if not curves:
         stage1_text.insert(0, "No run has stage-1 metrics: no plot.")
     sections.append(
-        _Section(
+        Section(
             "Stage-1 loss (paper Figure 1b)",
             paragraphs=tuple(stage1_text),
             image=STAGE1_PNG if curves else None,
@@ -140,7 +133,7 @@ def build_report(
             for r in sorted(sweep_doc["rows"], key=lambda r: r["fraction"])
         )
         sections.append(
-            _Section(
+            Section(
                 "Perplexity vs share of 16-bit down_proj inputs (paper Figure 4)",
                 paragraphs=(
                     f"From `{sweep}` (run `{sweep_doc.get('run', '?')}`, "
@@ -152,7 +145,7 @@ def build_report(
             )
         )
     sections.append(
-        _Section(
+        Section(
             "Activation distributions (paper Figures 5–6)",
             paragraphs=(
                 "They need the model: `qnpu study plot_activations --run runs/NAME "
@@ -160,9 +153,6 @@ def build_report(
             ),
         )
     )
-    title = f"qnpu report: {name}"
-    markdown = _markdown(title, command, table, sections, name)
-    page = _html(title, command, table, sections, images)
     doc: dict[str, Any] = {
         "name": name,
         "command": command,
@@ -175,21 +165,49 @@ def build_report(
         "stage1_skipped": skipped,
         "sweep": str(sweep) if sweep is not None else None,
     }
-    files = [
+    files = assemble(name, f"qnpu report: {name}", command, sections, images, doc)
+    return Report(name, files, table, tuple(skipped))
+
+
+def table_sections(table: Table) -> list[Section]:
+    """The sections that go with a results table: its rows' sources, flags and notes."""
+    out = [Section("Where each row's numbers come from", items=tuple(map(row_sources, table.rows)))]
+    if table.flags:
+        out.append(
+            Section(
+                "Flags: cells measured under other settings (not compared silently)",
+                items=table.flags,
+            )
+        )
+    if table.notes:
+        out.append(Section("Notes", items=table.notes))
+    return out
+
+
+def assemble(
+    name: str,
+    title: str,
+    command: str,
+    sections: Sequence[Section],
+    images: dict[str, bytes],
+    doc: dict[str, Any],
+) -> tuple[tuple[str, bytes], ...]:
+    """The files of a report, keyed by the path relative to --out's parent: NAME/<plot>.png,
+    NAME.json (`doc`), NAME.md and NAME.html (`sections` rendered both ways)."""
+    return (
         *((f"{name}/{p}", data) for p, data in images.items()),
         (f"{name}.json", (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode()),
-        (f"{name}.md", markdown.encode()),
-        (f"{name}.html", page.encode()),
-    ]
-    return Report(name, tuple(files), table, tuple(skipped))
+        (f"{name}.md", _markdown(title, command, sections, name).encode()),
+        (f"{name}.html", _html(title, command, sections, images).encode()),
+    )
 
 
-def _markdown(title: str, command: str, table: Table, sections: list[_Section], name: str) -> str:
+def _markdown(title: str, command: str, sections: Sequence[Section], name: str) -> str:
     lines = [f"# {title}", "", f"Made with `{command}`.", ""]
     for s in sections:
         lines += [f"## {s.title}", ""]
-        if s.results:
-            lines += [markdown_table(table), ""]
+        if s.results is not None:
+            lines += [markdown_table(s.results), ""]
         for p in s.paragraphs:
             lines += [p, ""]
         if s.items:
@@ -212,9 +230,7 @@ _CSS = (
 )
 
 
-def _html(
-    title: str, command: str, table: Table, sections: list[_Section], images: dict[str, bytes]
-) -> str:
+def _html(title: str, command: str, sections: Sequence[Section], images: dict[str, bytes]) -> str:
     """One self-contained page: no scripts, pictures inlined as data: URIs."""
     e = html.escape
     parts = [
@@ -226,8 +242,8 @@ def _html(
     ]
     for s in sections:
         parts.append(f"<h2>{e(s.title)}</h2>")
-        if s.results:
-            parts.append(html_table(table))
+        if s.results is not None:
+            parts.append(html_table(s.results))
         parts += [f"<p>{e(p)}</p>" for p in s.paragraphs]
         if s.items:
             parts.append("<ul>" + "".join(f"<li>{e(i)}</li>" for i in s.items) + "</ul>")

@@ -50,6 +50,7 @@ METHOD_LABELS = {
 }
 HIGHER, LOWER, FLAG = "▲", "▼", "†"
 LAMBADA_PPL = "lambada_ppl"
+RATIO = "ratio"  # column key prefix of "× float": ratio:<data key>
 AVERAGE = "avg"
 NONE_TEXT = "–"
 
@@ -577,10 +578,14 @@ def row_label(row: Row) -> str:
     return f"{row.method} ({row.source})"
 
 
-def build_table(rows: Sequence[Row], notes: Sequence[str] = ()) -> Table:
-    """Columns, rendered cells, significance marks and flags of `rows`."""
+def build_table(rows: Sequence[Row], notes: Sequence[str] = (), *, ratios: bool = False) -> Table:
+    """Columns, rendered cells, significance marks and flags of `rows`; with `ratios`, a
+    "× float" column after each perplexity the float row has (its cells carry the flag of
+    the perplexity they divide)."""
     ppl_keys = list(dict.fromkeys(k for row in rows for k in row.ppl))
     task_names = [t for t in HEADLINE if any(t in row.tasks for row in rows)]
+    ref = next((r for r in rows if r.kind == "float"), None)
+    ratio_keys = [k for k in ppl_keys if ratios and ref is not None and k in ref.ppl]
     columns: list[tuple[str, str]] = [
         ("method", "Method"),
         ("source", "Source"),
@@ -589,13 +594,13 @@ def build_table(rows: Sequence[Row], notes: Sequence[str] = ()) -> Table:
         ("down_in", "down_proj in"),
         ("n", "n / task"),
         *((f"ppl:{k}", f"PPL {data_label(k)} ↓") for k in ppl_keys),
+        *((f"{RATIO}:{k}", f"× float {data_label(k)}") for k in ratio_keys),
         *((f"task:{t}", TASK_LABELS[t]) for t in task_names),
     ]
     if "lambada" in task_names:
         columns.append((LAMBADA_PPL, "LAMBADA ppl ↓"))
     if task_names:
         columns.append((AVERAGE, "Avg ↑"))
-    ref = next((r for r in rows if r.kind == "float"), None)
     flags: list[str] = []
 
     def reference(get: Any) -> tuple[Row, Any] | None:
@@ -638,6 +643,12 @@ def build_table(rows: Sequence[Row], notes: Sequence[str] = ()) -> Table:
                 continue
             flag = flag_for(row, header[key], p.protocol(), lambda r, k=k: r.ppl.get(k))
             cells[key] = Cell(_ppl_text(p.ppl), flag=flag)
+        for k in ratio_keys:
+            p, base = row.ppl.get(k), ref.ppl[k] if ref is not None else None
+            ratio = None if p is None or base is None else p.ppl / base.ppl
+            flagged = cells[f"ppl:{k}"].flag
+            text = NONE_TEXT if ratio is None else f"{ratio:.3f}"
+            cells[f"{RATIO}:{k}"] = Cell(text, flag=flagged)
         ref_tasks = ref.tasks if ref is not None else {}
         any_flag = False
         for t in task_names:
@@ -659,7 +670,7 @@ def build_table(rows: Sequence[Row], notes: Sequence[str] = ()) -> Table:
                     pm = significance(result.perplexity, ref_l.perplexity)
                 se = result.perplexity.stderr
                 text = _ppl_text(result.perplexity.value) + (
-                    f" ±{se:.2f}" if se is not None else ""
+                    f" ±{_ppl_text(se)}" if se is not None else ""
                 )
                 cells[LAMBADA_PPL] = Cell(text, pm, flag)
         if "lambada" in task_names and LAMBADA_PPL not in cells:
@@ -751,6 +762,8 @@ def html_table(table: Table) -> str:
 def rows_json(table: Table) -> list[dict[str, Any]]:
     """The rendered rows with their numbers: what `qnpu report` writes to NAME.json."""
     out = []
+    ref = next((r for r in table.rows if r.kind == "float"), None)
+    ratio_keys = [k.split(":", 1)[1] for k, _ in table.columns if k.startswith(f"{RATIO}:")]
     for row, cells, avg in zip(table.rows, table.cells, table.averages, strict=True):
         out.append(
             {
@@ -762,6 +775,11 @@ def rows_json(table: Table) -> list[dict[str, Any]]:
                 "down_in": row.down_in,
                 "stage1_steps": row.stage1_steps,
                 "ppl": {k: dataclasses.asdict(v) for k, v in row.ppl.items()},
+                "ratio": {
+                    k: row.ppl[k].ppl / ref.ppl[k].ppl
+                    for k in ratio_keys
+                    if ref is not None and k in row.ppl
+                },
                 "tasks": {
                     name: {
                         "metric": t.metric,

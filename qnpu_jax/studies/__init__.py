@@ -12,6 +12,7 @@ import ast
 import importlib
 import importlib.util
 from collections.abc import Sequence
+from pathlib import Path
 
 from qnpu_jax.errors import QnpuError
 
@@ -54,9 +55,27 @@ def run_study(name: str, argv: Sequence[str]) -> int:
     return int(module.main(list(argv)))
 
 
-def study_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
-    """The argument parser of a study module (`__name__`, `__doc__`): `qnpu study NAME`."""
+def study_parser(
+    module: str,
+    doc: str | None,
+    *,
+    run: bool = False,
+    eval_windows: int | None = None,
+    json: bool = False,
+) -> argparse.ArgumentParser:
+    """The argument parser of a study module (`__name__`, `__doc__`): `qnpu study NAME`, with
+    the options studies share: `--run RUN` (a finished run directory, required),
+    `--eval-windows N` (default `eval_windows`) and `--json` (default reports/NAME.json)."""
     name = module.rsplit(".", 1)[-1]
-    return argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog=f"qnpu study {name}", description=(doc or "").split("\n")[0]
     )
+    if run:
+        parser.add_argument("--run", type=Path, required=True, help="a finished run directory")
+    if eval_windows is not None:
+        parser.add_argument(
+            "--eval-windows", type=int, default=eval_windows, help="wiki eval windows"
+        )
+    if json:
+        parser.add_argument("--json", default=f"reports/{name}.json", help="the JSON report")
+    return parser

@@ -22,14 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
-from qnpu_jax.environment import environment_info, study_command
-from qnpu_jax.files import write_json_atomic
+from qnpu_jax.environment import study_command
 from qnpu_jax.models import load_model
 from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.quant import QuantPlan, uniform_plan
 from qnpu_jax.quant.state import get_entry
 from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.harness import write_study_json
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
 
@@ -38,16 +38,14 @@ def _mean_nll(values: list[Any]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = study_parser(__name__, __doc__)
+    parser = study_parser(__name__, __doc__, eval_windows=8, json=True)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--calib-windows", type=int, default=8)
-    parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix", choices=("none", "bos"), default="none")
     parser.add_argument("--bits", type=int, default=16)
     parser.add_argument("--rotations", choices=("both", "none", "hadamard"), default="both")
-    parser.add_argument("--json", default="reports/ablate_16bit.json")
     args = parser.parse_args(argv)
     model = load_model(args.model)
     cfg = model.config
@@ -101,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"{label} {path}: {100 * rows[-1]['ppl_change']:+.3f}%", flush=True)
         results[label] = sorted(rows, key=lambda r: -r["ppl_change"])
-    write_json_atomic(
+    write_study_json(
         args.json,
         {
             "model": args.model,
@@ -113,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             "bits": args.bits,
             "float_ppl": math.exp(float_nll),
             "rows_by_rotation": results,
-            "environment": environment_info(),
-            "command": study_command("ablate_16bit", argv),
         },
+        command=study_command("ablate_16bit", argv),
     )
     return 0

@@ -1,6 +1,8 @@
 """Method comparison in the shape of the paper's Table 1, and the Table 2 ablation -> reports.
 
-Every cell is one `qnpu_jax.pipeline.run.quantize` run into `RUNS/<method>-<bits>-<setting>/`
+The grid is configs × recipes: every cell is a `QuantizeConfig` and the recipe it runs
+(`qnpu_jax.pipeline.recipes.for_config`), one `qnpu_jax.pipeline.run.quantize` run into
+`RUNS/<method>-<bits>-<setting>/`
 (`--prefix bos` appends `-prefix-bos`), with one calibration set (the `wiki` calib split, the
 same seed, hence the same windows and the same randomized-Hadamard start for every method) and
 one evaluation protocol (the `wiki` eval split and WikiText-2 test, seq_len 512, the first
@@ -10,8 +12,13 @@ from its stage-1 checkpoint, so the script can be killed and restarted. With an 
 (`float` among the methods, or one from an earlier invocation) the cells take their float
 perplexity from it instead of evaluating the float model again on the same windows
 (`quantize(float_reference=...)` checks windows and tokens match); that halves a
-training-free cell's evaluation. The reports cover
-every finished cell of the grid, also those of earlier invocations with other `--methods`.
+training-free cell's evaluation.
+
+The report (`--out reports/compare` -> compare.md, compare.html, compare.json) is built by
+`qnpu_jax.report` from the finished cells' run directories and zero-shot files, exactly as
+`qnpu report --runs ... --evals ...` builds its table, with the Table 2 ablation, the
+paper-target checks and the state of every cell as further sections. It covers every
+finished cell of the grid, also those of earlier invocations with other `--methods`.
 
 Zero-shot columns (`--tasks`, default none): every selected cell and the FP32 row (the float
 model with the runs' sink prefix) are scored on the tasks exactly as `qnpu eval --run RUN
@@ -20,9 +27,9 @@ on the same seeded subset of N items per task. The results go to
 `RUN/evals/tasks-<N|all>-<S>.json` (`RUNS/float[-prefix-bos]/evals/...` for the float row), in
 the layout of `qnpu eval --json`, written after every task; a task already there is read back,
 not recomputed, and cells that are finished but not selected are only read back. The tables
-show the harness headline metric per task (acc_norm: PIQA, HellaSwag, ARC-E/C; acc:
-WinoGrande, LAMBADA) in percent ± standard error and the average, marked ▲/▼ only where a
-difference to the FP32 row exceeds two standard errors (`qnpu_jax.report.table`).
+show the harness headline metric per task in percent ± standard error and the average,
+marked ▲/▼ only where a difference to the FP32 row exceeds two standard errors
+(`qnpu_jax.report.table`).
 
 Settings (paper §5.1 and Table 1; Table 2 / §5.4):
   table1    every method with all down_proj inputs at 16 bits (down_in_bits=16, no mixed
@@ -39,7 +46,7 @@ Settings (paper §5.1 and Table 1; Table 2 / §5.4):
     qnpu study compare_methods                      # everything (hours on a CPU)
     qnpu study compare_methods --methods float,rtn,quarot --skip-ablation
     qnpu study compare_methods --only-ablation --steps 60
-    qnpu study compare_methods --report-only        # tables from finished runs only
+    qnpu study compare_methods --report-only        # the report from finished runs only
     qnpu study compare_methods --limit 500 \\
         --tasks piqa,winogrande,hellaswag,arc_easy,arc_challenge,lambada   # + zero-shot columns
 """
@@ -49,7 +56,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -58,15 +64,7 @@ from typing import Any
 
 from qnpu_jax.argtypes import comma_choices, positive_int
 from qnpu_jax.eval import TASKS
-from qnpu_jax.report.table import (
-    HEADLINE,
-    TASK_LABELS,
-    Measure,
-    TaskResult,
-    average,
-    pct,
-    significance,
-)
+from qnpu_jax.report.table import HEADLINE, METHOD_LABELS, TASK_LABELS, TaskResult, pct
 from qnpu_jax.studies import study_parser
 
 METHODS = ("float", "rtn", "quarot", "spinquant", "quantnpu")
@@ -75,13 +73,6 @@ BASELINES = ("rtn", "quarot", "spinquant")
 STAGE1_METHODS = ("spinquant", "quantnpu")
 BITS = ("W8A8", "W4A8", "W4A4")
 SETTINGS = ("table1", "ours")
-METHOD_LABELS = {
-    "float": "FP32",
-    "rtn": "RTN (ExecuTorch-like)",
-    "quarot": "QuaRot",
-    "spinquant": "SpinQuant",
-    "quantnpu": "Quant.npu",
-}
 SETTING_TITLES = {
     "table1": "Setting (a), the paper's Table 1: all down_proj inputs at 16 bits",
     "ours": "Setting (b), Quant.npu as deployed: down_proj inputs at 8 bits, "
@@ -128,6 +119,7 @@ TARGETS = {"W8A8": 1.02, "W4A8": 1.15, "W4A4": 1.5}
 EVAL_NAMES = ("wiki", "wikitext2")
 EVAL_LABELS = {"wiki": "wiki (eval split)", "wikitext2": "WikiText-2 test"}
 FLOAT_KEY = "float"  # the FP32 row's key among the zero-shot scores (cells: their run_dir)
+FINISHED = ("ran", "reused")
 
 
 def parse_bits(text: str) -> tuple[int, int]:
@@ -148,20 +140,22 @@ def bits_name(w: int, a: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    """One quantize run of the grid."""
+    """One run of the grid: a config and the recipe it runs."""
 
     method: str
-    w_bits: int
-    a_bits: int
-    kv_bits: int
     setting: str  # table1 | ours | ablation-<key>
     config: Any  # QuantizeConfig
+    recipe: Any  # qnpu_jax.pipeline.recipes.Recipe
     run_dir: Path
     label: str = ""  # ablation row label
 
     @property
     def bits(self) -> str:
-        return bits_name(self.w_bits, self.a_bits)
+        return bits_name(self.config.w_bits, self.config.a_bits)
+
+    @property
+    def ablation(self) -> bool:
+        return self.setting.startswith("ablation-")
 
 
 def eval_specs(args: argparse.Namespace) -> dict[str, str]:
@@ -210,8 +204,15 @@ def float_path(args: argparse.Namespace) -> Path:
     return Path(args.runs_dir) / f"float{_suffix(args)}" / "report.json"
 
 
+def _cell(method: str, setting: str, config: Any, run_dir: Path, label: str = "") -> Cell:
+    from qnpu_jax.pipeline.recipes import for_config
+
+    return Cell(method, setting, config, for_config(config), run_dir, label)
+
+
 def grid(args: argparse.Namespace) -> tuple[list[Cell], list[Cell]]:
-    """(Table 1 cells of both settings, ablation cells): the whole grid, selected or not."""
+    """(Table 1 cells of both settings, ablation cells): configs × recipes, the whole grid,
+    selected or not."""
     from qnpu_jax.pipeline.stage1 import Stage1Config
 
     base = base_config(args)
@@ -232,7 +233,7 @@ def grid(args: argparse.Namespace) -> tuple[list[Cell], list[Cell]]:
                 if method not in STAGE1_METHODS:  # stage 1 flags do not change these runs
                     config = dataclasses.replace(config, stage1=Stage1Config())
                 run_dir = _run_dir(args, method, w, a, kv, setting)
-                table.append(Cell(method, w, a, kv, setting, config, run_dir))
+                table.append(_cell(method, setting, config, run_dir))
     w, a = args.ablation_bits
     ablation: list[Cell] = []
     for key, label, over in ABLATION:
@@ -241,12 +242,12 @@ def grid(args: argparse.Namespace) -> tuple[list[Cell], list[Cell]]:
         )
         setting = f"ablation-{key}"
         run_dir = _run_dir(args, "quantnpu", w, a, kv, setting)
-        ablation.append(Cell("quantnpu", w, a, kv, setting, config, run_dir, label))
+        ablation.append(_cell("quantnpu", setting, config, run_dir, label))
     return table, ablation
 
 
 def selected(cell: Cell, args: argparse.Namespace) -> bool:
-    if cell.setting.startswith("ablation-"):
+    if cell.ablation:
         return not args.skip_ablation and cell.setting.removeprefix("ablation-") in args.variants
     if args.only_ablation:
         return False
@@ -310,74 +311,48 @@ def run_cell(
             progress=args.progress,
             command=command,
             float_reference=reference,
+            recipe=cell.recipe,
         )
         return "ran", report
     except QnpuError as e:
         return "error", str(e)
 
 
-def row_of(cell: Cell, status: str, payload: Any, specs: dict[str, str]) -> dict[str, Any]:
-    row: dict[str, Any] = {
+def grid_entry(cell: Cell, status: str, payload: Any, specs: Mapping[str, str]) -> dict[str, Any]:
+    """The state of one cell: what the report's "grid" lists and the target checks read
+    (perplexities and ratios keyed by evaluation name)."""
+    from qnpu_jax.pipeline.recipes import describe
+
+    entry: dict[str, Any] = {
+        "run_dir": str(cell.run_dir),
         "method": cell.method,
         "bits": cell.bits,
-        "w_bits": cell.w_bits,
-        "a_bits": cell.a_bits,
-        "kv_bits": cell.kv_bits,
         "setting": cell.setting,
         "label": cell.label or METHOD_LABELS[cell.method],
-        "granularity": "per-channel",
-        "down_in": down_in_text(cell.config),
-        "run_dir": str(cell.run_dir),
-        "config": config_summary(cell.config),
+        "recipe": describe(cell.recipe),
         "status": status,
     }
     if status == "error":
-        row["error"] = payload
-    if status not in ("ran", "reused"):
-        return row
-    report = payload
-    perplexity = report["perplexity"]
-    row["ppl"] = {n: perplexity[s]["quantized_ppl"] for n, s in specs.items() if s in perplexity}
-    row["float_ppl"] = {n: perplexity[s]["float_ppl"] for n, s in specs.items() if s in perplexity}
-    row["ratio"] = {n: perplexity[s]["ratio"] for n, s in specs.items() if s in perplexity}
-    row["windows"] = {n: perplexity[s]["windows"] for n, s in specs.items() if s in perplexity}
-    row["tokens"] = {n: perplexity[s]["tokens"] for n, s in specs.items() if s in perplexity}
-    row["stage1_steps"] = report.get("stage1_steps")
-    sens = report.get("sensitivity")
-    row["promoted_layers"] = sens["promoted_layers"] if sens else None
-    row["seconds"] = report.get("seconds")
-    row["command"] = report.get("command")  # the invocation that ran it (maybe an earlier one)
-    return row
+        entry["error"] = payload
+    if status not in FINISHED:
+        return entry
+    perplexity = payload["perplexity"]
+    measured = {n: perplexity[s] for n, s in specs.items() if s in perplexity}
+    entry["ppl"] = {n: m["quantized_ppl"] for n, m in measured.items()}
+    entry["ratio"] = {n: m["ratio"] for n, m in measured.items()}
+    entry["command"] = payload.get("command")  # the invocation that ran it (maybe an earlier one)
+    return entry
 
 
-def config_summary(c: Any) -> dict[str, Any]:
-    return {
-        "down_in_bits": c.down_in_bits,
-        "mixed_precision": c.mixed_precision,
-        "init_scheme": c.init_scheme,
-        "selective": c.selective,
-        "learn_down_in": c.learn_down_in,
-        "scope": c.scope,
-        "stage1_steps": c.stage1.steps if c.method in STAGE1_METHODS else 0,
-    }
-
-
-def down_in_text(config: Any) -> str:
-    if config.down_in_bits == 16:
-        return "16"
-    if config.mixed_precision > 0:
-        return f"8/16 ({100 * config.mixed_precision:g}%)"
-    return "8"
-
-
-def float_cell(args: argparse.Namespace, specs: dict[str, str], model: Any) -> dict[str, Any]:
+def float_cell(
+    args: argparse.Namespace, specs: dict[str, str], command: str, model: Any = None
+) -> dict[str, Any]:
     """Float perplexity on the same windows (cached in RUNS/float[-prefix-bos]/report.json)."""
     from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
-    from qnpu_jax.environment import environment_info
     from qnpu_jax.errors import QnpuError
-    from qnpu_jax.files import write_json_atomic
     from qnpu_jax.models.quantized import sink_prefix
     from qnpu_jax.pipeline.run import evaluate
+    from qnpu_jax.studies.harness import write_study_json
 
     protocol = {
         "model": args.model,
@@ -407,13 +382,8 @@ def float_cell(args: argparse.Namespace, specs: dict[str, str], model: Any) -> d
         r = evaluate(model.params, None, None, model.config, windows, prefix)
         results[name] = {"ppl": r["ppl"], "windows": r["windows"], "tokens": r["tokens"]}
         print(f"float / {name}: {r['ppl']:.3f}", flush=True)
-    report = {
-        "protocol": protocol,
-        "perplexity": results,
-        "seconds": time.perf_counter() - t0,
-        "environment": environment_info(),
-    }
-    write_json_atomic(path, report)
+    doc = {"protocol": protocol, "perplexity": results}
+    report = write_study_json(path, doc, command=command, started=t0)
     return {**report, "status": "ran"}
 
 
@@ -506,60 +476,6 @@ def score_tasks(
         return TaskScores("error", {}, path, str(e))
 
 
-def task_fields(
-    results: Mapping[str, TaskResult], names: Sequence[str], ref: Mapping[str, TaskResult] | None
-) -> dict[str, Any]:
-    """The JSON of a row's zero-shot results: per task the headline metric, its value,
-    standard error, n and mark against the float results `ref`; the average over `names`."""
-
-    def mark(x: Measure, r: Measure | None) -> str:
-        return significance(x, r) if r is not None else ""
-
-    tasks: dict[str, Any] = {}
-    for name in names:
-        r = results.get(name)
-        if r is None:
-            continue
-        ref_score = ref[name].score if ref is not None and name in ref else None
-        tasks[name] = {
-            "metric": r.metric,
-            "value": r.score.value,
-            "stderr": r.score.stderr,
-            "n": r.n,
-            "mark": mark(r.score, ref_score),
-        }
-        if r.perplexity is not None:  # LAMBADA's own perplexity: not in the table
-            tasks[name]["perplexity"] = dataclasses.asdict(r.perplexity)
-    avg = average(results, names)
-    ref_avg = average(ref, names) if ref is not None else None
-    avg_json = None
-    if avg is not None:
-        avg_json = {**dataclasses.asdict(avg), "mark": mark(avg, ref_avg)}
-    return {"tasks": tasks, "tasks_average": avg_json}
-
-
-def with_tasks(
-    entry: dict[str, Any],
-    scores: TaskScores | None,
-    names: Sequence[str],
-    ref: Mapping[str, TaskResult] | None,
-) -> dict[str, Any]:
-    """A row (or the float summary) with its zero-shot fields added."""
-    if not names:
-        return entry
-    if scores is None:
-        return {**entry, "tasks_status": "not run", "tasks": {}, "tasks_average": None}
-    out = {
-        **entry,
-        "tasks_status": scores.status,
-        "evals": str(scores.path),
-        **task_fields(scores.results, names, ref),
-    }
-    if scores.error:
-        out["tasks_error"] = scores.error
-    return out
-
-
 def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The stated targets, per setting, bit setting and evaluation set, from the numbers:
     Quant.npu's PPL ratio to float <= TARGETS[bits]; at W4A8 also a PPL below every baseline
@@ -616,309 +532,212 @@ def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return checks
 
 
-def _fmt(x: float | None, digits: int = 2) -> str:
-    if x is None:
-        return "–"
-    if not math.isfinite(x):
-        return str(x)
-    return f"{x:.{digits}f}" if x < 1e5 else f"{x:.3g}"
-
-
-def _cell_text(row: dict[str, Any], key: str, name: str, digits: int = 2) -> str:
-    if row["status"] == "error":
-        return "error"
-    if row["status"] not in ("ran", "reused"):
-        return "not run"
-    return _fmt(row.get(key, {}).get(name), digits)
-
-
-def _task_cells(row: dict[str, Any], names: Sequence[str]) -> str:
-    """The zero-shot cells of a row (empty without tasks), each with its leading " | "."""
-    if not names:
-        return ""
-    status = row.get("status", "ran")  # the float summary has no status
-    if status in ("error", "not run"):
-        texts = [status] * (len(names) + 1)
-    elif row.get("tasks_status") == "error":
-        texts = ["error"] * (len(names) + 1)
-    else:
-        missing = "not run" if row.get("tasks_status") in (None, "not run") else "–"
-        entries = [row.get("tasks", {}).get(t) for t in names] + [row.get("tasks_average")]
-        texts = [missing if e is None else _score_text(e) for e in entries]
-    return "".join(f" {t} |" for t in texts)
-
-
-def _score_text(entry: Mapping[str, Any]) -> str:
-    text = pct(Measure(entry["value"], entry["stderr"]))
-    return f"{text} {entry['mark']}" if entry.get("mark") else text
-
-
-def _task_headers(names: Sequence[str]) -> tuple[str, str]:
-    """(header cells, separator cells) of the zero-shot columns."""
-    if not names:
-        return "", ""
-    heads = [f"{TASK_LABELS[t]} ↑" for t in names] + ["Avg ↑"]
-    return "".join(f" {h} |" for h in heads), "---|" * len(heads)
-
-
-def _tasks_protocol(report: dict[str, Any]) -> list[str]:
-    """The protocol lines of the zero-shot columns."""
-    p = report["protocol"]
-    names = p.get("tasks") or []
+def _tasks_protocol(args: argparse.Namespace, scores: Mapping[str, TaskScores]) -> list[str]:
+    """The protocol line of the zero-shot columns (empty without --tasks)."""
+    names = task_order(args.tasks)
     if not names:
         return []
-    n = p.get("task_n") or {}
-    n_text = ", ".join(f"{TASK_LABELS[t]} {n[t]}" for t in names if t in n) or "none scored yet"
     subset = (
-        f"a seeded subset of {p['task_limit']} items per task (seed {p['task_seed']})"
-        if p.get("task_limit") is not None
+        f"a seeded subset of {args.limit} items per task (seed {args.task_seed})"
+        if args.limit is not None
         else "all items of each task"
     )
+    n: dict[str, int] = {}  # min(limit, task size): the same for every row
+    for s in scores.values():
+        for t, r in s.results.items():
+            n.setdefault(t, r.n)
+    n_text = ", ".join(f"{TASK_LABELS[t]} {n[t]}" for t in names if t in n) or "none scored yet"
     return [
-        f"- zero-shot: {', '.join(TASK_LABELS[t] for t in names)}, formatted and scored as "
-        f"lm-evaluation-harness does (`qnpu eval --tasks`, qnpu_jax/eval/zeroshot.py) on "
-        f"{subset}, the same items for every row (n per task: {n_text}); sink prefix "
-        f"{p['prefix']} for every row, the FP32 row scores the float model with it. Results "
-        f"per row in RUN/evals/{evals_path(Path(), p['task_limit'], p['task_seed']).name} "
-        "(the layout of `qnpu eval --json`).",
-        "- zero-shot cells: the harness headline metric in percent ± its standard error "
-        "(acc_norm for PIQA, HellaSwag, ARC-E and ARC-C; acc for WinoGrande and LAMBADA); Avg "
-        "is their mean (standard error sqrt(Σ se²)/k). ▲ / ▼: significantly higher / lower "
-        "than the FP32 row, |x − x_float| > 2·sqrt(se² + se_float²); a difference smaller than "
-        "two standard errors is not called a difference, so unmarked cells are within noise.",
+        f"zero-shot: {', '.join(TASK_LABELS[t] for t in names)}, formatted and scored as "
+        f"lm-evaluation-harness does (`qnpu eval --tasks`) on {subset}, the same items for "
+        f"every row (n per task: {n_text}); sink prefix {args.prefix} for every row, the FP32 "
+        "row scores the float model with it. Results per row in RUN/evals/"
+        f"{evals_path(Path(), args.limit, args.task_seed).name} (the layout of `qnpu eval "
+        "--json`)."
     ]
 
 
-def render_markdown(report: dict[str, Any]) -> str:
-    """The comparison report as markdown (tables in the shape of the paper's Tables 1 and 2)."""
-    p = report["protocol"]
-    fl = report["float"]
-    names = p.get("tasks") or []
-    task_head, task_sep = _task_headers(names)
-    lines = [
-        f"# Method comparison on {report['model']} (paper Table 1 shape) and Table 2 ablation",
-        "",
-        f"Command: `{report['command']}`",
-        *_earlier_commands(report),
-        "",
-        "Protocol (one for every row):",
-        f"- evaluation: {', '.join(EVAL_LABELS[n] for n in EVAL_NAMES)}; seq_len {p['seq_len']}, "
-        f"the first {p['eval_windows']} non-overlapping windows of each "
-        f"({_windows_text(report)}); perplexity = exp(mean next-token NLL).",
-        f"- calibration: `wiki` calib split, {p['calib_windows']} random windows of "
-        f"{p['seq_len']} tokens (seed {p['seed']}), the same for every method.",
-        f"- stage 1 (SpinQuant, Quant.npu): {p['stage1']['steps']} steps, batch "
-        f"{p['stage1']['batch_size']} x {p['stage1']['grad_accum']} accumulation, lr rotation "
-        f"{p['stage1']['lr_rotation']}, lr scale {p['stage1']['lr_scale']}, local loss for the "
-        f"first {100 * p['stage1']['local_loss_fraction']:g}% of steps.",
-        f"- sink prefix: {p['prefix']}; KV cache {p['kv_bits']} bits; weights per-channel "
-        "symmetric, activations per-tensor static; the other tensors as in `default_plan` "
-        "(qnpu_jax/quant/plan.py).",
-        f"- FP32 row: {fl.get('source', 'not run')}. The ratio of a row is its quantized PPL over "
-        "the float PPL measured in the same run (same windows).",
-        *_tasks_protocol(report),
-        "",
-    ]
-    for setting in SETTINGS:
-        rows = [r for r in report["rows"] if r["setting"] == setting]
-        lines += [f"## {SETTING_TITLES[setting]}", ""]
-        lines += [
-            "| Method | W-A-KV | W. Gran. | down_proj in | PPL wiki ↓ | PPL WikiText-2 ↓ "
-            "| × float (wiki) | × float (WikiText-2) |" + task_head,
-            "|---|---|---|---|---|---|---|---|" + task_sep,
-            _float_line(fl) + _task_cells(fl, names),
-        ]
-        for bits in BITS:
-            for r in rows:
-                if r["bits"] != bits:
-                    continue
-                label = r["label"]
-                if r.get("promoted_layers"):
-                    label += f" (16-bit layers {', '.join(map(str, r['promoted_layers']))})"
-                lines.append(
-                    f"| {label} | {_wakv(r)} | per-channel | {r['down_in']} "
-                    f"| {_cell_text(r, 'ppl', 'wiki')} | {_cell_text(r, 'ppl', 'wikitext2')} "
-                    f"| {_cell_text(r, 'ratio', 'wiki', 3)} "
-                    f"| {_cell_text(r, 'ratio', 'wikitext2', 3)} |" + _task_cells(r, names)
-                )
-        lines.append("")
-    abl = report["ablation"]
-    if abl["rows"]:
-        lines += [
-            f"## Ablation (paper Table 2): Quant.npu {abl['bits']} KV{p['kv_bits']}, scope "
-            '"linears" (the linears\' weights, inputs and outputs quantized; other operators '
-            "float)",
-            "",
-            "| Variant | Init (§4.2) | Sel-Opt (§4.3) | Adaptive (§4.4) | down_proj in learned "
-            "| PPL wiki ↓ | PPL WikiText-2 ↓ | × float (wiki) | × float (WikiText-2) |" + task_head,
-            "|---|---|---|---|---|---|---|---|---|" + task_sep,
-            _float_line(fl, empty=4) + _task_cells(fl, names),
-        ]
-        for r in abl["rows"]:
-            c = r["config"]
-            init = "aware" if c["init_scheme"] == "aware" else "Max-Min"
-            sel = "✓" if c["selective"] else "joint"
-            mixed = f"{100 * c['mixed_precision']:g}%" if c["mixed_precision"] else "–"
-            learned = "✓" if c.get("learn_down_in", True) else "– (init kept)"
-            lines.append(
-                f"| {r['label']} | {init} | {sel} | {mixed} | {learned} "
-                f"| {_cell_text(r, 'ppl', 'wiki')} | {_cell_text(r, 'ppl', 'wikitext2')} "
-                f"| {_cell_text(r, 'ratio', 'wiki', 3)} "
-                f"| {_cell_text(r, 'ratio', 'wikitext2', 3)} |" + _task_cells(r, names)
-            )
-        lines.append("")
-    lines += ["## Target checks", ""]
-    lines += [f"- {c['line']}" for c in report["targets"]]
-    errors = [
-        f"- `{r['run_dir']}`: {r['error']}"
-        for r in [*report["rows"], *abl["rows"]]
-        if r["status"] == "error"
-    ]
-    errors += [
-        f"- `{r.get('evals', r.get('run_dir'))}` (zero-shot): {r['tasks_error']}"
-        for r in [fl, *report["rows"], *abl["rows"]]
-        if r.get("tasks_error")
-    ]
-    if errors:
-        lines += ["", "## Errors", "", *errors]
-    lines.append("")
-    return "\n".join(lines)
-
-
-def _earlier_commands(report: dict[str, Any]) -> list[str]:
-    """The other invocations whose finished cells this report reads back."""
-    rows = report["rows"] + report["ablation"]["rows"]
-    seen = [r.get("command") for r in rows if r.get("status") == "reused"]
-    earlier = sorted({c for c in seen if c and c != report["command"]})
-    if not earlier:
-        return []
-    return ["", "Cells read back from earlier invocations were run by:"] + [
-        f"- `{c}`" for c in earlier
-    ]
-
-
-def _wakv(row: dict[str, Any]) -> str:
-    return f"{row['w_bits']}-{row['a_bits']}-{row['kv_bits']}"
-
-
-def _float_line(fl: dict[str, Any], empty: int = 3) -> str:
-    """The FP32 row: `empty` dashed columns between the label and the perplexities."""
-    ppl = fl.get("ppl", {})
-    return (
-        f"| FP32 |{' – |' * empty} {_fmt(ppl.get('wiki'))} | {_fmt(ppl.get('wikitext2'))} "
-        "| 1.000 | 1.000 |"
+def _protocol(args: argparse.Namespace, float_report: Mapping[str, Any] | None) -> list[str]:
+    s1 = base_config(args).stage1
+    specs = eval_specs(args)
+    float_source = (
+        f"the float model evaluated once on these windows ({float_path(args)}), the runs' "
+        "float reference"
+        if float_report is not None
+        else "the float perplexity each run measured on the same windows"
     )
-
-
-def _windows_text(report: dict[str, Any]) -> str:
-    windows: dict[str, Any] = {}
-    for r in [*report["rows"], *report["ablation"]["rows"]]:
-        for name, n in r.get("windows", {}).items():
-            windows.setdefault(name, (n, r["tokens"][name]))
-    fl = report["float"]
-    for name, n in fl.get("windows", {}).items():
-        windows.setdefault(name, (n, fl["tokens"][name]))
-    if not windows:
-        return "no run finished yet"
-    return "; ".join(f"{n}: {w} windows, {t} predicted tokens" for n, (w, t) in windows.items())
-
-
-def float_summary(
-    float_report: dict[str, Any] | None, rows: list[dict[str, Any]]
-) -> dict[str, Any]:
-    """The FP32 row: the float evaluation if run, else the float PPL recorded by the runs."""
-    if float_report is not None:
-        perplexity = float_report["perplexity"]
-        out: dict[str, Any] = {
-            "source": f"float model evaluated by this script ({float_report['status']})",
-            "ppl": {n: v["ppl"] for n, v in perplexity.items()},
-            "windows": {n: v["windows"] for n, v in perplexity.items()},
-            "tokens": {n: v["tokens"] for n, v in perplexity.items()},
-        }
-    else:
-        finished = [r for r in rows if r.get("float_ppl")]
-        if not finished:
-            return {"source": "not run"}
-        out = {
-            "source": f"float PPL recorded in run {finished[0]['run_dir']}",
-            "ppl": dict(finished[0]["float_ppl"]),
-        }
-    # every run evaluates the float model on the same windows: they must agree
-    diffs = [
-        abs(r["float_ppl"][n] / out["ppl"][n] - 1)
-        for r in rows
-        if r.get("float_ppl")
-        for n in r["float_ppl"]
-        if n in out["ppl"]
+    return [
+        f"evaluation: {', '.join(EVAL_LABELS[n] for n in EVAL_NAMES)} ({specs['wikitext2']}); "
+        f"seq_len {args.seq_len}, the first {args.eval_windows} non-overlapping windows of each; "
+        "perplexity = exp(mean next-token NLL).",
+        f"calibration: `wiki` calib split, {args.calib_windows} random windows of "
+        f"{args.seq_len} tokens (seed {args.seed}), the same for every method.",
+        f"stage 1 (SpinQuant, Quant.npu): {s1.steps} steps, batch {s1.batch_size} x "
+        f"{s1.grad_accum} accumulation, lr rotation {s1.lr_rotation}, lr scale {s1.lr_scale}, "
+        f"local loss for the first {100 * s1.local_loss_fraction:g}% of steps.",
+        f"sink prefix: {args.prefix}; KV cache {args.kv_bits} bits; the other tensors as in "
+        "`default_plan` (qnpu_jax/quant/plan.py).",
+        f"FP32 row: {float_source}. × float: a row's perplexity over the FP32 row's.",
     ]
-    out["max_rel_diff_vs_runs"] = max(diffs) if diffs else None
-    return out
 
 
-def build_report(
+def _earlier_commands(entries: Sequence[Mapping[str, Any]], command: str) -> list[str]:
+    """The other invocations whose finished cells this report reads back."""
+    seen = {e.get("command") for e in entries if e["status"] == "reused"}
+    return sorted(c for c in seen if c and c != command)
+
+
+def _grid_items(
+    entries: Sequence[Mapping[str, Any]], scores: Mapping[str, TaskScores]
+) -> list[str]:
+    """One line per cell that has no row (not run, error) and per zero-shot error."""
+    items = []
+    for e in entries:
+        if e["status"] == "error":
+            items.append(f"`{e['run_dir']}`: error: {e['error']}")
+        elif e["status"] not in FINISHED:
+            items.append(f"`{e['run_dir']}`: {e['status']}")
+    for key, s in scores.items():
+        if s.error:
+            items.append(f"`{key}` (zero-shot): error: {s.error}")
+    return items
+
+
+def compare_report(
     args: argparse.Namespace,
-    rows: list[dict[str, Any]],
-    ablation_rows: list[dict[str, Any]],
-    float_report: dict[str, Any] | None,
+    cells: Sequence[Cell],
+    entries: Mapping[Path, dict[str, Any]],
+    scores: Mapping[str, TaskScores],
+    float_report: Mapping[str, Any] | None,
     command: str,
-    seconds: float,
-    tasks: Mapping[str, TaskScores] | None = None,
-) -> dict[str, Any]:
-    """The JSON report; `tasks`: the zero-shot scores per row (key: run_dir, or FLOAT_KEY)."""
-    from qnpu_jax.environment import environment_info
+    started: float,
+) -> Any:
+    """The comparison as a `qnpu_jax.report.Report`: the finished cells' run directories and
+    zero-shot files through `qnpu_jax.report.table` (the main table and the ablation's), the
+    target checks and the grid's state as further sections."""
+    from qnpu_jax.report import Report, Section, assemble, table_sections
+    from qnpu_jax.report.table import build_rows, build_table, legend, rows_json
+    from qnpu_jax.studies.harness import provenance
 
-    base = base_config(args)
-    protocol = {
+    def evals(key: str) -> list[Path]:
+        s = scores.get(key)
+        return [s.path] if s is not None and s.results else []
+
+    def table_of(part: Sequence[Cell]) -> Any:
+        done = [c for c in part if entries[c.run_dir]["status"] in FINISHED]
+        files = evals(FLOAT_KEY) + [p for c in done for p in evals(str(c.run_dir))]
+        rows, notes = build_rows([c.run_dir for c in done], files)
+        labels = {str(c.run_dir.resolve()): c.label for c in done if c.label}
+        rows = [
+            dataclasses.replace(r, method=labels[r.run_dir]) if r.run_dir in labels else r
+            for r in rows
+        ]
+        return build_table(rows, notes, ratios=True)
+
+    ordered = sorted(  # setting, then bits, then method: the paper's row order
+        (c for c in cells if not c.ablation),
+        key=lambda c: (SETTINGS.index(c.setting), BITS.index(c.bits), METHODS.index(c.method)),
+    )
+    ablation_cells = [c for c in cells if c.ablation]
+    main, ablation = table_of(ordered), table_of(ablation_cells)
+    grid_rows = [entries[c.run_dir] for c in cells]
+    targets = target_checks([entries[c.run_dir] for c in ordered])
+    earlier = _earlier_commands(grid_rows, command)
+    settings = " ".join(f"{k}: {SETTING_TITLES[k]}." for k in SETTINGS)
+    sections = [
+        Section(
+            "Protocol (one for every row)",
+            items=(*_protocol(args, float_report), *_tasks_protocol(args, scores)),
+            paragraphs=(
+                "Cells read back from earlier invocations were run by: "
+                + "; ".join(f"`{c}`" for c in earlier),
+            )
+            if earlier
+            else (),
+        ),
+        Section(
+            f"Methods on {args.model} (paper Table 1 shape)",
+            paragraphs=(
+                f"Rows by setting (the run directory's suffix -table1 / -ours), bits and "
+                f"method. {settings}",
+                *legend(main),
+            ),
+            results=main,
+        ),
+        *table_sections(main),
+        Section("Target checks", items=tuple(c["line"] for c in targets)),
+    ]
+    abl_bits = bits_name(*args.ablation_bits)
+    if ablation.rows:
+        sections.append(
+            Section(
+                f'Ablation (paper Table 2): Quant.npu {abl_bits} KV{args.kv_bits}, scope "linears"',
+                paragraphs=(
+                    "Only the linears' weights, inputs and outputs quantized, other operators "
+                    "float; down_proj inputs at 8 bits. Each row adds one step to the one "
+                    "above: static joint (Max-Min, joint stage 1), + initialization (§4.2), "
+                    "+ selective optimization (§4.3), + mixed 10% / 100% (§4.4); the last row "
+                    "is mixed 10% with the down_proj input scale kept at its initialization "
+                    "(App. E).",
+                ),
+                results=ablation,
+            )
+        )
+        sections += table_sections(ablation)[1:]  # its rows' sources are the run dirs
+    items = _grid_items(grid_rows, scores)
+    if items:
+        sections.append(Section("Cells without a row", items=tuple(items)))
+    doc: dict[str, Any] = {
+        "name": Path(args.out).name,
         "model": args.model,
-        "seq_len": args.seq_len,
-        "eval_windows": args.eval_windows,
-        "eval_data": eval_specs(args),
-        "calib_data": "wiki (calib split)",
-        "calib_windows": args.calib_windows,
-        "seed": args.seed,
-        "prefix": args.prefix,
-        "kv_bits": args.kv_bits,
-        "stage1": dataclasses.asdict(base.stage1),
-        "runs_dir": str(args.runs_dir),
-    }
-    names = task_order(args.tasks)
-    scores = tasks or {}
-    if names:
-        task_n: dict[str, int] = {}  # min(limit, task size): the same for every row
-        for s in scores.values():
-            for t, r in s.results.items():
-                task_n.setdefault(t, r.n)
-        protocol |= {
-            "tasks": names,
+        "protocol": {
+            "lines": [*_protocol(args, float_report), *_tasks_protocol(args, scores)],
+            "eval_data": eval_specs(args),
+            "seq_len": args.seq_len,
+            "eval_windows": args.eval_windows,
+            "calib_windows": args.calib_windows,
+            "seed": args.seed,
+            "prefix": args.prefix,
+            "kv_bits": args.kv_bits,
+            "stage1": dataclasses.asdict(base_config(args).stage1),
+            "tasks": task_order(args.tasks),
             "task_limit": args.limit,
             "task_seed": args.task_seed,
-            "task_batch_size": args.task_batch_size,
-            "task_n": task_n,
-        }
-    float_scores = scores.get(FLOAT_KEY)
-    ref = float_scores.results if float_scores is not None else None
-    rows = [with_tasks(r, scores.get(r["run_dir"]), names, ref) for r in rows]
-    ablation_rows = [with_tasks(r, scores.get(r["run_dir"]), names, ref) for r in ablation_rows]
-    all_rows = rows + ablation_rows
-    report = {
-        "model": args.model,
-        "protocol": protocol,
-        "float": with_tasks(float_summary(float_report, all_rows), float_scores, names, None),
-        "rows": rows,
-        "ablation": {"bits": bits_name(*args.ablation_bits), "rows": ablation_rows},
-        "targets": target_checks(rows),
-        "seconds": seconds,
-        "environment": environment_info(),
-        "command": command,
+            "runs_dir": str(args.runs_dir),
+        },
+        "float": dict(float_report) if float_report is not None else None,
+        "columns": [header for _, header in main.columns],
+        "reference": main.reference,
+        "rows": rows_json(main),
+        "flags": list(main.flags),
+        "notes": list(main.notes),
+        "ablation": {
+            "bits": abl_bits,
+            "columns": [header for _, header in ablation.columns],
+            "rows": rows_json(ablation),
+            "flags": list(ablation.flags),
+            "notes": list(ablation.notes),
+        },
+        "targets": targets,
+        "grid": [
+            {**e, **_task_state(scores.get(e["run_dir"]))} if args.tasks else e for e in grid_rows
+        ],
+        "earlier_commands": earlier,
+        **provenance(command, started),
     }
-    return report
+    name = Path(args.out).name
+    title = f"Method comparison on {args.model} (paper Table 1 shape) and Table 2 ablation"
+    files = assemble(name, title, command, sections, {}, doc)
+    return Report(name, files, main, ())
 
 
-def write_reports(report: dict[str, Any], args: argparse.Namespace) -> None:
-    from qnpu_jax.files import write_bytes_atomic, write_json_atomic
-
-    write_json_atomic(Path(args.json), report)
-    write_bytes_atomic(Path(args.md), render_markdown(report).encode())
+def _task_state(scores: TaskScores | None) -> dict[str, Any]:
+    if scores is None:
+        return {"tasks_status": "not run"}
+    out: dict[str, Any] = {"tasks_status": scores.status, "evals": str(scores.path)}
+    if scores.error:
+        out["tasks_error"] = scores.error
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -973,8 +792,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--task-seed", type=int, default=0, help="zero-shot subset seed")
     parser.add_argument("--task-batch-size", type=positive_int, default=8)
     parser.add_argument("--runs-dir", default="runs/compare")
-    parser.add_argument("--json", default="reports/compare.json")
-    parser.add_argument("--md", default="reports/compare.md")
+    parser.add_argument(
+        "--out",
+        default="reports/compare",
+        help="the report: OUT.md, OUT.html and OUT.json (default reports/compare)",
+    )
     parser.add_argument(
         "--report-only", action="store_true", help="run nothing; tables from finished runs"
     )
@@ -991,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
     from qnpu_jax.errors import QnpuError
 
     command = study_command("compare_methods", argv)
+    from qnpu_jax.report import write_report
 
     start = time.perf_counter()
     specs = eval_specs(args)
@@ -1016,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
     for cell in cells:  # finished runs of earlier invocations count too
         report = finished_report(cell)
         status = "reused" if report is not None else "not run"
-        results[cell.run_dir] = row_of(cell, status, report, specs)
+        results[cell.run_dir] = checked_entry(cell, status, report, specs)
         if args.tasks and report is not None:
             task_scores[str(cell.run_dir)] = score_tasks(cell.run_dir, args, command, compute=False)
 
@@ -1024,7 +847,7 @@ def main(argv: list[str] | None = None) -> int:
     run_float = "float" in args.methods and not args.only_ablation and not args.report_only
     if run_float or float_path(args).is_file():
         try:
-            float_report = float_cell(args, specs, None)
+            float_report = float_cell(args, specs, command)
         except QnpuError as e:
             if run_float:
                 print(f"error: float: {e}", file=sys.stderr)
@@ -1032,11 +855,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"float: {e}; the FP32 row comes from the runs", file=sys.stderr)
 
     def flush() -> None:
-        rows = [results[c.run_dir] for c in table_cells]
-        abl = [results[c.run_dir] for c in ablation_cells]
-        elapsed = time.perf_counter() - start
-        report = build_report(args, rows, abl, float_report, command, elapsed, task_scores)
-        write_reports(report, args)
+        report = compare_report(
+            args, cells, results, task_scores, float_report, command, started=start
+        )
+        write_report(Path(args.out), report)
 
     if args.tasks:
         scores = score_tasks(float_dir(args), args, command, compute=run_float, model=args.model)
@@ -1048,27 +870,44 @@ def main(argv: list[str] | None = None) -> int:
         for i, cell in enumerate(todo, 1):
             print(f"[{i}/{len(todo)}] {cell.run_dir.name}", flush=True)
             status, payload = run_cell(cell, args, command, float_reference(float_report, specs))
-            row = row_of(cell, status, payload, specs)
+            row = checked_entry(cell, status, payload, specs)
             results[cell.run_dir] = row
-            if status == "error":
-                print(f"  error: {payload}", flush=True)
+            if row["status"] == "error":
+                print(f"  error: {row['error']}", flush=True)
             else:
                 ppl = ", ".join(
                     f"{n} {row['ppl'][n]:.3f} ({row['ratio'][n]:.3f}x)" for n in row["ppl"]
                 )
                 print(f"  {status}: {ppl}", flush=True)
             flush()
-            if args.tasks and status != "error":
+            if args.tasks and row["status"] != "error":
                 scores = score_tasks(cell.run_dir, args, command, compute=True)
                 task_scores[str(cell.run_dir)] = scores
                 _print_tasks("  zero-shot", scores)
                 flush()
-    report = json.loads(Path(args.json).read_text())
+    out = Path(args.out)
+    report = json.loads((out.parent / f"{out.name}.json").read_text())
     for check in report["targets"]:
         print(check["line"])
-    rows = [report["float"], *report["rows"], *report["ablation"]["rows"]]
-    errors = [r for r in rows if r.get("status") == "error" or r.get("tasks_error")]
-    return 1 if errors else 0
+    failed = [e for e in report["grid"] if e["status"] == "error" or e.get("tasks_error")]
+    float_scores = task_scores.get(FLOAT_KEY)
+    return 1 if failed or (float_scores is not None and float_scores.error) else 0
+
+
+def checked_entry(
+    cell: Cell, status: str, payload: Any, specs: Mapping[str, str]
+) -> dict[str, Any]:
+    """`grid_entry`, with a finished run that `qnpu report` cannot read (a broken manifest,
+    plan or report) turned into an error that names it."""
+    from qnpu_jax.errors import QnpuError
+    from qnpu_jax.report.table import load_run_row
+
+    if status in FINISHED:
+        try:
+            load_run_row(cell.run_dir)
+        except QnpuError as e:
+            return grid_entry(cell, "error", str(e), specs)
+    return grid_entry(cell, status, payload, specs)
 
 
 def _print_tasks(head: str, scores: TaskScores) -> None:

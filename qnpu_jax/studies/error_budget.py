@@ -13,11 +13,11 @@ inputs, the K/V cache; `--rows outputs`: each linear output alone.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from qnpu_jax.export.graph import KV_TENSORS, LINEAR_OUTPUTS, ROTATED_INPUTS, UNROTATED_INPUT
 from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.harness import run_summary, write_study_json
 
 
 def _name(path: str) -> str:
@@ -38,7 +38,7 @@ def groups() -> dict[str, tuple[str, Callable[[str], bool]]]:
             lambda p: is_weight(p) and p.startswith("layers/"),
         ),
         "activations": ("activations float (weights only)", lambda p: not is_weight(p)),
-        "down_in": ("down_proj input float", _is_path(f"layers/{UNROTATED_INPUT}")),
+        UNROTATED_INPUT: ("down_proj input float", _is_path(f"layers/{UNROTATED_INPUT}")),
         "linear_outputs": ("linear outputs float", lambda p: _name(p) in LINEAR_OUTPUTS),
         "rotated_inputs": ("rotated linear inputs float", lambda p: _name(p) in ROTATED_INPUTS),
         "kv": ("K/V cache float", lambda p: _name(p) in KV_TENSORS and p.startswith("layers/")),
@@ -49,7 +49,7 @@ def groups() -> dict[str, tuple[str, Callable[[str], bool]]]:
 
 
 GROUP_SETS = {
-    "groups": ("weights", "activations", "down_in", "linear_outputs", "rotated_inputs", "kv"),
+    "groups": ("weights", "activations", UNROTATED_INPUT, "linear_outputs", "rotated_inputs", "kv"),
     "outputs": LINEAR_OUTPUTS,
 }
 
@@ -66,22 +66,18 @@ def without(plan: Any, state: Any, drop: Callable[[str], bool]) -> tuple[Any, An
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = study_parser(__name__, __doc__)
-    parser.add_argument("--run", type=Path, required=True)
-    parser.add_argument("--eval-windows", type=int, default=32)
+    parser = study_parser(__name__, __doc__, run=True, eval_windows=32, json=True)
     parser.add_argument(
         "--rows",
         choices=sorted(GROUP_SETS),
         default="groups",
         help="groups: the tensor groups; outputs: each linear output alone",
     )
-    parser.add_argument("--json", default="reports/error_budget.json")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import environment_info, study_command
+    from qnpu_jax.environment import study_command
 
     command = study_command("error_budget", argv)
 
-    from qnpu_jax.files import write_json_atomic
     from qnpu_jax.pipeline.run import evaluate, load_run, wiki_eval_windows
 
     run = load_run(args.run)
@@ -103,17 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         ppl = evaluate(params, kept_state, kept_plan, cfg, windows, prefix)["ppl"]
         rows.append({"group": key, "label": label, "dropped": dropped, "ppl": ppl})
         print(f"{label}: {ppl:.3f}", flush=True)
-    write_json_atomic(
-        Path(args.json),
+    write_study_json(
+        args.json,
         {
-            "run": str(args.run),
-            **config.summary(),
-            "eval": {"data": "wiki (eval split)", "windows": len(windows)},
+            **run_summary(args.run, config, windows),
             "float_ppl": float_ppl,
             "run_ppl": run_ppl,
             "rows": rows,
-            "environment": environment_info(),
-            "command": command,
         },
+        command=command,
     )
     return 0

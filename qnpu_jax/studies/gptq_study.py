@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 from typing import Any
 
 from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.harness import run_summary, write_study_json
 
 GRIDS = ("learned", "mse", "max_min")
 
@@ -26,18 +26,14 @@ GRIDS = ("learned", "mse", "max_min")
 def main(argv: list[str] | None = None) -> int:
     from qnpu_jax.argtypes import comma_choices
 
-    parser = study_parser(__name__, __doc__)
-    parser.add_argument("--run", type=Path, required=True)
+    parser = study_parser(__name__, __doc__, run=True, eval_windows=32, json=True)
     parser.add_argument("--grids", type=comma_choices(GRIDS), default=GRIDS)
-    parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--damp", type=float, default=0.01)
-    parser.add_argument("--json", default="reports/gptq_study.json")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import environment_info, study_command
+    from qnpu_jax.environment import study_command
 
     command = study_command("gptq_study", argv)
 
-    from qnpu_jax.files import write_json_atomic
     from qnpu_jax.pipeline.calibrate import reencode_weight
     from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
     from qnpu_jax.pipeline.weight_rounding import (
@@ -75,17 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         gptq = evaluate(gptq_params, grid_state, plan, cfg, windows, prefix)["ppl"]
         rows.append({"grid": grid, "rtn_ppl": rtn, "gptq_ppl": gptq, "gptq_seconds": gptq_s})
         print(f"{grid}: round-to-nearest {rtn:.3f}, GPTQ {gptq:.3f} ({gptq_s:.0f} s)", flush=True)
-    write_json_atomic(
-        Path(args.json),
+    write_study_json(
+        args.json,
         {
-            "run": str(args.run),
-            **config.summary(),
-            "eval": {"data": "wiki (eval split)", "windows": len(windows)},
+            **run_summary(args.run, config, windows),
             "damp": args.damp,
             "hessian_seconds": hessian_s,
             "rows": rows,
-            "environment": environment_info(),
-            "command": command,
         },
+        command=command,
     )
     return 0

@@ -39,6 +39,7 @@ import numpy as np
 from qnpu_jax.argtypes import comma_choices
 from qnpu_jax.export.graph import LINEARS, ROTATED_INPUTS
 from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.harness import write_study_json
 
 ACTIVATIONS = ROTATED_INPUTS  # the rotated linear inputs
 LINEAR_WEIGHTS = LINEARS
@@ -289,11 +290,10 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = study_parser(__name__, __doc__)
+    parser = study_parser(__name__, __doc__, eval_windows=32, json=True)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--calib-windows", type=int, default=16)
-    parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix", choices=("none", "bos"), default="none")
     parser.add_argument("--bits", type=parse_bits, default=BITS, help="e.g. 4,8")
@@ -303,16 +303,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--num-bins", type=int, default=2**15, help="activation histogram bins per sign"
     )
-    parser.add_argument("--json", default="reports/init_study.json")
     parser.add_argument("--md", default="reports/init_study.md")
     parser.add_argument("--fresh", action="store_true", help="ignore rows of an existing --json")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import environment_info, study_command
+    from qnpu_jax.environment import study_command
 
     command = study_command("init_study", argv)
 
     from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
-    from qnpu_jax.files import write_bytes_atomic, write_json_atomic
+    from qnpu_jax.files import write_bytes_atomic
     from qnpu_jax.models import load_model
     from qnpu_jax.models.quantized import sink_prefix
     from qnpu_jax.pipeline.calibrate import build_state
@@ -357,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     done = {cell_key(r["target"], r["rotation"], r["bits"], r["init"]) for r in rows}
 
     def flush() -> None:
-        report = {
+        doc = {
             "model": args.model,
             "protocol": protocol,
             "float": float_info,
@@ -372,11 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                 "hadamard": "randomized Hadamard R1/R2 fused offline after norm fusion",
             },
             "rows": rows,
-            "seconds": time.perf_counter() - start,
-            "environment": environment_info(),
-            "command": command,
         }
-        write_json_atomic(json_path, report)
+        report = write_study_json(json_path, doc, command=command, started=start)
         write_bytes_atomic(Path(args.md), render_markdown(report).encode())
 
     def ppl_of(params: Any, state: Any, plan: Any) -> float:

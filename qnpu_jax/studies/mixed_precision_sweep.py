@@ -14,30 +14,26 @@ run reproduces the run, and the other points have no stage 1 of their own.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qnpu_jax.environment import environment_info, study_command
+from qnpu_jax.environment import study_command
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import UNROTATED_INPUT as DOWN_IN
-from qnpu_jax.files import write_json_atomic
 from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.pipeline.mixed_precision import down_proj_sensitivity, mixed_layer_bits
 from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
 from qnpu_jax.quant.plan import QuantPlan, TensorQuant
 from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.harness import run_summary, write_study_json
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = study_parser(__name__, __doc__)
-    parser.add_argument("--run", type=Path, required=True)
-    parser.add_argument("--eval-windows", type=int, default=32)
+    parser = study_parser(__name__, __doc__, run=True, eval_windows=32, json=True)
     parser.add_argument("--steps", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0")
-    parser.add_argument("--json", default="reports/mixed_precision_sweep.json")
     args = parser.parse_args(argv)
 
     run = load_run(args.run)
@@ -98,19 +94,16 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         print(f"p = {p:.0%}: ppl {ppl:.3f} ({ppl / float_ppl:.3f}x float)", flush=True)
-    write_json_atomic(
+    write_study_json(
         args.json,
         {
-            "run": str(args.run),
-            **config.summary(),
-            "eval": {"data": "wiki (eval split)", "windows": len(windows)},
+            **run_summary(args.run, config, windows),
             "sweep": "reuses the run; a down_proj input at the run's bit-width keeps its encoding, "
             "one that changes bit-width gets Max-Min at the new one",
             "sensitivity_ratios": ratios,
             "float_ppl": float_ppl,
             "rows": rows,
-            "environment": environment_info(),
-            "command": study_command("mixed_precision_sweep", argv),
         },
+        command=study_command("mixed_precision_sweep", argv),
     )
     return 0

@@ -29,8 +29,8 @@ import numpy as np
 from qnpu_jax.argtypes import positive_int
 from qnpu_jax.environment import study_command
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import UNROTATED_INPUT
-from qnpu_jax.files import write_bytes_atomic, write_json_atomic
+from qnpu_jax.export.graph import LINEAR_IO, UNROTATED_INPUT
+from qnpu_jax.files import write_bytes_atomic
 from qnpu_jax.models.quantized import effective_state
 from qnpu_jax.pipeline.calibrate import capture_activations
 from qnpu_jax.pipeline.run import calibration_data, load_run
@@ -46,13 +46,13 @@ from qnpu_jax.report.plots import (
     share_inside,
 )
 from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.harness import write_study_json
 
-# (linear, the plan's name of its input activation)
-LINEAR_INPUTS = (
-    ("q_proj", "attn_in"),
-    ("o_proj", "attn_out"),
-    ("up_proj", "mlp_in"),
-    ("down_proj", "down_in"),
+# (the first linear reading it, a distinct linear input activation) in graph order: the
+# figures' four panels (attention input, o_proj input, MLP input, down_proj input)
+LINEAR_INPUTS = tuple(
+    (next(lin for lin, (i, _) in LINEAR_IO.items() if i == name), name)
+    for name in dict.fromkeys(i for i, _ in LINEAR_IO.values())
 )
 
 
@@ -81,8 +81,7 @@ def run_range(entry: Encoding, layer: int, label: str) -> ClipRange:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = study_parser(__name__, __doc__)
-    parser.add_argument("--run", type=Path, required=True)
+    parser = study_parser(__name__, __doc__, run=True)
     parser.add_argument("--layer", type=int, required=True, help="decoder layer (from 0)")
     parser.add_argument("--windows", type=positive_int, default=4, help="calibration windows")
     parser.add_argument(
@@ -159,7 +158,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     png = plot_activation_distributions(panels, columns=len(LINEAR_INPUTS), title=title)
     out = Path(args.out)
     write_bytes_atomic(out / f"layer{args.layer}.png", png)
-    write_json_atomic(
+    write_study_json(
         out / f"layer{args.layer}.json",
         {
             "run": str(args.run),
@@ -168,8 +167,8 @@ def run(args: argparse.Namespace, command: str) -> int:
             "seq_len": t,
             "prefix": config.prefix,
             "panels": summary,
-            "command": command,
         },
+        command=command,
     )
     print(f"wrote {out / f'layer{args.layer}.png'} and {out / f'layer{args.layer}.json'}")
     for name, s in summary.items():

@@ -24,27 +24,25 @@ from typing import Any
 import jax
 
 from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
-from qnpu_jax.environment import environment_info, study_command
+from qnpu_jax.environment import study_command
 from qnpu_jax.eval import perplexity
-from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models import load_model
 from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.quant import QuantPlan, default_plan, uniform_plan
 from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.harness import write_study_json
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = study_parser(__name__, __doc__)
+    parser = study_parser(__name__, __doc__, eval_windows=32, json=True)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--calib-windows", type=int, default=16)
-    parser.add_argument("--eval-windows", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefixes", default="none,bos", help="comma list of none | bos")
-    parser.add_argument("--json", default="reports/quant_baselines.json")
     args = parser.parse_args(argv)
 
     model = load_model(args.model)
@@ -119,10 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         "activations per-tensor static symmetric; softmax probabilities fixed 1/65535",
         "activation_init": "max_min",
         "rows": rows,
-        "seconds": time.perf_counter() - start,
-        "environment": environment_info(),
-        "command": study_command("quant_baselines", argv),
     }
     assert all(math.isfinite(r["ppl"]) for r in rows)
-    write_json_atomic(args.json, report)
+    write_study_json(
+        args.json, report, command=study_command("quant_baselines", argv), started=start
+    )
     return 0

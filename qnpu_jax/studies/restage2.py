@@ -26,6 +26,7 @@ from typing import Any
 
 from qnpu_jax.export.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
 from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.harness import write_study_json
 
 
 def changed_entries(old: Any, new: Any) -> list[str]:
@@ -35,8 +36,7 @@ def changed_entries(old: Any, new: Any) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = study_parser(__name__, __doc__)
-    parser.add_argument("--run", type=Path, required=True)
+    parser = study_parser(__name__, __doc__, run=True, eval_windows=32, json=True)
     parser.add_argument("--config", type=Path, default=None, help="default: the run's config")
     parser.add_argument(
         "--down-out-mixed-precision",
@@ -45,27 +45,22 @@ def main(argv: list[str] | None = None) -> int:
         metavar="P",
         help="set down_out_mixed_precision (over --config, or the run's config)",
     )
-    parser.add_argument("--eval-windows", type=int, default=32)
-    parser.add_argument("--json", default="reports/restage2.json")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import environment_info, study_command
+    from qnpu_jax.environment import study_command
 
     command = study_command("restage2", argv)
 
     from qnpu_jax.errors import QnpuError
-    from qnpu_jax.files import write_json_atomic
-    from qnpu_jax.models.quantized import sink_prefix
-    from qnpu_jax.pipeline.calibrate import calibrate
     from qnpu_jax.pipeline.config import load_config
+    from qnpu_jax.pipeline.model import nll_perplexity
     from qnpu_jax.pipeline.recipes import build_plan
-    from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
-    from qnpu_jax.pipeline.steps import STAGE1_TENSORS, Calibration, promote
-    from qnpu_jax.quant.plan import QuantPlan
+    from qnpu_jax.pipeline.run import calibration_data, load_run, wiki_eval_windows
+    from qnpu_jax.pipeline.steps import STAGE1_TENSORS, Calibration, calibrate, promote
 
     try:
         run = load_run(args.run)
-        config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
-        params, model = run.model.params(), run.loaded
+        config, plan, model = run.config, run.model.require_plan(), run.loaded
+        data = Calibration(*calibration_data(config, model.tokenizer))
         new_config = load_config(args.config) if args.config is not None else config
         if args.down_out_mixed_precision is not None:
             new_config = dataclasses.replace(
@@ -90,7 +85,6 @@ def main(argv: list[str] | None = None) -> int:
         if new_config.down_out_mixed_precision != config.down_out_mixed_precision:
             layer_bits[UNROTATED_OUTPUT] = None
             if new_config.down_out_mixed_precision > 0:
-                data = Calibration(*calibration_data(config, model.tokenizer))
                 fraction = new_config.down_out_mixed_precision
                 promotion = promote(UNROTATED_OUTPUT, fraction)(run.model, data).steps[-1].info
                 layer_bits[UNROTATED_OUTPUT] = tuple(promotion["layer_bits"])
@@ -106,30 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     except QnpuError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    cfg = model.config
-    prefix = sink_prefix(config.prefix, model.tokenizer)
-    _, calib = calibration_data(config, model.tokenizer)
-    recalibrate = QuantPlan(
-        tuple(e for e in new_plan.entries if e[0] in changed), new_plan.num_layers
-    )
-    fresh = calibrate(params, cfg, recalibrate, calib, prefix=prefix)
-    new_state: dict[str, Any] = {
-        group: {
-            **{
-                name: entry
-                for name, entry in state[group].items()
-                if new_plan.get(("layers/" if group == "layers" else "") + name) is not None
-            },
-            **fresh[group],
-        }
-        for group in ("layers", "outer")
-    }
+    restaged = calibrate(changed)(run.model.replace(plan=new_plan), data)
     windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
-    run_ppl = evaluate(params, state, plan, cfg, windows, prefix)["ppl"]
-    new_ppl = evaluate(params, new_state, new_plan, cfg, windows, prefix)["ppl"]
+    run_ppl = nll_perplexity(run.model.nll_fn(), windows)["ppl"]
+    new_ppl = nll_perplexity(restaged.nll_fn(), windows)["ppl"]
     print(f"run {run_ppl:.3f} -> {new_ppl:.3f} ({', '.join(changed)})", flush=True)
-    write_json_atomic(
-        Path(args.json),
+    write_study_json(
+        args.json,
         {
             "run": str(args.run),
             "config": str(args.config) if args.config is not None else None,
@@ -142,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             "gptq_codes_kept": config.weight_rounding == "gptq",
             "run_ppl": run_ppl,
             "new_ppl": new_ppl,
-            "environment": environment_info(),
-            "command": command,
         },
+        command=command,
     )
     return 0

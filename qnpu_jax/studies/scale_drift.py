@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.harness import write_study_json
 
 # stage 1 keeps learned scales at max(raw, 1e-8) (`positive_scale`); below this is that floor
 FLOOR = 1e-7
@@ -71,16 +71,13 @@ def drift_rows(learned: Any, reference: Any, paths: list[str]) -> list[dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = study_parser(__name__, __doc__)
-    parser.add_argument("--run", type=Path, required=True)
-    parser.add_argument("--json", default="reports/scale_drift.json")
+    parser = study_parser(__name__, __doc__, run=True, json=True)
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import environment_info, study_command
+    from qnpu_jax.environment import study_command
 
     command = study_command("scale_drift", argv)
 
     from qnpu_jax.errors import QnpuError
-    from qnpu_jax.files import write_json_atomic
     from qnpu_jax.pipeline.calibrate import calibrate
     from qnpu_jax.pipeline.run import calibration_data, load_run
 
@@ -103,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['at_floor']} of {r['scales']} at the floor",
             flush=True,
         )
-    write_json_atomic(
-        Path(args.json),
+    write_study_json(
+        args.json,
         {
             "run": str(args.run),
             **config.summary(),
@@ -112,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             "reference": "the plan's initializer on the run's final rotated model "
             f"(calibration: {config.calib_data}, {config.calib_windows} windows)",
             "rows": rows,
-            "environment": environment_info(),
-            "command": command,
         },
+        command=command,
     )
     return 0

@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
-from qnpu_jax.environment import environment_info, study_command
+from qnpu_jax.environment import study_command
 from qnpu_jax.eval import perplexity
 from qnpu_jax.export.exporter import export_run
 from qnpu_jax.export.int_model import load_int_model, open_engine
-from qnpu_jax.files import write_json_atomic
 from qnpu_jax.pipeline.run import load_run
 from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.harness import write_study_json
 
 
 def _ppl(nll_fn: Any, windows: np.ndarray) -> dict[str, Any]:
@@ -71,9 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         "seq_len": args.seq_len,
         "windows": args.windows,
         "runs": {},
-        "environment": environment_info(),
-        "command": study_command("simulation_gap", argv),
     }
+    command = study_command("simulation_gap", argv)
     for run in args.runs:
         loaded_run = load_run(run)
         config, model = loaded_run.config, loaded_run.loaded
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"({100 * result['gap']:+.3f}%, ±2 SE [{100 * lo:+.3f}%, {100 * hi:+.3f}%])"
             )
         report["runs"][run.name] = entry
-        write_json_atomic(args.json, report)
+        write_study_json(args.json, report, command=command)
     worst = max(abs(e["emulator"]["gap"]) for e in report["runs"].values())
     print(f"largest |gap| {100 * worst:.3f}% -> {args.json}")
     return 0 if math.isfinite(worst) else 1

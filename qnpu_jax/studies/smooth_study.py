@@ -17,11 +17,11 @@ import argparse
 import dataclasses
 import re
 import time
-from pathlib import Path
 from typing import Any
 
 from qnpu_jax.export.graph import LINEAR_IO, SMOOTHED_LINEARS, UNROTATED_INPUT
 from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.harness import write_study_json
 
 
 def _alphas(text: str) -> tuple[float | None, ...]:
@@ -48,21 +48,18 @@ def _bits(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = study_parser(__name__, __doc__)
+    parser = study_parser(__name__, __doc__, eval_windows=16, json=True)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--method", choices=("rtn", "quarot"), default="quarot")
     parser.add_argument("--bits", type=_bits, default=(4, 8))
     parser.add_argument("--alphas", type=_alphas, default=(None, 0.2, 0.3, 0.5, 0.7))
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--calib-windows", type=int, default=16)
-    parser.add_argument("--eval-windows", type=int, default=16)
-    parser.add_argument("--json", default="reports/smooth_study.json")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import environment_info, study_command
+    from qnpu_jax.environment import study_command
 
     command = study_command("smooth_study", argv)
 
-    from qnpu_jax.files import write_json_atomic
     from qnpu_jax.models import load_model
     from qnpu_jax.models.quantized import sink_prefix
     from qnpu_jax.pipeline.config import QuantizeConfig
@@ -98,16 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows.append({"alpha": alpha, "ppl": ppl, **scale_rows, "seconds": time.perf_counter() - t0})
         print(f"alpha {alpha}: {ppl:.3f}", flush=True)
-    write_json_atomic(
-        Path(args.json),
+    write_study_json(
+        args.json,
         {
             **config.summary(),
             "down_in_bits": config.down_in_bits,
             "calibration": {"data": config.calib_data, "windows": config.calib_windows},
             "eval": {"data": "wiki (eval split)", "windows": len(windows)},
             "rows": rows,
-            "environment": environment_info(),
-            "command": command,
         },
+        command=command,
     )
     return 0

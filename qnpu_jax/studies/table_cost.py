@@ -22,6 +22,7 @@ from typing import Any
 
 from qnpu_jax.export.graph import EMBED_TABLE, GRAPH, LM_HEAD
 from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.harness import run_summary, write_study_json
 
 TABLES = (EMBED_TABLE, LM_HEAD)
 # the tensors around the tables whose precision DESIGN.md §3 fixes
@@ -59,12 +60,14 @@ def table_variants(plan: Any, state: Any, params: Any, cfg: Any) -> list[Variant
         )
         return changed, reencode_weight(params, cfg, state, path, tq)
 
-    names = {
-        "embed_tokens": "embedding table",
-        "embed_out": "embedding output",
-        "final_norm_out": "lm_head input",
-        "lm_head": "lm_head weight",
-    }
+    # the four table tensors in graph order: embedding table and output, lm_head input, weight
+    names = dict(
+        zip(
+            TABLE_TENSORS,
+            ("embedding table", "embedding output", "lm_head input", "lm_head weight"),
+            strict=True,
+        )
+    )
     out = [Variant("run", "as the run (DESIGN.md §3)", plan, state)]
     for path in TABLE_TENSORS:
         out.append(Variant(f"float-{path}", f"{names[path]} in float", *without(path)))
@@ -107,18 +110,15 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = study_parser(__name__, __doc__)
-    parser.add_argument("--run", type=Path, required=True)
-    parser.add_argument("--eval-windows", type=int, default=32)
-    parser.add_argument("--json", default="reports/table_cost.json")
+    parser = study_parser(__name__, __doc__, run=True, eval_windows=32, json=True)
     parser.add_argument("--md", default="reports/table_cost.md")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import environment_info, study_command
+    from qnpu_jax.environment import study_command
 
     command = study_command("table_cost", argv)
 
     from qnpu_jax.errors import QnpuError
-    from qnpu_jax.files import write_bytes_atomic, write_json_atomic
+    from qnpu_jax.files import write_bytes_atomic
     from qnpu_jax.pipeline.run import evaluate, load_run, wiki_eval_windows
 
     try:
@@ -143,15 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             sizes[t] = table_bytes(cfg.vocab_size, cfg.hidden_size, tq.bits if tq else None)
         rows.append({"key": v.key, "label": v.label, "ppl": ppl, "table_bytes": sizes})
         print(f"{v.label}: {ppl:.3f}", flush=True)
-    report = {
-        "run": str(args.run),
-        **config.summary(),
-        "eval": {"data": "wiki (eval split)", "windows": len(windows)},
-        "float_ppl": float_ppl,
-        "rows": rows,
-        "environment": environment_info(),
-        "command": command,
-    }
-    write_json_atomic(Path(args.json), report)
+    doc = {**run_summary(args.run, config, windows), "float_ppl": float_ppl, "rows": rows}
+    report = write_study_json(args.json, doc, command=command)
     write_bytes_atomic(Path(args.md), render_markdown(report).encode())
     return 0

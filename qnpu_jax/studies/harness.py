@@ -1,0 +1,42 @@
+"""What every study shares: the provenance its JSON report records (command, environment,
+seconds), the atomic write, and the summary of the run a study reads."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sized
+from pathlib import Path
+from typing import Any
+
+
+def provenance(command: str, started: float | None = None) -> dict[str, Any]:
+    """The fields every study report ends with: `command` (re-runnable: `qnpu study NAME
+    ARGS`), the `environment` it ran in, and the wall `seconds` since `started`
+    (`time.perf_counter()`), when given."""
+    from qnpu_jax.environment import environment_info
+
+    out: dict[str, Any] = {}
+    if started is not None:
+        out["seconds"] = time.perf_counter() - started
+    return {**out, "environment": environment_info(), "command": command}
+
+
+def write_study_json(
+    path: Path | str, doc: Mapping[str, Any], *, command: str, started: float | None = None
+) -> dict[str, Any]:
+    """Write `doc` plus its provenance to `path` atomically; returns what was written."""
+    from qnpu_jax.files import write_json_atomic
+
+    full = {**doc, **provenance(command, started)}
+    write_json_atomic(Path(path), full)
+    return full
+
+
+def run_summary(run_path: Path | str, config: Any, windows: Sized) -> dict[str, Any]:
+    """What a report on one run repeats about it: its path, the config's summary and the
+    wiki evaluation windows the study measured on."""
+    return {
+        "run": str(run_path),
+        **config.summary(),
+        "eval": {"data": "wiki (eval split)", "windows": len(windows)},
+    }
