@@ -30,11 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--model", help="smollm2-135m, a .gguf file, an HF dir or org/name")
     source.add_argument("--run", type=Path, help="a `qnpu quantize` run: its fake-quant model")
     source.add_argument("--artifact", type=Path, help="an integer artifact (`qnpu export`)")
+    source.add_argument(
+        "--onnx", type=Path, help="an ONNX export (`qnpu export --format onnx`), in onnxruntime"
+    )
     ev.add_argument(
         "--engine",
         choices=ENGINES,
         default="emulator",
         help="with --artifact: the numpy NPU emulator or the JAX integer forward",
+    )
+    ev.add_argument(
+        "--qdq", action="store_true", help="with --onnx: the QDQ graphs (default: float)"
     )
     ev.add_argument(
         "--data", help="perplexity text: wiki | wikitext:PATH | hf:NAME[:CONFIG]:SPLIT | a file"
@@ -88,10 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--resume", action="store_true", help="continue the run in --out")
     qz.add_argument("--no-progress", action="store_true")
 
-    ex = sub.add_parser("export", help="export a run to an integer artifact (or AIMET encodings)")
+    ex = sub.add_parser(
+        "export", help="export a run to an integer artifact, ONNX graphs or AIMET encodings"
+    )
     ex.add_argument("--run", required=True, type=Path, help="a finished `qnpu quantize` run")
     ex.add_argument("--out", required=True, type=Path, help="the artifact directory")
-    ex.add_argument("--format", choices=("qnpu", "aimet"), default="qnpu")
+    ex.add_argument(
+        "--format",
+        choices=("qnpu", "onnx", "aimet"),
+        default="qnpu",
+        help="qnpu: the integer artifact; onnx: float + QDQ ONNX graphs with AIMET encodings "
+        "(docs/deploy.md); aimet: the encodings alone",
+    )
     ex.add_argument(
         "--aimet-version", choices=("1.0.0", "0.6.1"), default="1.0.0", help="AIMET schema"
     )
@@ -238,6 +252,28 @@ def _scored_artifact(args: argparse.Namespace) -> Scored:
     )
 
 
+def _scored_onnx(args: argparse.Namespace) -> Scored:
+    from qnpu_jax.export.onnx_run import OnnxModel
+
+    if args.prefix is not None:
+        raise QnpuError("--prefix does not apply to an ONNX export: its sink prefix is built in")
+    model = OnnxModel(args.onnx, qdq=args.qdq)
+    kind = "QDQ" if args.qdq else "float"
+    return Scored(
+        label=f"ONNX {args.onnx} ({kind}, onnxruntime CPU)",
+        nll_fn=model.token_nll,
+        nll_argmax_fn=model.token_nll_argmax,
+        tokenizer=model.tokenizer(),
+        max_length=model.max_context - len(model.prefix),
+        report={
+            "onnx": str(args.onnx),
+            "path": f"onnxruntime ({kind})",
+            "prefix": "bos" if model.prefix else "none",
+            "source": model.manifest.get("source", {}),
+        },
+    )
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
     from qnpu_jax.eval import TASKS, perplexity
@@ -258,7 +294,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json is not None:
         check_writable(args.json)  # fail before the run, not after it
     docs = load_documents(args.data, split) if want_ppl else []  # cheap checks first
-    scored = _scored_artifact(args) if args.artifact is not None else _scored_model(args)
+    if args.qdq and args.onnx is None:
+        raise QnpuError("--qdq applies to --onnx only")
+    if args.artifact is not None:
+        scored = _scored_artifact(args)
+    elif args.onnx is not None:
+        scored = _scored_onnx(args)
+    else:
+        scored = _scored_model(args)
     report: dict[str, Any] = dict(scored.report)
     if want_ppl:
         if args.seq_len > scored.max_length:
@@ -465,6 +508,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.format == "aimet":
         path = export_run_aimet(args.run, args.out, version=args.aimet_version)
         print(f"AIMET encodings (schema {args.aimet_version}) written to {path}")
+        return 0
+    if args.format == "onnx":
+        from qnpu_jax.export.onnx_export import export_run_onnx
+
+        out = export_run_onnx(
+            args.run,
+            args.out,
+            chunk=args.prefill_chunk,
+            max_context=args.max_context,
+            version=args.aimet_version,
+        )
+        print(f"ONNX graphs (prefill chunk {args.prefill_chunk}, decode) written to {out}")
         return 0
     out = export_run(
         args.run, args.out, max_context=args.max_context, prefill_chunk=args.prefill_chunk

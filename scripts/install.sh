@@ -9,6 +9,12 @@ if [[ "${1:-}" == "--test" ]]; then
   # so pip never pulls a CUDA build. Only the transformers cross-check uses it.
   "${PIP[@]}" "torch==2.13.0"
   "${PIP[@]}" -e ".[test]"
+  # AIMET's QuantSim checks the ONNX hand-off. Its declared chain (onnx2torch -> torchvision)
+  # would replace the CPU torch, and no torchvision wheel imports beside torch 2.13.0; aimet_onnx's
+  # quantsim needs only the packages listed after it.
+  "${PIP[@]}" --no-deps "aimet-onnx==2.42.0"
+  "${PIP[@]}" bokeh hvplot jsonschema onnx-ir onnxscript osqp pandas psutil pybind11 \
+    scikit-learn scipy
 else
   "${PIP[@]}" -e .
 fi

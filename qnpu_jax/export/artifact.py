@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from qnpu_jax.errors import QnpuError
+from qnpu_jax.errors import QnpuError, some_of
 from qnpu_jax.files import current_umask, write_bytes_atomic
 from qnpu_jax.integrity import (
     DIGEST_KEY,
@@ -246,12 +246,9 @@ def check_destination(out_dir: Path) -> None:
             raise QnpuError(f"{refuse} ({e}); refusing to replace it") from e
     unlisted = [f for f in files if f not in _listed_paths(doc)]
     if unlisted:
-        shown = ", ".join(unlisted[:5]) + (
-            f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else ""
-        )
         raise QnpuError(
-            f"{where}: it holds files its manifest does not list ({shown}); refusing to replace "
-            "it (move them away, or choose another --out)"
+            f"{where}: it holds files its manifest does not list ({some_of(unlisted, 5)}); "
+            "refusing to replace it (move them away, or choose another --out)"
         )
 
 

@@ -307,6 +307,23 @@ class ExportedModel:
     int4: frozenset[str]
 
 
+def context_positions(cfg: ModelConfig, prefix_tokens: int, max_context: int | None) -> int:
+    """The positions an export's cache and RoPE tables hold: `max_context`, by default 2048
+    after the sink prefix, within the model's maximum; QnpuError when they do not fit."""
+    if max_context is None:
+        max_context = min(cfg.max_position_embeddings, DEFAULT_CONTEXT + prefix_tokens)
+    if max_context > cfg.max_position_embeddings:
+        raise QnpuError(
+            f"max context {max_context} exceeds the model's {cfg.max_position_embeddings} "
+            "positions (max_position_embeddings)"
+        )
+    if prefix_tokens >= max_context:
+        raise QnpuError(
+            f"sink prefix of {prefix_tokens} tokens does not fit {max_context} positions"
+        )
+    return max_context
+
+
 def export_model(
     params: Params,
     cfg: ModelConfig,
@@ -327,15 +344,7 @@ def export_model(
         raise QnpuError(f"plan has {plan.num_layers} layers, the model {n}")
     _check_plan(plan, n, graph)
     state = effective_state(plan, state)
-    if max_context is None:
-        max_context = min(cfg.max_position_embeddings, DEFAULT_CONTEXT + len(prefix))
-    if max_context > cfg.max_position_embeddings:
-        raise QnpuError(
-            f"max context {max_context} exceeds the model's {cfg.max_position_embeddings} "
-            "positions (max_position_embeddings)"
-        )
-    if len(prefix) >= max_context:
-        raise QnpuError(f"sink prefix of {len(prefix)} tokens does not fit {max_context} positions")
+    max_context = context_positions(cfg, len(prefix), max_context)
     if not 1 <= prefill_chunk <= max_context - len(prefix):
         raise QnpuError(
             f"prefill chunk must be in 1..{max_context - len(prefix)} (the context of "

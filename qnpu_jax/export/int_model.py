@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -188,18 +188,23 @@ def load_int_model(path: Path | str) -> IntModel:
 
 def artifact_tokenizer(model: IntModel) -> Any:
     """The tokenizer stored in the artifact (tokenizer.json + the manifest's BOS/EOS ids)."""
+    return stored_tokenizer(model.files, model.tokenizer, model.path)
+
+
+def stored_tokenizer(files: Mapping[str, bytes], info: Mapping[str, Any], where: Path) -> Any:
+    """The tokenizer an export stores: the file `info["file"]` among `files`, with the BOS/EOS
+    ids of `info` (the manifest's "tokenizer" entry)."""
     from tokenizers import Tokenizer as HFTokenizer
 
     from qnpu_jax.models.tokenizer import Tokenizer
 
-    name = model.tokenizer.get("file")
-    if not name or name not in model.files:
-        raise QnpuError(f"artifact {model.path} holds no tokenizer")
+    name = info.get("file")
+    if not name or name not in files:
+        raise QnpuError(f"artifact {where} holds no tokenizer")
     try:
-        backend = HFTokenizer.from_str(model.files[name].decode())
+        backend = HFTokenizer.from_str(files[name].decode())
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-        raise QnpuError(f"artifact {model.path}: unreadable tokenizer: {e}") from e
-    info = model.tokenizer
+        raise QnpuError(f"artifact {where}: unreadable tokenizer: {e}") from e
     return Tokenizer(backend, info.get("bos_token_id"), info.get("eos_token_id"))
 
 

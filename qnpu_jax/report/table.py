@@ -310,7 +310,7 @@ class EvalFile:
     path: str
     kind: str  # "float" | "run" | "artifact"
     target: str  # model spec, run path or artifact path
-    engine: str | None  # artifacts: "emulator" | "jax"
+    engine: str | None  # artifacts: "integer, emulator", "integer, jax", "onnxruntime, QDQ"
     source_run: str | None  # artifacts: the name of the run it was exported from
     ppl: PplResult | None
     tasks: Mapping[str, TaskResult]
@@ -331,6 +331,8 @@ def load_eval(path: Path) -> EvalFile:
     where = str(path)
     if doc.get("artifact"):
         kind, target = "artifact", str(doc["artifact"])
+    elif doc.get("onnx"):  # an ONNX export of a run: a deployed form, like an artifact
+        kind, target = "artifact", str(doc["onnx"])
     elif doc.get("run"):
         kind, target = "run", str(doc["run"])
     elif doc.get("model"):
@@ -384,8 +386,10 @@ def load_eval(path: Path) -> EvalFile:
         if not isinstance(source, dict) or not isinstance(source.get("run"), str):
             raise QnpuError(f"{path}: an artifact eval without its source run ('source.run')")
         source_run = source["run"]
-        text = str(doc.get("path", ""))  # "integer (emulator)"
-        engine = text[text.find("(") + 1 : text.rfind(")")] if "(" in text else "integer"
+        text = str(doc.get("path", ""))  # "integer (emulator)", "onnxruntime (QDQ)"
+        head = "onnxruntime" if doc.get("onnx") else "integer"
+        inner = text[text.find("(") + 1 : text.rfind(")")] if "(" in text else ""
+        engine = f"{head}, {inner}" if inner else head
     return EvalFile(str(path), kind, target, engine, source_run, ppl, tasks)
 
 
@@ -486,7 +490,7 @@ def build_rows(run_dirs: Sequence[Path], eval_paths: Sequence[Path]) -> tuple[li
                 )
             run = runs[names[0]]
             rows = artifacts.setdefault(names[0], [])
-            method = f"{run.method} (integer, {ev.engine})"
+            method = f"{run.method} ({ev.engine})"
             existing = [
                 k for k, a in enumerate(rows) if (a.source, a.method) == (ev.target, method)
             ]

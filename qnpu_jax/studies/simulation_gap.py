@@ -1,8 +1,9 @@
 """The simulation gap: fake-quant perplexity of `qnpu quantize` runs vs their integer artifact.
 
 For each run: export it (unless the artifact exists), then score the same `wiki` eval windows
-with the run's fake-quant model (JAX) and with the artifact on the numpy NPU emulator (and,
-with --jax-engine, on the JAX integer forward). Writes one JSON report: per engine the gap
+with the run's fake-quant model (JAX) and with the artifact on the integer engines
+(`--engines`: the numpy NPU emulator by default; `jax`, the JAX integer forward, equal bit for
+bit and faster). Writes one JSON report: per engine the gap
 ppl_int / ppl_fq - 1, with a paired standard error over windows (the same windows go through
 both models, so the window-to-window spread of the difference measures how much of the gap
 is rounding noise amplified through the layers rather than a systematic difference).
@@ -10,12 +11,26 @@ is rounding noise amplified through the layers rather than a systematic differen
     qnpu study simulation_gap --runs runs/smollm2-135m-quantnpu-w8a8 \
         runs/smollm2-135m-quantnpu-w4a8 --seq-len 512 --windows 32 \
         --json reports/simulation_gap.json
+
+With `--onnx`, each run is also exported to ONNX (`qnpu export --format onnx`, into
+`--exports`) and scored in onnxruntime (CPU, level BASIC): the QDQ graphs with the same paired
+gap, and the float graphs against the JAX float forward of the same transformed model (the
+largest logit difference over the first window, relative to its largest logit). Every row
+carries its prefill tokens/s (the windows' tokens over the scoring time):
+
+    qnpu study simulation_gap --runs runs/smollm2-135m-quantnpu-w4a8 \
+        runs/smollm2-135m-quarot-w8a8 --seq-len 512 --windows 16 --onnx --aimet \
+        --json reports/onnx_fidelity.json
+
+`--aimet` adds AIMET's QuantSim (aimet-onnx) over the float prefill graph with the export's
+model.encodings loaded by AIMET's own loader, scored the same way.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +52,58 @@ def _ppl(nll_fn: Any, windows: np.ndarray) -> dict[str, Any]:
         "ppl": r.ppl,
         "nll_mean": r.nll_sum / r.predicted_tokens,
         "seconds": r.seconds,
+        "prefill_tokens_per_second": windows.size / r.seconds,
         "window_nll": list(r.window_nll),
     }
+
+
+def _float_logit_gap(run: Any, onnx_dir: Path, window: np.ndarray) -> float:
+    """max |logits_onnx − logits_jax| / max |logits_jax| of the float graphs on one window."""
+    import jax.numpy as jnp
+
+    from qnpu_jax.export.onnx_run import OnnxModel
+    from qnpu_jax.models.quantized import tapped_forward
+
+    model = run.model
+    ref, _ = tapped_forward(
+        model.params(), None, jnp.asarray(window[None]), cfg=model.cfg, taps=None,
+        prefix=model.prefix,
+    )  # fmt: skip
+    ref = np.asarray(ref[0])
+    got = OnnxModel(onnx_dir).logits(window)
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+def fake_quant_argmax(model: Any, windows: np.ndarray) -> np.ndarray:
+    """The fake-quant model's greedy prediction [N, T-1] at each position of the windows."""
+    import jax
+    import jax.numpy as jnp
+
+    from qnpu_jax.models.quantized import FakeQuantTaps, tapped_forward
+
+    params, taps = model.params(), FakeQuantTaps(model.require_plan())
+
+    @jax.jit  # params and state as arguments: closed over, XLA would constant-fold them
+    def top(params: Any, state: Any, tokens: Any) -> Any:
+        logits, _ = tapped_forward(
+            params, state, tokens, cfg=model.cfg, taps=taps, prefix=model.prefix
+        )
+        return jnp.argmax(logits[:, :-1], axis=-1)
+
+    return np.concatenate(
+        [np.asarray(top(params, model.state, jnp.asarray(w[None]))) for w in windows]
+    )
+
+
+def _recording_argmax(model: Any, tops: list[np.ndarray]) -> Callable[[Any], np.ndarray]:
+    """An OnnxModel's NLL function that also appends its greedy predictions to `tops`."""
+
+    def nll(windows: Any) -> np.ndarray:
+        values, top = model.token_nll_argmax(windows)
+        tops.append(top)
+        return values
+
+    return nll
 
 
 def paired_gap(fake: list[float], integer: list[float]) -> dict[str, Any]:
@@ -63,9 +128,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--artifacts", type=Path, default=Path("artifacts"))
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--windows", type=int, default=32)
-    parser.add_argument("--jax-engine", action="store_true", help="also the JAX integer engine")
+    parser.add_argument(
+        "--engines", nargs="+", choices=("emulator", "jax"), default=["emulator"],
+        help="integer engines that score the artifact (default: emulator)",
+    )  # fmt: skip
+    parser.add_argument("--onnx", action="store_true", help="also the ONNX export, onnxruntime")
+    parser.add_argument(
+        "--aimet", action="store_true", help="also AIMET's QuantSim on the export (needs --onnx)"
+    )
+    parser.add_argument("--exports", type=Path, default=Path("exports"), help="ONNX exports")
     parser.add_argument("--json", type=Path, default=Path("reports/simulation_gap.json"))
     args = parser.parse_args(argv)
+    if args.aimet and not args.onnx:
+        parser.error("--aimet scores the ONNX export: add --onnx")
     report: dict[str, Any] = {
         "data": "wiki (eval split)",
         "seq_len": args.seq_len,
@@ -78,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         config, model = loaded_run.config, loaded_run.loaded
         art = args.artifacts / run.resolve().name
         export_s = None  # None: an existing artifact was reused
+
         if not (art / "manifest.json").exists():
             t0 = time.perf_counter()
             export_run(run, art)
@@ -86,7 +162,6 @@ def main(argv: list[str] | None = None) -> int:
         windows = eval_windows(ids, args.seq_len, args.windows)
         fake = _ppl(loaded_run.model.nll_fn(), windows)
         int_model = load_int_model(art)
-        engines = ["emulator", "jax"] if args.jax_engine else ["emulator"]
         entry: dict[str, Any] = {
             "method": config.method,
             "bits": config.bits_name,
@@ -94,9 +169,43 @@ def main(argv: list[str] | None = None) -> int:
             "export_seconds": export_s,
             "fake_quant": fake,
         }
-        for name in engines:
-            result = _ppl(open_engine(name, int_model).token_nll, windows)
+        scorers: dict[str, Callable[[Any], np.ndarray]] = {
+            name: open_engine(name, int_model).token_nll for name in args.engines
+        }
+        tops: dict[str, list[np.ndarray]] = {}
+        if args.onnx:
+            from qnpu_jax.export.onnx_export import export_run_onnx
+            from qnpu_jax.export.onnx_run import OnnxModel
+
+            onnx_dir = args.exports / run.resolve().name
+            if not (onnx_dir / "manifest.json").exists():
+                t0 = time.perf_counter()
+                context = args.seq_len + len(loaded_run.model.prefix)
+                chunk = min(64, args.seq_len)
+                export_run_onnx(run, onnx_dir, chunk=chunk, max_context=context)
+                entry["onnx_export_seconds"] = time.perf_counter() - t0
+            entry["onnx"] = str(onnx_dir)
+            fake_top = fake_quant_argmax(loaded_run.model, windows)
+            tops["onnxruntime_qdq"] = []
+            qdq = OnnxModel(onnx_dir, qdq=True)
+            scorers["onnxruntime_qdq"] = _recording_argmax(qdq, tops["onnxruntime_qdq"])
+            if args.aimet:
+                from qnpu_jax.export.onnx_run import aimet_quantsim
+
+                sim, loaded = aimet_quantsim(onnx_dir)
+                entry["aimet_loaded"] = loaded
+                sim_model = OnnxModel(onnx_dir, qdq=True, sessions={"prefill": sim})
+                tops["aimet_quantsim"] = []
+                scorers["aimet_quantsim"] = _recording_argmax(sim_model, tops["aimet_quantsim"])
+            gap = _float_logit_gap(loaded_run, onnx_dir, windows[0])
+            entry["onnxruntime_float_max_rel_logit_diff"] = gap
+            print(f"{run.name}: onnxruntime float vs JAX float, max relative logit diff {gap:.2e}")
+        for name, scorer in scorers.items():
+            result = _ppl(scorer, windows)
             result |= paired_gap(fake["window_nll"], result["window_nll"])
+            if tops.get(name):
+                agree = np.concatenate(tops[name]) == fake_top
+                result["argmax_agreement_with_fake_quant"] = float(agree.mean())
             entry[name] = result
             lo, hi = result["gap_2se_interval"]
             print(
@@ -105,6 +214,6 @@ def main(argv: list[str] | None = None) -> int:
             )
         report["runs"][run.name] = entry
         write_study_json(args.json, report, command=command)
-    worst = max(abs(e["emulator"]["gap"]) for e in report["runs"].values())
+    worst = max(abs(e[name]["gap"]) for e in report["runs"].values() for name in args.engines)
     print(f"largest |gap| {100 * worst:.3f}% -> {args.json}")
     return 0 if math.isfinite(worst) else 1

@@ -1,0 +1,689 @@
+"""ONNX graphs of a calibrated QuantizedModel, built op by op from the graph description.
+
+`qnpu export --format onnx` writes, into one sealed directory (the artifact container:
+every file hashed in manifest.json, written to a temporary sibling and renamed into place):
+
+    model.onnx            prefill: a chunk of C tokens          (float, the transformed model)
+    model_decode.onnx     decode: one token                      (float)
+    model.data            the float graphs' weights (ONNX external data, shared by both)
+    model_qdq.onnx        prefill with QuantizeLinear/DequantizeLinear at every quantized
+    model_qdq_decode.onnx decode, QDQ                             tensor (opset 21)
+    model_qdq.data        the QDQ graphs' integer weights and their scales (shared)
+    model.encodings       AIMET encodings; every name is a tensor of model.onnx
+    embed_tokens.npy      the embedding table, float [V, D] (for the float graphs)
+    embed_tokens_codes.npy  its integer codes [V, D] and per-row scales [V]: the lookup
+    embed_tokens_scale.npy  the host does for the QDQ graphs (DESIGN §3: 8 bits per row)
+    prefix_kv.npy         the sink prefix's K/V [2, 2, L, Hkv, P, hd]: float, then fake-quant
+    tokenizer.json
+
+Every graph has static shapes: inputs `model.embed_tokens.output` float32 [1, C, D] (the
+embedding rows of the chunk's tokens: the lookup runs on the host, as NPU LLM deployments do,
+since neither AIMET's QuantSim nor a QDQ Gather carries the table's per-row encoding) and
+`position_ids` int64 [1, C] and, per layer i, `past_key.i` / `past_value.i` float32
+[1, Hkv, S, hd] (S: the fixed maximum context); outputs `logits` [1, C, V] and
+`present_key.i` / `present_value.i`, the caches with the chunk's K/V written at its
+positions. A query attends to the cache positions at or before its own. The sink prefix's K/V
+are the caches' initial contents (positions 0..P-1); the first chunk starts at position P.
+
+Tensor names: each quantized tensor of the graph description is the ONNX tensor named by its
+AIMET ("hf") name (`model.layers.3.self_attn.q_proj.output`; weights are initializers named
+`....weight`), so `model.encodings` (`qnpu_jax.export.aimet`) names only tensors of the graph.
+Linear weights are stored transposed ([in, out], MatMul's B): their channel axis is 1.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.aimet import aimet_encodings, aimet_name
+from qnpu_jax.export.graph import FORMAT_GRAPH, GRAPH, KV_TENSORS, Graph, Op
+
+OPSET = 21
+FORMAT = "qnpu-onnx"  # the manifest's "onnx" section
+GRAPH_FILES = {
+    ("float", "prefill"): "model.onnx",
+    ("float", "decode"): "model_decode.onnx",
+    ("qdq", "prefill"): "model_qdq.onnx",
+    ("qdq", "decode"): "model_qdq_decode.onnx",
+}
+DATA_FILES = {"float": "model.data", "qdq": "model_qdq.data"}
+ENCODINGS_FILE = "model.encodings"
+PREFIX_FILE = "prefix_kv.npy"
+# The caches hold K and V: graph inputs past_<kind>.i and outputs present_<kind>.i carry the
+# encodings of the K and V tensors (AIMET ties a ScatterElements' data, updates and output to
+# one quantizer, so the caches need entries of their own).
+CACHE_TENSORS = dict(zip(("key", "value"), KV_TENSORS, strict=True))
+EMBED_FILES = {
+    "float": "embed_tokens.npy",
+    "codes": "embed_tokens_codes.npy",
+    "scale": "embed_tokens_scale.npy",
+}
+MASKED = -1e9  # added to masked scores: exp underflows to exactly 0, as with -inf
+# Bits of the codes ONNX QDQ can hold (opset 21): the signed and unsigned types by width.
+_QDQ_TYPES = {(4, True): "INT4", (8, True): "INT8", (16, True): "INT16"}
+_QDQ_TYPES |= {(4, False): "UINT4", (8, False): "UINT8", (16, False): "UINT16"}
+
+
+@dataclass
+class _Builder:
+    """Nodes and initializers of one graph; names are unique by construction."""
+
+    nodes: list[Any] = field(default_factory=list)
+    inits: dict[str, np.ndarray] = field(default_factory=dict)
+    count: int = 0
+
+    def fresh(self, hint: str) -> str:
+        self.count += 1
+        return f"/{hint}_{self.count}"
+
+    def node(self, op: str, ins: list[str], out: str | None = None, **attrs: Any) -> str:
+        from onnx import helper
+
+        name = out or self.fresh(op)
+        self.nodes.append(helper.make_node(op, ins, [name], name=f"{name}/{op}", **attrs))
+        return name
+
+    def const(self, value: Any, dtype: Any = np.float32, name: str | None = None) -> str:
+        arr = np.asarray(value, dtype)
+        key = name or self.fresh("const")
+        if key in self.inits:
+            raise QnpuError(f"ONNX initializer {key} is defined twice")
+        self.inits[key] = arr
+        return key
+
+
+@dataclass(frozen=True)
+class OnnxPlan:
+    """What a graph is built for: `chunk` tokens per call, `max_context` cache positions,
+    and `encodings` (our tensor name -> entry, `exporter.run_encodings`) when QDQ."""
+
+    chunk: int
+    max_context: int
+    encodings: Mapping[str, Mapping[str, Any]] | None = None
+
+
+def _np_params(params: Any) -> Any:
+    import jax
+
+    return jax.tree.map(lambda a: np.asarray(a, np.float32), params)
+
+
+def _onnx_int_type(bits: int, signed: bool, what: str) -> int:
+    from onnx import TensorProto
+
+    key = (bits, signed)
+    if key not in _QDQ_TYPES:
+        kind = "signed" if signed else "unsigned"
+        raise QnpuError(f"{what}: {bits}-bit {kind} codes have no ONNX QDQ type (4, 8 or 16 bits)")
+    return int(getattr(TensorProto, _QDQ_TYPES[key]))
+
+
+def _int_tensor(name: str, codes: np.ndarray, onnx_type: int) -> Any:
+    """A TensorProto of integer codes (int4/uint4 packed two per byte, low nibble first)."""
+    from onnx import TensorProto
+
+    t = TensorProto()
+    t.name = name
+    t.data_type = onnx_type
+    t.dims.extend(codes.shape)
+    flat = np.asarray(codes, np.int64).reshape(-1)
+    if onnx_type in (TensorProto.INT4, TensorProto.UINT4):
+        nib = (flat & 0x0F).astype(np.uint8)
+        if nib.size % 2:
+            nib = np.concatenate([nib, np.zeros(1, np.uint8)])
+        t.raw_data = (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8).tobytes()
+    else:
+        dtypes: dict[int, Any] = {
+            TensorProto.INT8: np.int8,
+            TensorProto.UINT8: np.uint8,
+            TensorProto.INT16: np.int16,
+            TensorProto.UINT16: np.uint16,
+        }
+        dtype = dtypes[onnx_type]
+        t.raw_data = flat.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+    return t
+
+
+def _qdq(b: _Builder, x: str, entry: Mapping[str, Any], out: str) -> str:
+    """x -> QuantizeLinear -> DequantizeLinear, per tensor; returns the dequantized value.
+
+    Activations go on the unsigned grid whatever the contract's code type, as onnxruntime's
+    QNN execution provider expects (uint8/uint16 activations): signed codes c become
+    c + 2^(bits-1) with the zero point moved by as much, the same real values exactly (a
+    symmetric int16 tensor is the symmetric uint16 of zero point 32768)."""
+    bits = int(entry["bits"])
+    shift = 1 << (bits - 1) if entry["signed"] else 0
+    onnx_type = _onnx_int_type(bits, False, out)
+    scale = b.const(np.float32(entry["scale"][0]), name=f"{out}_scale")
+    zero_point = np.asarray(int(entry["zero_point"][0]) + shift)
+    zp = _int_tensor(f"{out}_zero_point", zero_point, onnx_type)
+    b.inits[zp.name] = zp
+    q = b.node("QuantizeLinear", [x, scale, zp.name], f"{out}_quantized")
+    return b.node("DequantizeLinear", [q, scale, zp.name], f"{out}_dequantized")
+
+
+def _weight(
+    b: _Builder,
+    w: np.ndarray,
+    name: str,
+    entry: Mapping[str, Any] | None,
+    axis: int,
+) -> str:
+    """A weight initializer (float), or its integer codes + DequantizeLinear (QDQ). The
+    per-channel scales run along `axis` of the stored layout."""
+    if entry is None:
+        return b.const(w, name=name)
+    bits, signed = int(entry["bits"]), bool(entry["signed"])
+    onnx_type = _onnx_int_type(bits, signed, name)
+    scale = np.asarray(entry["scale"], np.float32)
+    zp = np.asarray(entry["zero_point"], np.int64)
+    shape = [1] * w.ndim
+    shape[axis] = -1
+    qmin, qmax = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
+    inv = (1.0 / scale).astype(np.float32).reshape(shape)
+    codes = np.clip(np.rint(w * inv) + zp.reshape(shape), qmin, qmax)
+    q = _int_tensor(f"{name}_quantized", codes, onnx_type)
+    z = _int_tensor(f"{name}_zero_point", zp, onnx_type)
+    b.inits[q.name] = q
+    b.inits[z.name] = z
+    s = b.const(scale, name=f"{name}_scale")
+    return b.node("DequantizeLinear", [q.name, s, z.name], name, axis=axis)
+
+
+class _Writer:
+    """Translates the graph description's ops into ONNX nodes for one chunk size. Every
+    quantized tensor is produced under its ONNX name (`aimet_name`); with QDQ its readers get
+    the QuantizeLinear → DequantizeLinear value instead."""
+
+    def __init__(self, params: Any, cfg: Any, plan: OnnxPlan) -> None:
+        from qnpu_jax.models.llama import rope_inv_freq
+
+        self.p = _np_params(params)
+        self.cfg, self.plan, self.b = cfg, plan, _Builder()
+        c, s, hd = plan.chunk, plan.max_context, cfg.head_dim
+        self.groups = cfg.num_heads // cfg.num_kv_heads
+        self.heads = {"q": cfg.num_heads, "kv": cfg.num_kv_heads}
+        b = self.b
+        inv = rope_inv_freq(cfg.rope, hd)
+        angles = np.arange(s, dtype=np.float32)[:, None] * inv[None, :]
+        angles = np.concatenate([angles, angles], axis=-1).astype(np.float32)
+        axis2 = b.const([2], np.int64)
+        self.cos, self.sin = (
+            b.node(
+                "Unsqueeze",
+                [
+                    b.node("Gather", [b.const(f(angles), name=f"rope.{n}_table"), "position_ids"]),
+                    axis2,
+                ],
+                f"rope.{n}",
+            )
+            for n, f in (("cos", np.cos), ("sin", np.sin))
+        )
+        # query rows are (group, position): row g·C + c attends to cache positions <= its own
+        qpos = b.node("Tile", ["position_ids", b.const([1, self.groups], np.int64)])
+        qpos = self.reshape(qpos, 1, 1, self.groups * c, 1)
+        kpos = b.const(np.arange(s).reshape(1, 1, 1, s), np.int64, "cache.positions")
+        allowed = b.node("LessOrEqual", [kpos, qpos])
+        self.mask = b.node("Where", [allowed, b.const(0.0), b.const(MASKED)], "attention.mask")
+        idx = self.reshape("position_ids", 1, 1, c, 1)
+        shape = b.const([1, cfg.num_kv_heads, c, hd], np.int64)
+        self.write_index = b.node("Expand", [idx, shape], "cache.write_index")
+
+    def reshape(self, x: str, *dims: int) -> str:
+        return self.b.node("Reshape", [x, self.b.const(list(dims), np.int64)])
+
+    def entry(self, ours: str) -> Mapping[str, Any] | None:
+        enc = self.plan.encodings
+        return None if enc is None else enc.get(ours)
+
+    def read(self, ours: str) -> str:
+        """The value readers of tensor `ours` get, once its node is emitted."""
+        name = aimet_name(ours)
+        e = self.entry(ours)
+        return name if e is None else _qdq(self.b, name, e, name)
+
+    def rmsnorm(self, x: str, gain: np.ndarray, gain_name: str, out: str) -> None:
+        b = self.b
+        var = b.node("ReduceMean", [b.node("Mul", [x, x]), b.const([-1], np.int64)], keepdims=1)
+        root = b.node("Sqrt", [b.node("Add", [var, b.const(np.float32(self.cfg.rms_norm_eps))])])
+        normed = b.node("Mul", [x, b.node("Reciprocal", [root])])
+        b.node("Mul", [normed, b.const(gain, name=gain_name)], out)
+
+    def linear(self, x: str, w: np.ndarray, w_ours: str, bias: np.ndarray | None, out: str) -> None:
+        b, w_name = self.b, aimet_name(w_ours)
+        wt = _weight(b, np.ascontiguousarray(w.T), w_name, self.entry(w_ours), axis=1)
+        if bias is None:
+            b.node("MatMul", [x, wt], out)
+            return
+        bias_name = w_name.removesuffix("weight") + "bias"
+        b.node("Add", [b.node("MatMul", [x, wt]), b.const(bias, name=bias_name)], out)
+
+    def rope(self, x: str, heads: int, out: str) -> None:
+        from onnx import helper
+
+        b, hd = self.b, self.cfg.head_dim
+        x4 = self.reshape(x, 1, self.plan.chunk, heads, hd)
+        first, second = b.fresh("half"), b.fresh("half")
+        b.nodes.append(
+            helper.make_node(
+                "Split", [x4], [first, second], name=f"{first}/Split", axis=-1, num_outputs=2
+            )
+        )
+        rotated = b.node("Concat", [b.node("Neg", [second]), first], axis=-1)
+        b.node("Add", [b.node("Mul", [x4, self.cos]), b.node("Mul", [rotated, self.sin])], out)
+
+    def attention(self, i: int, op: Op, q: str, k: str, v: str, out: str) -> None:
+        """Write the chunk's K/V into the caches (present_*), then causal GQA attention over
+        them; scores and probabilities are quantized tensors of their own."""
+        b, c, hd = self.b, self.plan.chunk, self.cfg.head_dim
+        hkv, g = self.cfg.num_kv_heads, self.groups
+        cache = {}
+        for (kind, tensor), new in zip(CACHE_TENSORS.items(), (k, v), strict=True):
+            new4 = b.node("Transpose", [self.reshape(new, 1, c, hkv, hd)], perm=[0, 2, 1, 3])
+            past = f"past_{kind}.{i}"  # on the K/V grid already: its QDQ is exact
+            e = self.entry(f"layers.{i}.{tensor}")
+            cache[kind] = b.node(
+                "ScatterElements",
+                [past if e is None else _qdq(b, past, e, past), self.write_index, new4],
+                f"present_{kind}.{i}",
+                axis=2,
+            )
+        scores_t, probs_t = op.inner
+        qg = b.node("Transpose", [self.reshape(q, 1, c, hkv, g, hd)], perm=[0, 2, 3, 1, 4])
+        kt = b.node("Transpose", [cache["key"]], perm=[0, 1, 3, 2])
+        raw = b.node("MatMul", [self.reshape(qg, 1, hkv, g * c, hd), kt])
+        scores = f"layers.{i}.{scores_t.name}"
+        b.node("Div", [raw, b.const(np.float32(math.sqrt(hd)))], aimet_name(scores))
+        masked = b.node("Add", [self.read(scores), self.mask])
+        probs = f"layers.{i}.{probs_t.name}"
+        b.node("Softmax", [masked], aimet_name(probs), axis=-1)
+        ctx = b.node("MatMul", [self.read(probs), cache["value"]])
+        ctx = b.node("Transpose", [self.reshape(ctx, 1, hkv, g, c, hd)], perm=[0, 3, 1, 2, 4])
+        b.node("Reshape", [ctx, b.const([1, c, hkv * g * hd], np.int64)], out)
+
+    def layer(self, graph: Graph, i: int, x: str) -> str:
+        """One decoder layer's ops; returns the value of its output."""
+        layers, env = self.p["layers"], {graph.layer_input: x}
+        for op in graph.layer:
+            ins = [env[name] for name in op.ins]
+            ours = f"layers.{i}.{op.out_name}"
+            out = aimet_name(ours)
+            if op.kind == "rmsnorm":
+                gain_name = f"model.layers.{i}.{op.gain}.weight"
+                self.rmsnorm(ins[0], layers[op.gain][i], gain_name, out)
+            elif op.kind == "linear":
+                bias = layers[op.bias][i] if op.bias and op.bias in layers else None
+                w_ours = f"layers.{i}.{op.weight_name}"
+                self.linear(ins[0], layers[op.weight_name][i], w_ours, bias, out)
+            elif op.kind == "rope":
+                self.rope(ins[0], self.heads[op.heads], out)
+            elif op.kind == "attention":
+                q, k, v = ins
+                self.attention(i, op, q, k, v, out)
+            elif op.kind in ("add", "mul"):
+                self.b.node(op.kind.capitalize(), ins, out)
+            elif op.kind == "lut" and op.fn == "silu":
+                self.b.node("Mul", [ins[0], self.b.node("Sigmoid", [ins[0]])], out)
+            else:
+                fn = f" ({op.fn})" if op.fn else ""
+                raise QnpuError(f"the ONNX exporter does not know the layer op {op.kind!r}{fn}")
+            env[op.out_name] = self.read(ours)
+        return env[graph.layer[-1].out_name]
+
+    def model(self, graph: Graph) -> None:
+        """The model's ops in order; the layers op runs every decoder layer."""
+        from qnpu_jax.models.llama import lm_head_weight
+
+        env: dict[str, str] = {}
+        for op in graph.model:
+            x = env.get(op.ins[0], "")
+            if op.kind == "embed":  # the rows come in: the graph input of that name
+                env[op.out_name] = self.read(op.out_name)
+            elif op.kind == "layers":
+                for i in range(self.cfg.num_layers):
+                    x = self.layer(graph, i, x)
+                env[op.out_name] = x
+            elif op.kind == "rmsnorm":
+                out = aimet_name(op.out_name)
+                self.rmsnorm(x, self.p[op.gain], f"{_module(out)}.weight", out)
+                env[op.out_name] = self.read(op.out_name)
+            elif op.kind == "linear":  # lm_head: the logits are not quantized
+                head = np.asarray(lm_head_weight(self.p), np.float32)
+                self.linear(x, head, op.weight_name, None, "logits")
+            else:
+                raise QnpuError(f"the ONNX exporter does not know the model op {op.kind!r}")
+
+
+def build_graph(params: Any, cfg: Any, plan: OnnxPlan, *, name: str, graph: Graph = GRAPH) -> Any:
+    """The ONNX ModelProto of one chunk size (`plan.chunk`), float or QDQ (`plan.encodings`).
+
+    `params` are the effective float params of the model (`QuantizedModel.params()`: norms
+    fused, rotations and smoothing in the weights). Every op kind of `graph` is translated;
+    an op this exporter does not know is refused by name.
+    """
+    from onnx import TensorProto, helper
+
+    c, s = plan.chunk, plan.max_context
+    cache_shape = [1, cfg.num_kv_heads, s, cfg.head_dim]
+    inputs = [
+        helper.make_tensor_value_info(
+            aimet_name(embed_output(graph)), TensorProto.FLOAT, [1, c, cfg.hidden_size]
+        ),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, c]),
+    ]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, c, cfg.vocab_size])]
+    for i in range(cfg.num_layers):
+        for kind in ("key", "value"):
+            inputs.append(
+                helper.make_tensor_value_info(f"past_{kind}.{i}", TensorProto.FLOAT, cache_shape)
+            )
+            outputs.append(
+                helper.make_tensor_value_info(f"present_{kind}.{i}", TensorProto.FLOAT, cache_shape)
+            )
+    writer = _Writer(params, cfg, plan)
+    writer.model(graph)
+    return _model(writer.b, inputs, outputs, name)
+
+
+def embed_output(graph: Graph = GRAPH) -> str:
+    """Our name of the embedding op's output: the graphs' input (the looked-up rows)."""
+    return next(op.out_name for op in graph.model if op.kind == "embed")
+
+
+def embed_table(graph: Graph = GRAPH) -> str:
+    return next(op.weight_name for op in graph.model if op.kind == "embed")
+
+
+def _module(onnx_name: str) -> str:
+    """`model.norm.output` -> `model.norm`."""
+    return onnx_name.rsplit(".", 1)[0]
+
+
+def _model(b: _Builder, inputs: list[Any], outputs: list[Any], name: str) -> Any:
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [
+        v if isinstance(v, TensorProto) else numpy_helper.from_array(v, k)
+        for k, v in b.inits.items()
+    ]
+    g = helper.make_graph(b.nodes, name, inputs, outputs, initializer=inits)
+    model = helper.make_model(
+        g,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        producer_name="qnpu_jax",
+        doc_string=f"{FORMAT_GRAPH} as ONNX",
+    )
+    model.ir_version = 10
+    return model
+
+
+def onnx_encodings(
+    table: Mapping[str, Any], num_layers: int, version: str = "1.0.0"
+) -> dict[str, Any]:
+    """The AIMET encodings of `table` named by the ONNX tensors (`aimet_name`, "hf"): every
+    tensor but the embedding table, which the host reads (its codes and scales are files of
+    their own), plus the cache inputs and outputs on their K/V tensor's grid."""
+    import copy
+
+    inside = {k: v for k, v in table.items() if k != embed_table()}
+    obj = aimet_encodings(inside, version=version, names="hf")
+    acts = obj["activation_encodings"]
+    for i in range(num_layers):
+        for kind, tensor in CACHE_TENSORS.items():
+            source = aimet_name(f"layers.{i}.{tensor}")
+            for side in ("past", "present"):
+                name = f"{side}_{kind}.{i}"
+                if isinstance(acts, list):  # 1.0.0: named entries
+                    entry = next(e for e in acts if e["name"] == source)
+                    acts.append({**copy.deepcopy(entry), "name": name})
+                else:  # 0.6.1: name -> entries
+                    acts[name] = copy.deepcopy(acts[source])
+    return obj
+
+
+def embedding_files(model: Any, table: Mapping[str, Any]) -> dict[str, bytes]:
+    """The embedding table as the host looks rows up: float (float graphs) and its integer
+    codes with per-row scales (QDQ graphs: row = codes · scale, the fake-quant rows)."""
+    name = embed_table()
+    w = np.asarray(model.params()[name], np.float32)
+    entry = table[name]
+    bits = int(entry["bits"])
+    scale = np.asarray(entry["scale"], np.float32)
+    zp = np.asarray(entry["zero_point"], np.int64)
+    if entry["axis"] != 0 or scale.size != w.shape[0] or zp.any():
+        raise QnpuError(f"{name}: the ONNX export needs symmetric per-row table encodings")
+    inv = (1.0 / scale).astype(np.float32)[:, None]
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    codes = np.clip(np.rint(w * inv), lo, hi).astype(np.int8 if bits <= 8 else np.int16)
+    return {
+        EMBED_FILES["float"]: _npy_bytes(w),
+        EMBED_FILES["codes"]: _npy_bytes(codes),
+        EMBED_FILES["scale"]: _npy_bytes(scale),
+    }
+
+
+def graph_tensor_names(model: Any) -> tuple[set[str], set[str]]:
+    """(activation names: node outputs and graph inputs, initializer names) of a ModelProto."""
+    acts = {o for node in model.graph.node for o in node.output}
+    acts |= {i.name for i in model.graph.input}
+    return acts, {t.name for t in model.graph.initializer}
+
+
+def serialize(models: Mapping[str, Any], data_file: str) -> dict[str, bytes]:
+    """The files of graphs sharing one external-data file: each model's initializers larger
+    than 1 KiB go to `data_file` once (graphs sharing an initializer name share its bytes)."""
+    from onnx import external_data_helper
+
+    blob = io.BytesIO()
+    placed: dict[str, tuple[int, int, bytes]] = {}
+    files: dict[str, bytes] = {}
+    for fname, model in models.items():
+        for t in model.graph.initializer:
+            raw = t.raw_data
+            if len(raw) < 1024:
+                continue
+            if t.name in placed and placed[t.name][2] != _digest(raw):
+                raise QnpuError(f"initializer {t.name} differs between the graphs")
+            if t.name not in placed:
+                pad = (-blob.tell()) % 64
+                blob.write(b"\0" * pad)
+                placed[t.name] = (blob.tell(), len(raw), _digest(raw))
+                blob.write(raw)
+            offset, length, _ = placed[t.name]
+            external_data_helper.set_external_data(t, data_file, offset=offset, length=length)
+            t.ClearField("raw_data")
+            t.data_location = t.EXTERNAL
+        files[fname] = model.SerializeToString()
+    files[data_file] = blob.getvalue()
+    return files
+
+
+def _digest(data: bytes) -> bytes:
+    import hashlib
+
+    return hashlib.sha256(data).digest()
+
+
+def check_models(directory: Path) -> None:
+    """onnx.checker (full check, shape inference included) on every graph of an export."""
+    import onnx
+
+    for fname in GRAPH_FILES.values():
+        path = Path(directory) / fname
+        try:
+            onnx.checker.check_model(str(path), full_check=True)
+        except Exception as e:  # onnx raises its own ValidationError / InferenceError
+            raise QnpuError(f"{path}: {e}") from e
+
+
+# MatMul of two activations on onnxruntime's QNN EP, HTP backend (its operator table): the
+# input type pairs it documents. uint16 x uint16 is absent: its MatMul builder requantizes the
+# second input to uint8 unless (recent onnxruntime-qnn) it is symmetric uint16 (docs/deploy.md).
+QNN_HTP_ACTIVATION_MATMUL = {("uint8", "uint8"), ("uint8", "uint16"), ("uint16", "uint8")}
+_LAYOUT_OPS = {"Reshape", "Transpose", "ScatterElements", "Squeeze", "Unsqueeze", "Expand"}
+
+
+def activation_matmuls(graph: Any) -> list[dict[str, Any]]:
+    """Every MatMul of a QDQ graph whose two inputs are quantized activations (attention's
+    Q·Kᵀ and P·V): its output, the quantized tensors it reads, their code types and zero
+    points, and whether onnxruntime's QNN EP documents the pair for the HTP backend. Inputs
+    are traced back through layout ops to their DequantizeLinear."""
+    from onnx import helper, numpy_helper
+
+    producer = {o: n for n in graph.node for o in n.output}
+    inits = {t.name: t for t in graph.initializer}
+
+    def source(name: str) -> Any:
+        node = producer.get(name)
+        while node is not None and node.op_type in _LAYOUT_OPS:
+            node = producer.get(node.input[0])
+        return node if node is not None and node.op_type == "DequantizeLinear" else None
+
+    found = []
+    for node in graph.node:
+        if node.op_type != "MatMul":
+            continue
+        dq = [source(x) for x in node.input]
+        if any(d is None or d.input[0] in inits for d in dq):
+            continue  # a float input or a weight
+        types, zero_points, tensors = [], [], []
+        for d in dq:
+            quantize = producer[d.input[0]]
+            tensors.append(quantize.input[0])
+            zp = inits[d.input[2]]
+            types.append(helper.tensor_dtype_to_np_dtype(zp.data_type).name)
+            zero_points.append(int(numpy_helper.to_array(zp).reshape(-1)[0]))
+        found.append(
+            {
+                "output": node.output[0],
+                "inputs": tensors,
+                "types": types,
+                "zero_points": zero_points,
+                "qnn_htp_documented": tuple(types) in QNN_HTP_ACTIVATION_MATMUL,
+            }
+        )
+    return found
+
+
+def export_onnx(
+    model: Any,
+    out_dir: Path | str,
+    tokenizer: Any,
+    *,
+    chunk: int = 64,
+    max_context: int | None = None,
+    version: str = "1.0.0",
+    source: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write the ONNX export of a calibrated `QuantizedModel` to `out_dir` (module docstring)."""
+    from qnpu_jax.export.artifact import check_destination, write_artifact
+    from qnpu_jax.export.exporter import context_positions, run_encodings, tokenizer_info
+
+    out = Path(os.path.abspath(out_dir))
+    check_destination(out)
+    cfg = model.cfg
+    prefix = tuple(model.prefix)
+    max_context = context_positions(cfg, len(prefix), max_context)
+    if not 1 <= chunk <= max_context - len(prefix):
+        raise QnpuError(
+            f"the prefill chunk must be in 1..{max_context - len(prefix)} (the context of "
+            f"{max_context} after a {len(prefix)}-token prefix), got {chunk}"
+        )
+    table = run_encodings(model.require_plan(), model.require_state(), cfg)
+    params = model.params()
+    files: dict[str, bytes] = {}
+    for kind in ("float", "qdq"):
+        graphs = {}
+        for role, c in (("prefill", chunk), ("decode", 1)):
+            plan = OnnxPlan(c, max_context, table if kind == "qdq" else None)
+            graphs[GRAPH_FILES[(kind, role)]] = build_graph(
+                params, cfg, plan, name=f"{kind}_{role}"
+            )
+        if kind == "qdq":
+            pairs = activation_matmuls(graphs[GRAPH_FILES[(kind, "prefill")]].graph)
+        files |= serialize(graphs, DATA_FILES[kind])
+    files[ENCODINGS_FILE] = _json_bytes(onnx_encodings(table, cfg.num_layers, version))
+    files[PREFIX_FILE] = _npy_bytes(prefix_kv(model))
+    files |= embedding_files(model, table)
+    files["tokenizer.json"] = tokenizer.backend.to_str().encode()
+    manifest = {
+        "onnx": {
+            "format": FORMAT,
+            "graph": FORMAT_GRAPH,
+            "opset": OPSET,
+            "chunk": chunk,
+            "max_context": max_context,
+            "prefix_tokens": list(prefix),
+            "num_layers": cfg.num_layers,
+            "vocab_size": cfg.vocab_size,
+            "graphs": {f"{k}_{r}": f for (k, r), f in GRAPH_FILES.items()},
+            "encodings": {"file": ENCODINGS_FILE, "version": version},
+            "prefix_kv": PREFIX_FILE,
+            "input": aimet_name(embed_output()),
+            "embedding": {**EMBED_FILES, "table": aimet_name(embed_table())},
+            "activation_matmuls": pairs,
+        },
+        "tokenizer": tokenizer_info(tokenizer),
+        "source": dict(source or {"model": model.source}),
+    }
+    return write_artifact(out, manifest, {}, files=files)
+
+
+def export_run_onnx(run_dir: Path | str, out_dir: Path | str, **kwargs: Any) -> Path:
+    """The ONNX export of a finished `qnpu quantize` run (`kwargs` as `export_onnx`)."""
+    from qnpu_jax.export.artifact import check_destination
+    from qnpu_jax.pipeline.run import load_run
+
+    check_destination(Path(os.path.abspath(out_dir)))  # refuse before the slow part, too
+    run = load_run(Path(run_dir))
+    source = {"run": Path(run_dir).name, "method": run.config.method, "model": run.model.source}
+    return export_onnx(run.model, out_dir, run.tokenizer, source=source, **kwargs)
+
+
+def prefix_kv(model: Any) -> np.ndarray:
+    """The sink prefix's K/V [2 (float, fake-quant), 2 (K, V), L, Hkv, P, hd] as the float
+    and the fake-quant model compute them (the prefix runs in float; fake-quant quantizes only
+    its K/V)."""
+    import jax
+    import jax.numpy as jnp
+
+    from qnpu_jax.models.llama import forward_tapped, init_cache
+    from qnpu_jax.models.quantized import CacheOnlyTaps, FakeQuantTaps, effective_state
+
+    cfg, p = model.cfg, len(model.prefix)
+    if not p:
+        return np.zeros((2, 2, cfg.num_layers, cfg.num_kv_heads, 0, cfg.head_dim), np.float32)
+    params = model.params()
+    plan = model.require_plan()
+    state = effective_state(plan, model.require_state())
+    tokens = jnp.asarray([model.prefix], jnp.int32)
+    out = []
+    for taps in (None, CacheOnlyTaps(FakeQuantTaps(plan))):
+        _, cache, _ = jax.jit(
+            lambda params, state, tokens, taps=taps: forward_tapped(
+                params, tokens, init_cache(cfg, 1, p), jnp.int32(0), state, cfg=cfg, taps=taps
+            )
+        )(params, state, tokens)
+        out.append(np.stack([np.asarray(cache["k"])[:, 0], np.asarray(cache["v"])[:, 0]]))
+    return np.stack(out).astype(np.float32)
+
+
+def _json_bytes(obj: Any) -> bytes:
+    import json
+
+    return (json.dumps(obj, indent=1) + "\n").encode()
+
+
+def _npy_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
