@@ -5,6 +5,7 @@ and the export is atomic and refuses what it cannot translate."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -149,7 +150,9 @@ def test_onnxruntime_qdq_graph_is_the_fake_quant_model(quantized, exported, wind
     from qnpu_jax.export.onnx_run import OnnxModel
 
     model, _ = quantized
-    plan = model.require_plan()
+    # Float ops between QDQ pairs: the float simulation, not the device's integer softmax.
+    plan = dataclasses.replace(model.require_plan(), simulation="fake")
+    model = model.replace(plan=plan)
     state = effective_state(plan, model.require_state())
     params = model.params()
     tokens = jnp.asarray(windows[:1, :CHUNK])
@@ -357,8 +360,14 @@ def test_simulation_gap_study_scores_the_onnx_export_and_aimet(rtn_run, tmp_path
     fidelity = tmp_path / "fidelity.json"
     study = ["study", "simulation_gap", "--runs", str(rtn_run), "--seq-len", "32", "--windows", "2"]
     where = ["--artifacts", str(tmp_path / "art"), "--exports", str(tmp_path / "exp")]
-    assert main([*study, *where, "--onnx", "--aimet", "--json", str(fidelity)]) == 0
+    sims = ["--simulations", "fake", "device"]  # the QDQ graphs' float ops: "fake" first
+    assert main([*study, *where, *sims, "--onnx", "--aimet", "--json", str(fidelity)]) == 0
     entry = json.loads(fidelity.read_text())["runs"]["run"]
+    assert entry["simulation"] == "fake"
+    device = entry["other_simulations"]["device"]
+    for engine in ("emulator", "onnxruntime_qdq", "aimet_quantsim"):
+        nll = device["fake_quant"]["nll_mean"] + device[engine]["nll_diff_mean"]
+        assert nll == pytest.approx(entry[engine]["nll_mean"], rel=1e-6)
     assert entry["onnxruntime_float_max_rel_logit_diff"] <= 1e-4
     for engine in ("emulator", "onnxruntime_qdq", "aimet_quantsim"):
         assert abs(entry[engine]["nll_mean"] / entry["fake_quant"]["nll_mean"] - 1) < 0.01

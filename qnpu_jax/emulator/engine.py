@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import LAYER_INPUT, LOGITS_RANGE, SCORES, check_room
+from qnpu_jax.export.graph import LAYER_INPUT, LOGITS_RANGE, PROBS, SCORES, check_room
 from qnpu_jax.export.int_model import (
     IntegerEngine,
     IntModel,
@@ -184,6 +184,7 @@ def _attention(
     cache: Cache,
     start: int,
     out: tuple[int, int, int],
+    trace: dict[str, list[np.ndarray]] | None = None,
 ) -> np.ndarray:
     m = model.model
     hd, hkv, hq = m["head_dim"], m["num_kv_heads"], m["num_heads"]
@@ -200,6 +201,9 @@ def _attention(
     scores = requantize(acc, m_s, sh_s, z_s, lo_s, hi_s)
     allowed = np.arange(end)[None, :] <= (start + np.arange(t))[:, None]  # [T, S]
     probs = softmax_codes(scores, allowed, model.t("layers.softmax.exp_lut")[layer])
+    if trace is not None:
+        trace.setdefault(SCORES, []).append(scores)
+        trace.setdefault(PROBS, []).append(probs)
     pv = exact_matmul(probs, vc, "bkgts,bksd->btkgd")
     res = requantize(pv, model.t("layers.pv.M")[layer], model.t("layers.pv.shift")[layer], *out)
     return res.reshape(b, t, hq * hd)
@@ -236,7 +240,7 @@ def _run_layer(
         elif kind == "rope":
             y = _rope(ins[0], c, out, cos.astype(I64), sin.astype(I64), model.model["head_dim"])
         elif kind == "attention":
-            y = _attention(model, layer, ins[0], ins[1], ins[2], cache, start, out)
+            y = _attention(model, layer, ins[0], ins[1], ins[2], cache, start, out, trace)
         elif kind == "add":
             y = _add(ins[0], ins[1], c, out)
         elif kind == "lut":
@@ -262,8 +266,8 @@ def run_chunk(
 ) -> tuple[np.ndarray, Cache]:
     """Integer logits [B, T, V] (int32 codes) of `tokens` [B, T] placed after the cache's
     filled positions, and a new cache with their K/V written (the given one is left as it
-    was). `trace`, when given, collects every layer's activation codes by name (a list over
-    layers)."""
+    was). `trace`, when given, collects every activation's codes by name: a list over layers
+    (attention's scores and probs included; embed and final norm outputs as one-item lists)."""
     ids = check_tokens(tokens, int(model.model["vocab_size"]))
     return _run_chunk_into(model, ids, _own(cache), trace)
 
@@ -299,11 +303,15 @@ def _run_chunk_into(
         hi,
     )
     value: Value = (x, z)
+    if trace is not None:
+        trace[embed["out"]] = [x]
     for layer in range(model.num_layers):
         value = _run_layer(model, layer, value, cache, start, positions, trace)
     f, k = model.graph["norm_fraction_bits"], model.graph["norm_unit_bits"]
     out = _global_act(model, norm["out"])
     h = rmsnorm(value[0] - value[1], _layer_slice(model, norm["const"], None), out, f, k)
+    if trace is not None:
+        trace[norm["out"]] = [h]
     logits = _linear(
         (h, out[0]),
         _layer_slice(model, head["const"], None),

@@ -32,7 +32,13 @@ from qnpu_jax.export.graph import (
     Graph,
 )
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import Params, forward_tapped, init_cache, lm_head_weight, rope_inv_freq
+from qnpu_jax.models.llama import (
+    Params,
+    forward_tapped,
+    init_cache,
+    lm_head_weight,
+    rope_tables,
+)
 from qnpu_jax.models.quantized import CacheOnlyTaps, FakeQuantTaps, QuantState, effective_state
 from qnpu_jax.quant.integer import (
     M_MAX,
@@ -213,18 +219,6 @@ def prefix_cache_codes(
         )
         out.append(_narrow(codes.astype(np.int64)))
     return out[0], out[1]
-
-
-def rope_tables(cfg: ModelConfig, max_context: int) -> tuple[np.ndarray, np.ndarray]:
-    """Q14 cos/sin [max_context, head_dim] in HF's rotate-half layout."""
-    inv = rope_inv_freq(cfg.rope, cfg.head_dim).astype(np.float64)
-    angles = np.arange(max_context, dtype=np.float64)[:, None] * inv[None, :]
-    angles = np.concatenate([angles, angles], axis=-1)
-    one = 1 << ROPE_FRACTION_BITS
-    return (
-        np.rint(np.cos(angles) * one).astype(np.int16),
-        np.rint(np.sin(angles) * one).astype(np.int16),
-    )
 
 
 def encodings_table(

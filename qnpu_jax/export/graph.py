@@ -18,6 +18,10 @@ NORM_UNIT_BITS = 16  # K: the normalized value carries K fractional bits before 
 ROPE_FRACTION_BITS = 14  # Q14 cos/sin
 LOGITS_SCALE = 2.0**-16  # int32 logits: real logit = code · 2^-16
 LOGITS_RANGE = (-(2**31), 2**31 - 1)
+# How a fake-quant forward computes the ops between quantizers (`QuantPlan.simulation`):
+# "fake" in float32; "device" with this contract's own tables and grids where they differ
+# from float (Q14 RoPE, the integer softmax's exp and probability grids).
+SIMULATIONS = ("fake", "device")
 OPS = ("embed", "layers", "rmsnorm", "linear", "rope", "attention", "add", "lut", "mul")
 # The default bit-width of a tensor: a plan option (`w_bits`, `a_bits`, `kv_bits`,
 # `down_in_bits` for the unrotated input), fixed bits, or the softmax output's fixed encoding.

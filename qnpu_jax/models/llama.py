@@ -29,6 +29,7 @@ from qnpu_jax.export.graph import (
     GRAPH,
     LM_HEAD,
     PROBS,
+    ROPE_FRACTION_BITS,
     SCORES,
     Graph,
     check_generation_room,
@@ -63,12 +64,34 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return inv
 
 
-def rope_cos_sin(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos/sin [..., head_dim] for integer positions (HF's rotate-half layout)."""
+def rope_cos_sin(
+    positions: jax.Array, cfg: ModelConfig, table_length: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [..., head_dim] for integer positions (HF's rotate-half layout).
+    `table_length`: gather them from the device's Q14 tables of that many positions instead
+    of computing them in float32 (the device simulation)."""
+    if table_length is not None:
+        cos, sin = (
+            jnp.asarray(t.astype(np.float32) * 2.0**-ROPE_FRACTION_BITS)
+            for t in rope_tables(cfg, table_length)
+        )
+        return jnp.take(cos, positions, axis=0), jnp.take(sin, positions, axis=0)
     inv = jnp.asarray(rope_inv_freq(cfg.rope, cfg.head_dim))
     angles = positions.astype(jnp.float32)[..., None] * inv
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
+
+
+def rope_tables(cfg: ModelConfig, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """The device's cos/sin tables [length, head_dim]: int16 Q14, built in float64."""
+    inv = rope_inv_freq(cfg.rope, cfg.head_dim).astype(np.float64)
+    angles = np.arange(length, dtype=np.float64)[:, None] * inv[None, :]
+    angles = np.concatenate([angles, angles], axis=-1)
+    one = 1 << ROPE_FRACTION_BITS
+    return (
+        np.rint(np.cos(angles) * one).astype(np.int16),
+        np.rint(np.sin(angles) * one).astype(np.int16),
+    )
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -111,6 +134,44 @@ def embed_rows(table: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.take(table, tokens, axis=0).astype(jnp.float32)
 
 
+PROB_ONE = 2**16 - 1  # the device's probability and exp codes: p = code / 65535
+
+
+def probability_codes(e: jax.Array) -> jax.Array:
+    """The integer softmax's division, P = (e · 65535 + Σe // 2) // Σe over the last axis, as
+    int32, for exp codes `e` (integers in [0, 65535] held as floats, Σe > 0).
+
+    Exact without a 64-bit type: a float estimate, within one unit, is corrected by its
+    remainder computed modulo 2^32. Rows may hold up to 32767 keys (Σe < 2^31)."""
+    if e.shape[-1] > 32767:
+        raise ValueError("probability_codes: more than 32767 keys overflow its uint32 division")
+    e_int = e.astype(jnp.uint32)
+    total = jnp.sum(e_int, axis=-1, keepdims=True)
+    half = total // 2
+    numerator = e_int * jnp.uint32(PROB_ONE) + half  # the true value modulo 2^32
+    estimate = jnp.floor((e * PROB_ONE + half.astype(e.dtype)) / total.astype(e.dtype))
+    codes = estimate.astype(jnp.int32)
+    for _ in range(2):
+        rem = jax.lax.bitcast_convert_type(numerator - codes.astype(jnp.uint32) * total, jnp.int32)
+        codes = codes - (rem < 0) + (rem >= total.astype(jnp.int32))
+    return codes
+
+
+def device_softmax(scores: jax.Array, allowed: jax.Array) -> jax.Array:
+    """The integer softmax's probabilities (docs/artifact.md, "Attention") from float scores
+    on their 16-bit grid, with the float softmax's gradient (straight-through):
+
+        e = round(exp(scores − rowmax) · 65535), 0 where masked;   P = probability_codes(e)
+
+    returned as P / 65535. e is computed in float32 where the device reads a float64 table, so
+    an occasional e (and P) differs by one code."""
+    p = jax.nn.softmax(scores, axis=-1)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    e = jnp.where(allowed, jnp.round(jnp.exp(scores - top) * PROB_ONE), 0.0)
+    exact = probability_codes(e).astype(p.dtype) / PROB_ONE
+    return p + jax.lax.stop_gradient(exact - p)
+
+
 def _attention(
     q: jax.Array,
     k: jax.Array,
@@ -120,11 +181,12 @@ def _attention(
     tap: Tap = no_tap,
     scores_name: str = SCORES,
     probs_name: str = PROBS,
+    device: bool = False,
 ) -> jax.Array:
     """Causal GQA attention over a cache.
 
     q [B, T, Hq, hd]; k, v [B, Hkv, S, hd]; query_pos [B, T]; keys at index >= valid_len or
-    after the query's position are masked.
+    after the query's position are masked. `device`: the integer softmax's probabilities.
     """
     b, t, hq, hd = q.shape
     hkv, s = k.shape[1], k.shape[2]
@@ -135,7 +197,8 @@ def _attention(
     scores = jnp.einsum("btkgd,bksd->bkgts", q, k) / math.sqrt(hd)
     # Masked entries are no data: calibration statistics skip them.
     scores = jnp.where(allowed, tap(scores_name, scores, where=allowed), -jnp.inf)
-    probs = tap(probs_name, jax.nn.softmax(scores, axis=-1))
+    probs = device_softmax(scores, allowed) if device else jax.nn.softmax(scores, axis=-1)
+    probs = tap(probs_name, probs)
     out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
     return out.reshape(b, t, hq * hd)
 
@@ -153,6 +216,12 @@ class Taps(Protocol):
     def outer(self, state: Any) -> tuple[Tap, Callable[[], Any]]: ...
 
     def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array: ...
+
+
+def simulates_device(taps: Any) -> bool:
+    """Whether `taps` ask for the device's arithmetic: their `simulation` attribute is
+    "device" (taps without one, and no taps, mean the float ops)."""
+    return taps is not None and getattr(taps, "simulation", "fake") == "device"
 
 
 def no_aux() -> dict[str, Any]:
@@ -174,6 +243,7 @@ def _decoder_layer(
     sin: jax.Array,
     tap: Tap = no_tap,
     graph: Graph = GRAPH,
+    device: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decoder layer: the float reading of `graph`'s layer ops, in order; `tap` marks
     every quantized tensor (weights and op outputs) by its name in the graph."""
@@ -200,7 +270,7 @@ def _decoder_layer(
             )
             query_pos = start + jnp.broadcast_to(jnp.arange(t), (b, t))
             scores, probs = (i.name for i in op.inner)
-            y = _attention(q, k_cache, v_cache, query_pos, start + t, tap, scores, probs)
+            y = _attention(q, k_cache, v_cache, query_pos, start + t, tap, scores, probs, device)
         elif op.kind == "add":
             y = ins[0] + ins[1]
         elif op.kind == "lut":
@@ -255,13 +325,15 @@ def forward_tapped(
     if residual_rotation is not None:
         x = x @ residual_rotation
     x = outer_tap(embed_op.out_name, x)
-    cos, sin = rope_cos_sin(start + jnp.broadcast_to(jnp.arange(t), (b, t)), cfg)
+    device = simulates_device(taps)
+    positions = start + jnp.broadcast_to(jnp.arange(t), (b, t))
+    cos, sin = rope_cos_sin(positions, cfg, cache["k"].shape[3] if device else None)
 
     def body(x: jax.Array, xs: tuple[Params, jax.Array, jax.Array, Any]) -> tuple[jax.Array, Any]:
         layer, k_cache, v_cache, layer_state = xs
         tap, aux = taps.layer(layer_state) if taps else (no_tap, no_aux)
         x, k_cache, v_cache = _decoder_layer(
-            cfg, x, layer, k_cache, v_cache, start, cos, sin, tap, graph
+            cfg, x, layer, k_cache, v_cache, start, cos, sin, tap, graph, device
         )
         return x, (k_cache, v_cache, aux())
 

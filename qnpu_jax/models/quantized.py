@@ -59,6 +59,10 @@ class FakeQuantTaps:
     `local_loss`: the auxiliary output holds, per learnable activation quantizer, the local
     quantization error of eq. (3), ‖DQ(Q(x)) − x‖² / ‖x‖² with x held constant (only s, z
     move), as {"local_error": {name: scalar}} per layer.
+    The plan's `simulation` "device": the forward computes what the integer contract computes
+    where float differs (`export.graph.SIMULATIONS`). Ties round to even in both: the device's
+    requantization rounds halves up, but most float32 ties are not ties in its exact integer
+    arithmetic, and rounding them up biases the codes (`qnpu study op_gap`).
     """
 
     plan: QuantPlan
@@ -72,6 +76,10 @@ class FakeQuantTaps:
             raise QnpuError(f"unknown fake-quant mode {self.mode!r}; known: {MODES}")
         if self.lsq_grad_scaling and self.cfg is None:
             raise QnpuError("lsq_grad_scaling needs the model config")
+
+    @property
+    def simulation(self) -> str:
+        return self.plan.simulation
 
     def _tap(self, prefix: str, state: dict[str, Any]) -> tuple[Tap, Callable[[], Any]]:
         local: dict[str, jax.Array] = {}
@@ -387,6 +395,10 @@ class HessianTaps:
 
     inner: Any
     names: frozenset[str]
+
+    @property
+    def simulation(self) -> str:
+        return str(getattr(self.inner, "simulation", "fake"))
 
     def layer(self, state: Any) -> tuple[Tap, Callable[[], Any]]:
         inner_tap, _ = self.inner.layer(state)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import SIMULATIONS
 from qnpu_jax.pipeline.stage1 import Stage1Config
 from qnpu_jax.quant.plan import QuantRule
 
@@ -62,6 +63,9 @@ class QuantizeConfig:
     gptq_damp: float = 0.01  # GPTQ's dampening, a share of the Hessian's mean diagonal
     smooth_mlp: float | None = None  # α of up→down channel smoothing; None: off (the paper)
     prefix: str = "bos"  # sink prefix computed offline (PrefixQuant); "none": the paper
+    # what the fake-quant forward computes between quantizers (stage 1, evaluation, GPTQ):
+    # "device" the integer contract's softmax and RoPE tables; "fake" plain float32
+    simulation: str = "device"
     seed: int = 0
     calib_data: str = "wiki"  # the `wiki` calib split, or a user's calibration text
     seq_len: int = 512
@@ -95,6 +99,10 @@ class QuantizeConfig:
                 raise QnpuError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.prefix not in PREFIXES:
             raise QnpuError(f"unknown prefix {self.prefix!r}; known: {', '.join(PREFIXES)}")
+        if self.simulation not in SIMULATIONS:
+            raise QnpuError(
+                f"unknown simulation {self.simulation!r}; known: {', '.join(SIMULATIONS)}"
+            )
         for name in ("w_bits", "a_bits", "kv_bits", "down_in_bits"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 16:
@@ -148,6 +156,7 @@ class QuantizeConfig:
             "method": self.method,
             "bits": self.bits_name,
             "prefix": self.prefix,
+            "simulation": self.simulation,
             "seq_len": self.seq_len,
             "weight_rounding": self.weight_rounding,
             "smooth_mlp": self.smooth_mlp,

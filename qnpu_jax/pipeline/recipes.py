@@ -120,6 +120,7 @@ def plan_options(config: QuantizeConfig) -> dict[str, Any]:
         "kv_bits": config.kv_bits,
         "down_in_bits": config.down_in_bits,
         "rules": plan_rules(config),
+        "simulation": config.simulation,
     }
 
 

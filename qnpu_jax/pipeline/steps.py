@@ -168,8 +168,10 @@ def plan(
     kv_bits: int = 8,
     down_in_bits: int = 8,
     rules: Sequence[QuantRule] = (),
+    simulation: str = "device",
 ) -> Step:
-    """The deployment plan: DESIGN §3's table at these bit-widths, then `rules` in order."""
+    """The deployment plan: DESIGN §3's table at these bit-widths, then `rules` in order;
+    `simulation`: what the fake-quant forward computes between quantizers (`QuantPlan`)."""
 
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
         made = default_plan(
@@ -179,6 +181,7 @@ def plan(
             kv_bits=kv_bits,
             down_in_bits=down_in_bits,
             rules=list(rules),
+            simulation=simulation,
         )
         return m.replace(plan=made, state=None, weight_codes=None), None
 
@@ -188,8 +191,9 @@ def plan(
         "kv_bits": kv_bits,
         "down_in_bits": down_in_bits,
         "rules": [dataclasses.asdict(r) for r in rules],
+        "simulation": simulation,
     }
-    describe = f"plan W{w_bits}A{a_bits}KV{kv_bits}"
+    describe = f"plan W{w_bits}A{a_bits}KV{kv_bits} ({simulation} simulation)"
     return Step("plan", args, fn, describe)
 
 
@@ -231,7 +235,7 @@ def stage1_plan(
             continue
         learnable = learn and (path != f"layers/{UNROTATED_INPUT}" or learn_down_in)
         entries.append((path, dataclasses.replace(tq, learnable=learnable)))
-    return QuantPlan(tuple(entries), plan.num_layers, plan.graph)
+    return plan.with_entries(entries)
 
 
 def stage1(
@@ -319,7 +323,7 @@ def calibrate(paths: Sequence[str] | None = None) -> Step:
         rounded = [p for p in chosen if p.removeprefix("layers/") in (m.weight_codes or {})]
         if rounded:
             raise QnpuError(f"calibrate: {rounded} carry GPTQ codes; run gptq again instead")
-        sub = QuantPlan(tuple(e for e in plan.entries if e[0] in chosen), plan.num_layers)
+        sub = plan.with_entries(e for e in plan.entries if e[0] in chosen)
         fresh = by_path(calibrate_state(m.params(), m.cfg, sub, data.windows, prefix=m.prefix))
         for p, fields in by_path(m.trained or {}).items():  # stage 1's scales stay
             if p in fresh:

@@ -25,6 +25,7 @@ from qnpu_jax.export.graph import (
     LINEARS,
     LM_HEAD,
     PROBS,
+    SIMULATIONS,
     SOFTMAX_ROLE,
     UNROTATED_INPUT,
     UNROTATED_ROLE,
@@ -135,13 +136,21 @@ class QuantPlan:
     """Path -> TensorQuant for every tensor that is quantized (absent = kept in float).
 
     Stored as a sorted tuple of pairs so the plan is hashable (a static jit argument).
+    `simulation`: how the fake-quant forward computes the ops between quantizers, "fake"
+    (float32) or "device" (the integer contract's tables and grids where they differ from
+    float: `FakeQuantTaps`, `export.graph.SIMULATIONS`).
     """
 
     entries: tuple[tuple[str, TensorQuant], ...]
     num_layers: int
     graph: Graph = dataclasses.field(default=GRAPH, repr=False)  # whose tensors it quantizes
+    simulation: str = "device"
 
     def __post_init__(self) -> None:
+        if self.simulation not in SIMULATIONS:
+            raise QnpuError(
+                f"unknown simulation {self.simulation!r}; known: {', '.join(SIMULATIONS)}"
+            )
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int):
             raise QnpuError(f"num_layers must be an integer, got {self.num_layers!r}")
         if self.num_layers < 1:
@@ -166,10 +175,15 @@ class QuantPlan:
     def paths(self) -> tuple[str, ...]:
         return tuple(p for p, _ in self.entries)
 
+    def with_entries(self, entries: Iterable[tuple[str, TensorQuant]]) -> QuantPlan:
+        """This plan (layers, graph, simulation) over other tensors."""
+        return dataclasses.replace(self, entries=tuple(entries))
+
     def to_dict(self) -> dict[str, object]:
         """JSON-ready form; `QuantPlan.from_dict` reads it back to an equal plan."""
         return {
             "num_layers": self.num_layers,
+            "simulation": self.simulation,
             "tensors": {
                 path: {
                     k: list(v) if isinstance(v, tuple) else v
@@ -181,8 +195,11 @@ class QuantPlan:
 
     @classmethod
     def from_dict(cls, data: object) -> QuantPlan:
-        if not isinstance(data, dict) or set(data) != {"num_layers", "tensors"}:
-            raise QnpuError("a plan is a mapping with keys 'num_layers' and 'tensors'")
+        # plans written before `simulation` existed have no such key: they were "fake"
+        if not isinstance(data, dict) or set(data) - {"simulation"} != {"num_layers", "tensors"}:
+            raise QnpuError(
+                "a plan is a mapping with keys 'num_layers', 'tensors' and 'simulation'"
+            )
         tensors = data["tensors"]
         if not isinstance(tensors, dict):
             raise QnpuError("plan 'tensors' must map tensor paths to their quantization")
@@ -192,7 +209,7 @@ class QuantPlan:
             if not isinstance(tq, dict) or set(tq) - fields:
                 raise QnpuError(f"plan entry {path!r}: keys must be among {sorted(fields)}")
             entries.append((path, TensorQuant(**tq)))
-        return cls(tuple(entries), data["num_layers"])
+        return cls(tuple(entries), data["num_layers"], simulation=data.get("simulation", "fake"))
 
     def apply(self, rules: Iterable[QuantRule]) -> QuantPlan:
         """A new plan with `rules` applied in order; a rule matching nothing is an error."""
@@ -218,7 +235,7 @@ class QuantPlan:
                 if rule.axis != -1:
                     changes["axis"] = rule.axis
                 table[path] = dataclasses.replace(base, **changes)
-        return QuantPlan(tuple(sorted(table.items())), self.num_layers, self.graph)
+        return self.with_entries(sorted(table.items()))
 
 
 def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
@@ -286,11 +303,12 @@ def default_plan(
     down_in_bits: int = 8,
     rules: Sequence[QuantRule] = (),
     graph: Graph = GRAPH,
+    simulation: str = "device",
 ) -> QuantPlan:
     """DESIGN.md §3's table at W`w_bits` A`a_bits` KV`kv_bits` for the tensors of `graph`,
     then `rules`."""
     table = _default_table(w_bits, a_bits, kv_bits, down_in_bits, graph)
-    return QuantPlan(tuple(sorted(table)), num_layers, graph).apply(rules)
+    return QuantPlan(tuple(sorted(table)), num_layers, graph, simulation).apply(rules)
 
 
 def uniform_plan(num_layers: int, bits: int) -> QuantPlan:
@@ -300,4 +318,4 @@ def uniform_plan(num_layers: int, bits: int) -> QuantPlan:
         (p, tq if p == f"layers/{PROBS}" else dataclasses.replace(tq, bits=bits))
         for p, tq in plan.entries
     )
-    return QuantPlan(entries, num_layers)
+    return plan.with_entries(entries)

@@ -23,6 +23,7 @@ STUDIES = (
     "gptq_study",
     "init_study",
     "mixed_precision_sweep",
+    "op_gap",
     "plot_activations",
     "quant_baselines",
     "restage2",

@@ -56,9 +56,8 @@ GROUP_SETS = {
 
 def without(plan: Any, state: Any, drop: Callable[[str], bool]) -> tuple[Any, Any]:
     """The plan and state with the tensors `drop` selects removed (kept in float)."""
-    from qnpu_jax.quant.plan import QuantPlan
 
-    kept = QuantPlan(tuple(e for e in plan.entries if not drop(e[0])), plan.num_layers)
+    kept = plan.with_entries(e for e in plan.entries if not drop(e[0]))
     return kept, {
         "layers": {k: v for k, v in state["layers"].items() if kept.get(f"layers/{k}")},
         "outer": {k: v for k, v in state["outer"].items() if kept.get(k)},

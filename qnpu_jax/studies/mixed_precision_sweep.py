@@ -72,17 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             encodings[8],
         )
         swept_state = {"layers": {**state["layers"], DOWN_IN: entry}, "outer": state["outer"]}
-        swept_plan = QuantPlan(
-            tuple(
-                (
-                    path,
-                    TensorQuant(bits=8, layer_bits=layer_bits)
-                    if path == f"layers/{DOWN_IN}"
-                    else t,
-                )
-                for path, t in plan.entries
-            ),
-            plan.num_layers,
+        swept_plan = plan.with_entries(
+            (path, TensorQuant(bits=8, layer_bits=layer_bits) if path == f"layers/{DOWN_IN}" else t)
+            for path, t in plan.entries
         )
         ppl = evaluate(params, swept_state, swept_plan, cfg, windows, prefix)["ppl"]
         rows.append(

@@ -31,12 +31,11 @@ def learnable_plan(plan: Any, config: Any) -> Any:
     """The sub-plan of the tensors stage 1 learned in a run with `config` (pure)."""
     from qnpu_jax.errors import QnpuError
     from qnpu_jax.pipeline.recipes import config_stage1_plan as stage1_plan
-    from qnpu_jax.quant.plan import QuantPlan
 
     entries = tuple((p, tq) for p, tq in stage1_plan(plan, config).entries if tq.learnable)
     if not entries:
         raise QnpuError(f"a {config.method} run learns no encoding in stage 1: nothing to compare")
-    return QuantPlan(entries, plan.num_layers)
+    return plan.with_entries(entries)
 
 
 def state_scale(state: Any, path: str) -> np.ndarray:

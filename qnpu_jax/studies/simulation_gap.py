@@ -22,12 +22,22 @@ carries its prefill tokens/s (the windows' tokens over the scoring time):
         runs/smollm2-135m-quarot-w8a8 --seq-len 512 --windows 16 --onnx --aimet \
         --json reports/onnx_fidelity.json
 
+`--simulations` scores the fake-quant model under each simulation given (`QuantPlan.simulation`;
+default: the one its plan names) against the same integer scores: the first is the reference of
+every gap, each further one adds its own fake-quant scores and gaps under `other_simulations`.
+The ONNX QDQ graphs and AIMET's QuantSim run float ops between their QDQ pairs, so their
+reference is `fake`:
+
+    qnpu study simulation_gap --runs runs/smollm2-135m-quantnpu-w4a8 --seq-len 512 \
+        --windows 64 --simulations device fake --json reports/simulation_gap_device_64.json
+
 `--aimet` adds AIMET's QuantSim (aimet-onnx) over the float prefill graph with the export's
 model.encodings loaded by AIMET's own loader, scored the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -40,6 +50,7 @@ from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.environment import study_command
 from qnpu_jax.eval import perplexity
 from qnpu_jax.export.exporter import export_run
+from qnpu_jax.export.graph import SIMULATIONS
 from qnpu_jax.export.int_model import load_int_model, open_engine
 from qnpu_jax.pipeline.run import load_run
 from qnpu_jax.studies import study_parser
@@ -132,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         "--engines", nargs="+", choices=("emulator", "jax"), default=["emulator"],
         help="integer engines that score the artifact (default: emulator)",
     )  # fmt: skip
+    parser.add_argument(
+        "--simulations", nargs="+", choices=SIMULATIONS,
+        help="score the fake-quant model under each (default: its plan's); the first is the "
+        "reference of the gaps",
+    )  # fmt: skip
     parser.add_argument("--onnx", action="store_true", help="also the ONNX export, onnxruntime")
     parser.add_argument(
         "--aimet", action="store_true", help="also AIMET's QuantSim on the export (needs --onnx)"
@@ -151,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     for run in args.runs:
         loaded_run = load_run(run)
         config, model = loaded_run.config, loaded_run.loaded
+        plan = loaded_run.model.require_plan()
+        simulations = list(dict.fromkeys(args.simulations or [plan.simulation]))
+        under = {
+            sim: loaded_run.model.replace(plan=dataclasses.replace(plan, simulation=sim))
+            for sim in simulations
+        }
+        quantized = under[simulations[0]]
         art = args.artifacts / run.resolve().name
         export_s = None  # None: an existing artifact was reused
 
@@ -160,14 +183,17 @@ def main(argv: list[str] | None = None) -> int:
             export_s = time.perf_counter() - t0
         ids = tokenize_documents(load_documents("wiki", "eval"), model.tokenizer)
         windows = eval_windows(ids, args.seq_len, args.windows)
-        fake = _ppl(loaded_run.model.nll_fn(), windows)
+        fakes = {sim: _ppl(m.nll_fn(), windows) for sim, m in under.items()}
+        fake = fakes[simulations[0]]
         int_model = load_int_model(art)
         entry: dict[str, Any] = {
             "method": config.method,
             "bits": config.bits_name,
             "artifact": str(art),
             "export_seconds": export_s,
+            "simulation": simulations[0],
             "fake_quant": fake,
+            "other_simulations": {sim: {"fake_quant": fakes[sim]} for sim in simulations[1:]},
         }
         scorers: dict[str, Callable[[Any], np.ndarray]] = {
             name: open_engine(name, int_model).token_nll for name in args.engines
@@ -185,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 export_run_onnx(run, onnx_dir, chunk=chunk, max_context=context)
                 entry["onnx_export_seconds"] = time.perf_counter() - t0
             entry["onnx"] = str(onnx_dir)
-            fake_top = fake_quant_argmax(loaded_run.model, windows)
+            fake_top = fake_quant_argmax(quantized, windows)
             tops["onnxruntime_qdq"] = []
             qdq = OnnxModel(onnx_dir, qdq=True)
             scorers["onnxruntime_qdq"] = _recording_argmax(qdq, tops["onnxruntime_qdq"])
@@ -207,11 +233,16 @@ def main(argv: list[str] | None = None) -> int:
                 agree = np.concatenate(tops[name]) == fake_top
                 result["argmax_agreement_with_fake_quant"] = float(agree.mean())
             entry[name] = result
-            lo, hi = result["gap_2se_interval"]
-            print(
-                f"{run.name}: fake-quant {fake['ppl']:.4f}, {name} {result['ppl']:.4f} "
-                f"({100 * result['gap']:+.3f}%, ±2 SE [{100 * lo:+.3f}%, {100 * hi:+.3f}%])"
-            )
+            gaps = {simulations[0]: (fake, result)}
+            for sim, other in entry["other_simulations"].items():
+                other[name] = paired_gap(fakes[sim]["window_nll"], result["window_nll"])
+                gaps[sim] = (fakes[sim], other[name])
+            for sim, (fq, paired) in gaps.items():
+                lo, hi = paired["gap_2se_interval"]
+                print(
+                    f"{run.name}: fake-quant ({sim}) {fq['ppl']:.4f}, {name} {result['ppl']:.4f} "
+                    f"({100 * paired['gap']:+.3f}%, ±2 SE [{100 * lo:+.3f}%, {100 * hi:+.3f}%])"
+                )
         report["runs"][run.name] = entry
         write_study_json(args.json, report, command=command)
     worst = max(abs(e[name]["gap"]) for e in report["runs"].values() for name in args.engines)

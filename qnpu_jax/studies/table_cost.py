@@ -42,22 +42,19 @@ def table_variants(plan: Any, state: Any, params: Any, cfg: Any) -> list[Variant
     """The run itself, then one change of the table tensors per variant (pure)."""
     from qnpu_jax.errors import QnpuError
     from qnpu_jax.pipeline.calibrate import reencode_weight
-    from qnpu_jax.quant.plan import QuantPlan
 
     missing = [p for p in TABLE_TENSORS if plan.get(p) is None]
     if missing:
         raise QnpuError(f"the run keeps {', '.join(missing)} in float: nothing to measure")
 
     def without(*paths: str) -> tuple[Any, Any]:
-        kept = QuantPlan(tuple(e for e in plan.entries if e[0] not in paths), plan.num_layers)
+        kept = plan.with_entries(e for e in plan.entries if e[0] not in paths)
         outer = {k: v for k, v in state["outer"].items() if k not in paths}
         return kept, {"layers": state["layers"], "outer": outer}
 
     def with_bits(path: str, bits: int) -> tuple[Any, Any]:
         tq = dataclasses.replace(plan.get(path), bits=bits, init="max_min")
-        changed = QuantPlan(
-            tuple((p, tq if p == path else t) for p, t in plan.entries), plan.num_layers
-        )
+        changed = plan.with_entries((p, tq if p == path else t) for p, t in plan.entries)
         return changed, reencode_weight(params, cfg, state, path, tq)
 
     # the four table tensors in graph order: embedding table and output, lm_head input, weight
