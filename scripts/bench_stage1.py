@@ -8,6 +8,9 @@ on CPU, GPU and TPU.
 
     python scripts/bench_stage1.py --batch-size 2 --seq-len 512 --steps 3 \
         --json reports/bench_stage1.json
+
+`--simulation` picks what the fake-quant forward computes between quantizers (`fake`: float32;
+`device`, the default: the integer softmax and Q14 RoPE tables).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 
 from qnpu_jax.data import load_documents, sample_windows, tokenize_documents
 from qnpu_jax.environment import environment_info, script_command
+from qnpu_jax.export.graph import SIMULATIONS
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models import load_model
 from qnpu_jax.pipeline import calibrate
@@ -62,12 +66,15 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-remat", action="store_true")
+    parser.add_argument("--simulation", choices=SIMULATIONS, default="device")
     parser.add_argument("--json", default="reports/bench_stage1.json")
     args = parser.parse_args()
 
     model = load_model(args.model)
     cfg = model.config
-    config = QuantizeConfig(model=args.model, w_bits=4, a_bits=8, seq_len=args.seq_len)
+    config = QuantizeConfig(
+        model=args.model, w_bits=4, a_bits=8, seq_len=args.seq_len, simulation=args.simulation
+    )
     s1 = Stage1Config(
         steps=max(args.steps, 1), batch_size=args.batch_size, grad_accum=args.grad_accum,
         remat=not args.no_remat,
@@ -115,6 +122,7 @@ def main() -> int:
             "seq_len": args.seq_len,
         },
         "remat": not args.no_remat,
+        "simulation": args.simulation,
         "compile_seconds": compile_s,
         "step_seconds_median": seconds,
         "step_seconds": times,
