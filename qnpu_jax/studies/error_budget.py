@@ -56,7 +56,6 @@ GROUP_SETS = {
 
 def without(plan: Any, state: Any, drop: Callable[[str], bool]) -> tuple[Any, Any]:
     """The plan and state with the tensors `drop` selects removed (kept in float)."""
-
     kept = plan.with_entries(e for e in plan.entries if not drop(e[0]))
     return kept, {
         "layers": {k: v for k, v in state["layers"].items() if kept.get(f"layers/{k}")},

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from qnpu_jax.export.graph import SIMULATIONS
@@ -122,25 +124,21 @@ def window_stats(
     out = {}
     for simulation in simulations:
         taps = ForcedTaps(FakeQuantTaps(dataclasses.replace(plan, simulation=simulation)))
-        aux = _forced_aux(params, tap_state, jnp.asarray(window[None]), cfg, taps, prefix)
+        tokens = jnp.asarray(window[None])
+        aux = _forced_aux(params, tap_state, tokens, cfg=cfg, taps=taps, prefix=prefix)
         stats = {n: np.asarray(v) for n, v in aux["layers"].items()}
         out[simulation] = stats | {n: np.asarray(v)[None] for n, v in aux["outer"].items()}
     return out
 
 
+@partial(jax.jit, static_argnames=("cfg", "taps", "prefix"))
 def _forced_aux(
-    params: Any, tap_state: Any, tokens: Any, cfg: Any, taps: ForcedTaps, prefix: Any
+    params: Any, tap_state: Any, tokens: Any, *, cfg: Any, taps: ForcedTaps, prefix: Any
 ) -> Any:
-    import jax
-
+    """The forced forward's statistics; compiled once per simulation, not per window."""
     from qnpu_jax.models.quantized import tapped_forward
 
-    run = jax.jit(
-        lambda params, tap_state, tokens: tapped_forward(
-            params, tap_state, tokens, cfg=cfg, taps=taps, prefix=prefix
-        )[1]
-    )
-    return run(params, tap_state, tokens)
+    return tapped_forward(params, tap_state, tokens, cfg=cfg, taps=taps, prefix=prefix)[1]
 
 
 def summarize(per_window: list[dict[str, np.ndarray]]) -> dict[str, Any]:
