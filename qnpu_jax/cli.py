@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import shlex
 import sys
@@ -90,6 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override one config key (YAML value; stage1.KEY for stage 1), repeatable",
     )
+    qz.add_argument(
+        "--mesh",
+        default=None,
+        metavar="DATAxFSDP",
+        help="device mesh, e.g. 1x8 or 2x4 (overrides the config's; default auto: all on fsdp)",
+    )
+    qz.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a multi-host job first (jax.distributed.initialize; or QNPU_DISTRIBUTED=1)",
+    )
     qz.add_argument("--out", required=True, type=Path, help="the run directory")
     qz.add_argument("--resume", action="store_true", help="continue the run in --out")
     qz.add_argument("--no-progress", action="store_true")
@@ -152,6 +164,40 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="reports/NAME: writes NAME.md, NAME.html, NAME.json and NAME/*.png",
     )
+
+    pm = sub.add_parser(
+        "plan-memory",
+        help="stage 1's memory per device for model configs on meshes (XLA's analysis, no weights)",
+    )
+    pm.add_argument(
+        "--model",
+        nargs="+",
+        default=None,
+        help="shipped architectures (--list), config.json files or HF directories",
+    )
+    pm.add_argument("--list", action="store_true", help="list the shipped architectures")
+    pm.add_argument(
+        "--devices",
+        nargs="+",
+        type=positive_int,
+        default=[1],
+        help="device counts, each an automatic (1, n) mesh; on a CPU host, n platform devices",
+    )
+    pm.add_argument(
+        "--base-dtype", nargs="+", default=["float32"], help="frozen base: float32, bfloat16"
+    )
+    pm.add_argument(
+        "--compute-dtype",
+        nargs="+",
+        default=["float32"],
+        help="the linears' matmul operands in stage 1: float32, bfloat16",
+    )
+    pm.add_argument("--seq-len", type=positive_int, default=2048)
+    pm.add_argument("--batch-size", type=positive_int, default=2)
+    pm.add_argument("--grad-accum", type=positive_int, default=2)
+    pm.add_argument("--no-remat", action="store_true", help="keep every layer's activations")
+    pm.add_argument("--budget-gib", type=float, default=80.0, help="a device's memory")
+    pm.add_argument("--json", type=Path, default=None, help="write the report here")
 
     gen = sub.add_parser("generate", help="greedy continuation of a prompt")
     gen.add_argument("--model", required=True)
@@ -409,15 +455,21 @@ def quantize_config(args: argparse.Namespace) -> Any:
 
     if args.config is None and (args.method is None or args.bits is None):
         raise QnpuError("give --config NAME (see `qnpu configs`), or --method and --bits")
-    updates = {k: v for k, v in (("model", args.model), ("method", args.method)) if v is not None}
+    updates = {
+        k: v
+        for k, v in (("model", args.model), ("method", args.method), ("mesh", args.mesh))
+        if v is not None
+    }
     if args.bits is not None:
         updates |= parse_bits(args.bits)
     return load_config(args.config, args.overrides, updates)
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
+    from qnpu_jax.mesh import initialize_distributed
     from qnpu_jax.pipeline.run import quantize
 
+    initialize_distributed(True if args.distributed else None)
     config = quantize_config(args)
     started = time.perf_counter()
 
@@ -502,6 +554,68 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan_memory(args: argparse.Namespace) -> int:
+    import jax
+
+    from qnpu_jax.memory_plan import (
+        MemorySetting,
+        model_architecture,
+        shipped_architectures,
+        stage1_memory,
+    )
+    from qnpu_jax.mesh import MeshConfig, describe, make_mesh
+
+    if args.list:
+        print("\n".join(sorted(shipped_architectures())))
+        return 0
+    if not args.model:
+        raise QnpuError("give --model NAME... (or --list)")
+    models = {spec: model_architecture(spec) for spec in args.model}  # all errors up front
+    if max(args.devices) > 1:  # stand-in CPU devices; an accelerator's are real
+        # RuntimeError: a backend already started (a program embedding the CLI): as it is
+        with contextlib.suppress(RuntimeError):
+            jax.config.update("jax_num_cpu_devices", max(args.devices))
+    if max(args.devices) > jax.device_count():
+        raise QnpuError(f"{max(args.devices)} devices asked, {jax.device_count()} present")
+    started = time.perf_counter()
+    rows = []
+    for spec, cfg in models.items():
+        for dtype, compute in [(b, c) for b in args.base_dtype for c in args.compute_dtype]:
+            setting = MemorySetting(
+                seq_len=args.seq_len,
+                batch_size=args.batch_size,
+                grad_accum=args.grad_accum,
+                base_dtype=dtype,
+                compute_dtype=compute,
+                remat=not args.no_remat,
+            )
+            for n in args.devices:
+                mesh = make_mesh(MeshConfig(data=1, fsdp=n))
+                row = {
+                    "model": spec,
+                    "mesh": describe(mesh),
+                    **dataclasses.asdict(setting),
+                    **stage1_memory(cfg, mesh, setting),
+                }
+                row["fits_budget"] = row["total_gib_per_device"] <= args.budget_gib
+                rows.append(row)
+                print(
+                    f"{spec:14s} base {dtype:8s} compute {compute:8s} {n} device(s): "
+                    f"{row['total_gib_per_device']:7.2f} GiB per device"
+                    f"{'' if row['fits_budget'] else f'  (over {args.budget_gib:g} GiB)'}"
+                )
+    if args.json is not None:
+        from qnpu_jax.studies.harness import write_study_json
+
+        write_study_json(
+            args.json,
+            {"budget_gib": args.budget_gib, "backend": jax.default_backend(), "rows": rows},
+            command="qnpu " + shlex.join(args.argv),
+            started=started,
+        )
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from qnpu_jax.export.exporter import export_run, export_run_aimet
 
@@ -552,6 +666,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "emulate": cmd_emulate,
         "export": cmd_export,
         "generate": cmd_generate,
+        "plan-memory": cmd_plan_memory,
         "quantize": cmd_quantize,
         "report": cmd_report,
         "study": cmd_study,

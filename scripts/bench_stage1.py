@@ -30,6 +30,7 @@ from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.export.graph import SIMULATIONS
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models import load_model
+from qnpu_jax.models.llama import MATMUL_DTYPES
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.pipeline.config import QuantizeConfig
 from qnpu_jax.pipeline.recipes import build_plan
@@ -67,6 +68,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-remat", action="store_true")
     parser.add_argument("--simulation", choices=SIMULATIONS, default="device")
+    parser.add_argument("--compute-dtype", choices=MATMUL_DTYPES, default="float32")
     parser.add_argument("--json", default="reports/bench_stage1.json")
     args = parser.parse_args()
 
@@ -77,7 +79,7 @@ def main() -> int:
     )
     s1 = Stage1Config(
         steps=max(args.steps, 1), batch_size=args.batch_size, grad_accum=args.grad_accum,
-        remat=not args.no_remat,
+        remat=not args.no_remat, compute_dtype=args.compute_dtype,
     )  # fmt: skip
     plan = stage1_plan(build_plan(config, cfg.num_layers, None), config)
     ids = tokenize_documents(load_documents("wiki", "calib"), model.tokenizer)
@@ -123,6 +125,7 @@ def main() -> int:
         },
         "remat": not args.no_remat,
         "simulation": args.simulation,
+        "compute_dtype": args.compute_dtype,
         "compile_seconds": compile_s,
         "step_seconds_median": seconds,
         "step_seconds": times,

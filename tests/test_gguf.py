@@ -27,6 +27,8 @@ _GGUF_NAMES = {
     "q_bias": "attn_q.bias",
     "k_bias": "attn_k.bias",
     "v_bias": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight",
+    "k_norm": "attn_k_norm.weight",
 }
 
 
@@ -78,7 +80,7 @@ def _write_gguf(path, cfg: ModelConfig, params, extra_tensors=()):
     return path
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_written_gguf_loads_back_exactly(tmp_path, arch):
     assert set(_GGUF_NAMES) == set(HF_LAYER_NAMES)
     cfg = ModelConfig(

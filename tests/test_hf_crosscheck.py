@@ -40,9 +40,10 @@ def _tiny_hf_model(kind, dtype):
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     )
-    if kind == "llama3":
+    if kind in ("llama3", "llama3.2"):
+        # Llama-3.2: llama3 RoPE scaling and tied embeddings
         cfg = transformers.LlamaConfig(
-            **common,
+            **(common | {"tie_word_embeddings": kind == "llama3.2"}),
             rope_parameters={
                 "rope_type": "llama3",
                 "rope_theta": 500000.0,
@@ -53,6 +54,11 @@ def _tiny_hf_model(kind, dtype):
             },
         )
         model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "qwen3":  # per-head q_norm / k_norm, head_dim not hidden/heads, tied
+        cfg = transformers.Qwen3Config(
+            **(common | {"tie_word_embeddings": True}), head_dim=24, rope_theta=1000000.0
+        )
+        model = transformers.Qwen3ForCausalLM(cfg)
     else:
         cfg = transformers.Qwen2Config(**common, rope_theta=1000000.0)
         model = transformers.Qwen2ForCausalLM(cfg)
@@ -76,6 +82,8 @@ def _tiny_hf_model(kind, dtype):
         ("llama3", torch.float32, "200KB"),
         ("qwen2", torch.float32, None),
         ("llama3", torch.bfloat16, None),
+        ("llama3.2", torch.float32, None),
+        ("qwen3", torch.float32, None),
     ],
 )
 def test_save_pretrained_directory_matches_transformers(tmp_path, kind, dtype, max_shard_size):
@@ -87,7 +95,9 @@ def test_save_pretrained_directory_matches_transformers(tmp_path, kind, dtype, m
     _word_level_tokenizer(tmp_path, 100)
     ours = load_model(str(tmp_path))
     assert ours.config.attention_bias == (kind == "qwen2")
-    assert ours.config.rope.rope_type == ("llama3" if kind == "llama3" else "default")
+    assert ours.config.qk_norm == (kind == "qwen3")
+    assert ours.config.tie_word_embeddings == (kind in ("llama3.2", "qwen3"))
+    assert ours.config.rope.rope_type == ("llama3" if kind.startswith("llama3") else "default")
     tokens = np.random.default_rng(0).integers(0, 120, size=(2, 150))  # past original_max (64)
     # Reload in float32 (not model.float()): casting to bf16 also rounds the RoPE inv_freq buffer.
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)

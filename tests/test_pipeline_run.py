@@ -218,7 +218,7 @@ def test_overrides_and_config_free_quantize_configs(capsys):
     assert parse_bits("W4A8KV8") == {"w_bits": 4, "a_bits": 8, "kv_bits": 8}
     for bad, message in (
         (["seq_len"], "expected KEY=VALUE"),
-        (["a.b=1"], "only stage1.KEY may be dotted"),
+        (["a.b=1"], "only stage1.KEY and mesh.KEY may be dotted"),
         (["seq_len=[1"], "not YAML"),
     ):
         with pytest.raises(QnpuError, match=message):
@@ -229,11 +229,14 @@ def test_overrides_and_config_free_quantize_configs(capsys):
         parse_bits("int4")
 
     def args(**kw):
-        defaults = {"config": None, "model": None, "method": None, "bits": None, "overrides": []}
+        defaults = {"config": None, "model": None, "method": None, "bits": None, "mesh": None}
+        defaults |= {"overrides": []}
         return SimpleNamespace(**(defaults | kw))
 
     free = quantize_config(args(method="rtn", bits="w8a8", overrides=["seq_len=64"]))
     assert free == QuantizeConfig(method="rtn", w_bits=8, a_bits=8, seq_len=64)
+    meshed = quantize_config(args(config="quick", mesh="2x4"))
+    assert meshed.mesh.data == 2 and meshed.mesh.fsdp == 4
     named = quantize_config(args(config="quick", bits="w8a8kv8", model="m", method="quarot"))
     assert named == QuantizeConfig.from_dict(
         {**load_config("quick").to_dict(), "w_bits": 8, "method": "quarot", "model": "m"}

@@ -177,3 +177,24 @@ def test_float_tables_rotate_activations_not_tables(tiny_cfg, setup, prefix):
     for fast, full in zip(jax.tree.leaves(grads_fast), jax.tree.leaves(grads_full), strict=True):
         np.testing.assert_allclose(fast, full, rtol=2e-3, atol=1e-5 * float(jnp.abs(full).max()))
     assert float(jnp.abs(grads_fast["r1"]).max()) > 0
+
+
+def test_bf16_compute_keeps_float32_master_copies(tiny_cfg, setup):
+    """compute_dtype bfloat16: the linears run on bf16 operands (float32 accumulation), the
+    loss stays close to float32's, and R1/R2 and the scales stay float32."""
+    ids, fused, r1, r2, plan, state = setup
+    batch = jnp.asarray(step_batch(ids, 0, _config(), 16, jax.random.key(1)))
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        config = _config(compute_dtype=dtype)
+        ts = init_train_state(r1, r2, state, plan, config)
+        step = make_train_step(tiny_cfg, plan, config)
+        new, metrics = step(ts, batch, fused, state)
+        assert {str(x.dtype) for x in jax.tree.leaves(new["params"])} == {"float32"}
+        out[dtype] = (float(metrics["ce"]), new)
+        text = str(jax.make_jaxpr(step)(ts, batch, fused, state))
+        assert ("bf16" in text) == (dtype == "bfloat16")
+    assert out["bfloat16"][0] == pytest.approx(out["float32"][0], rel=2e-2)
+    assert out["bfloat16"][0] != out["float32"][0]
+    with pytest.raises(QnpuError, match="compute_dtype"):
+        Stage1Config(compute_dtype="float16")

@@ -17,7 +17,14 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import LAYER_INPUT, LOGITS_RANGE, PROBS, SCORES, check_room
+from qnpu_jax.export.graph import (
+    HEAD_NORM_MAX,
+    LAYER_INPUT,
+    LOGITS_RANGE,
+    PROBS,
+    SCORES,
+    check_room,
+)
 from qnpu_jax.export.int_model import (
     IntegerEngine,
     IntModel,
@@ -165,10 +172,16 @@ def _rope(
     cos: np.ndarray,
     sin: np.ndarray,
     head_dim: int,
+    norm_bits: tuple[int, int],
 ) -> np.ndarray:
+    """RoPE of codes [B, T, H·hd] with the Q14 tables (after the per-head RMSNorm the
+    constants hold under `norm.*`), requantized into `out`; `norm_bits` (F, K)."""
     codes, z = x
     b, t, width = codes.shape
     xc = (codes.astype(I64) - z).reshape(b, t, width // head_dim, head_dim)
+    if "norm.M" in c:  # Qwen3: each head RMSNormed into a 16-bit intermediate first
+        norm = {k.removeprefix("norm."): v for k, v in c.items() if k.startswith("norm.")}
+        xc = rmsnorm(xc, norm, (0, -HEAD_NORM_MAX, HEAD_NORM_MAX), *norm_bits)
     half = head_dim // 2
     rot = np.concatenate([-xc[..., half:], xc[..., :half]], axis=-1)
     acc = xc * cos[None, :, None, :] + rot * sin[None, :, None, :]
@@ -238,7 +251,8 @@ def _run_layer(
         elif kind == "linear":
             y = _linear(ins[0], c, out, model.weight_operand(op["const"], layer))
         elif kind == "rope":
-            y = _rope(ins[0], c, out, cos.astype(I64), sin.astype(I64), model.model["head_dim"])
+            hd = model.model["head_dim"]
+            y = _rope(ins[0], c, out, cos.astype(I64), sin.astype(I64), hd, (f, k))
         elif kind == "attention":
             y = _attention(model, layer, ins[0], ins[1], ins[2], cache, start, out, trace)
         elif kind == "add":

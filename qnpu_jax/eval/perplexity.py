@@ -9,9 +9,11 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.mesh import put_batch
 
 # tokens [B, T] int32 -> NLL of tokens[:, 1:] [B, T-1]
 NllFn = Callable[[np.ndarray], jax.Array]
@@ -29,12 +31,18 @@ class PerplexityResult:
 
 
 def perplexity(
-    nll_fn: NllFn, windows: np.ndarray, *, batch_size: int = 1, progress: bool = True
+    nll_fn: NllFn,
+    windows: np.ndarray,
+    *,
+    batch_size: int = 1,
+    progress: bool = True,
+    mesh: Mesh | None = None,
 ) -> PerplexityResult:
     """exp(mean next-token NLL over every predicted position of every window).
 
     The last batch is padded with copies of its first row (and their NLL discarded), so the
-    model compiles for one shape only.
+    model compiles for one shape only. On `mesh`, each batch is split along its data axis
+    (`batch_size` a multiple of it).
     """
     if batch_size < 1:
         raise QnpuError(f"batch_size must be positive, got {batch_size}")
@@ -48,7 +56,7 @@ def perplexity(
             real = len(batch)
             if real < batch_size:
                 batch = np.concatenate([batch, np.repeat(batch[:1], batch_size - real, 0)])
-            nll = np.asarray(nll_fn(batch), dtype=np.float64)[:real]
+            nll = np.asarray(nll_fn(put_batch(mesh, batch)), dtype=np.float64)[:real]
             if not np.isfinite(nll).all():
                 raise QnpuError(f"non-finite NLL in windows {i}..{i + real - 1}")
             total += float(nll.sum())

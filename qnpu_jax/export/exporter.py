@@ -24,6 +24,7 @@ from qnpu_jax.export.artifact import write_artifact
 from qnpu_jax.export.graph import (
     FORMAT_GRAPH,
     GRAPH,
+    HEAD_NORM_MAX,
     LOGITS_SCALE,
     NORM_FRACTION_BITS,
     NORM_UNIT_BITS,
@@ -423,7 +424,24 @@ def export_model(
             for k, v in _stack(norms).items():
                 tensors[f"{c}.{k}"] = v
         elif op.kind == "rope":  # Q14 tables: requantize s_in·2^-14 / s_out
-            real = scales(src) * 2.0**-ROPE_FRACTION_BITS / scales(dst)
+            s_in = scales(src)
+            if cfg.qk_norm and op.head_norm:  # Qwen3: each head RMSNormed into 16 bits first
+                gains = np.asarray(layers[op.head_norm], np.float64)  # [L, hd]
+                s_in = np.maximum(np.abs(gains).max(axis=1), 1e-30) * math.sqrt(cfg.head_dim)
+                s_in = s_in / HEAD_NORM_MAX
+                norms = [
+                    _norm_constants(
+                        gains[i],
+                        enc(src, i),
+                        IntEncoding(float(s_in[i]), 0, -HEAD_NORM_MAX, HEAD_NORM_MAX),
+                        eps,
+                        f"layers.{i}.{op.head_norm}",
+                    )
+                    for i in range(n)
+                ]
+                for k, v in _stack(norms).items():
+                    tensors[f"{c}.norm.{k}"] = v
+            real = s_in * 2.0**-ROPE_FRACTION_BITS / scales(dst)
             tensors[f"{c}.M"], tensors[f"{c}.shift"] = _requant(real, c)
         elif op.kind == "attention":
             # scores requantization, exp LUT of the softmax, P·V requantization

@@ -16,6 +16,10 @@ FORMAT_GRAPH = "qnpu-llama-int/2"
 NORM_FRACTION_BITS = 8  # F: the RMSNorm root carries F fractional bits
 NORM_UNIT_BITS = 16  # K: the normalized value carries K fractional bits before requantizing
 ROPE_FRACTION_BITS = 14  # Q14 cos/sin
+# Qwen3's per-head RMSNorm before RoPE writes a signed 16-bit intermediate (±HEAD_NORM_MAX)
+# at a per-layer scale max|γ|·√hd / HEAD_NORM_MAX, the largest value a normalized head can
+# take: it never clips, and RoPE's products stay as small as for a 16-bit input.
+HEAD_NORM_MAX = (1 << 15) - 1
 LOGITS_SCALE = 2.0**-16  # int32 logits: real logit = code · 2^-16
 LOGITS_RANGE = (-(2**31), 2**31 - 1)
 # How a fake-quant forward computes the ops between quantizers (`QuantPlan.simulation`):
@@ -59,7 +63,8 @@ class Op:
     embedding's parameter (a quantized tensor; its name is the float parameter's), `gain` the
     norm's float parameter, `bias` a linear's optional float bias, `inner` the tensors an op
     quantizes inside (attention: scores and probabilities), `heads` the head count RoPE
-    splits by ("q" or "kv"), `fn` a LUT's function."""
+    splits by ("q" or "kv"), `fn` a LUT's function, `head_norm` the per-head RMSNorm gain a
+    RoPE op applies first when the model has one (Qwen3's q_norm / k_norm)."""
 
     kind: str
     ins: tuple[str, ...]
@@ -71,6 +76,7 @@ class Op:
     inner: tuple[Tensor, ...] = ()
     heads: str = ""
     fn: str = ""
+    head_norm: str = ""
     value: str = ""  # the output's name when it is not a quantized tensor of its own
 
     @property
@@ -199,6 +205,7 @@ GRAPH = Graph(
             _t("q_rope", "self_attn.q_rope.output", "8", "q"),
             "layers.q_rope",
             heads="q",
+            head_norm="q_norm",
         ),
         Op(
             "rope",
@@ -206,6 +213,7 @@ GRAPH = Graph(
             _t("k_rope", "self_attn.k_rope.output", "kv", "kv"),
             "layers.k_rope",
             heads="kv",
+            head_norm="k_norm",
         ),
         Op(
             "attention",
@@ -330,6 +338,8 @@ RESIDUAL_WRITERS = tuple(
 V_LINEAR = next(w for w, (_, o) in LINEAR_IO.items() if o == GRAPH.ops("attention")[0].ins[2])
 O_LINEAR = next(w for w, (i, _) in LINEAR_IO.items() if i == GRAPH.ops("attention")[0].out_name)
 LINEAR_BIAS = {op.weight_name: op.bias for op in GRAPH.ops("linear") if op.bias}
+# Qwen3's per-head norms of q and k (`ModelConfig.qk_norm`), by the RoPE op that applies them
+HEAD_NORMS = tuple(op.head_norm for op in GRAPH.ops("rope") if op.head_norm)
 # Channel smoothing folds s into the linear writing one factor of that product (rows / s) and
 # the linear reading it (columns · s): up_proj → down_proj.
 SMOOTHED_LINEARS = (
@@ -371,10 +381,10 @@ def expected_tensors(model: dict[str, Any], graph: dict[str, Any]) -> dict[str, 
         out[f"layers.act.{field}"] = ((n, len(GRAPH.layer_acts)), i32)
         out[f"act.{field}"] = ((len(GRAPH.global_acts),), i32)
 
-    def norm(const: str, lead: tuple[int, ...]) -> None:
-        out[f"{const}.sign"] = ((*lead, d), ("int8",))
-        out[f"{const}.M"] = ((*lead, d), i32)
-        out[f"{const}.shift"] = ((*lead, d), i32)
+    def norm(const: str, lead: tuple[int, ...], width: int = d) -> None:
+        out[f"{const}.sign"] = ((*lead, width), ("int8",))
+        out[f"{const}.M"] = ((*lead, width), i32)
+        out[f"{const}.shift"] = ((*lead, width), i32)
         out[f"{const}.eps"] = (lead, ("int64",))
 
     for op in GRAPH.layer:
@@ -391,6 +401,8 @@ def expected_tensors(model: dict[str, Any], graph: dict[str, Any]) -> dict[str, 
         elif op.kind in ("rope", "mul"):
             out[f"{c}.M"] = ((n,), i32)
             out[f"{c}.shift"] = ((n,), i32)
+            if op.head_norm and model.get("architecture") == "qwen3":
+                norm(f"{c}.norm", (n,), hd)
         elif op.kind == "add":
             for k in ("Ma", "Mb", "shift"):
                 out[f"{c}.{k}"] = ((n,), i32)

@@ -267,11 +267,20 @@ class _Writer:
         bias_name = w_name.removesuffix("weight") + "bias"
         b.node("Add", [b.node("MatMul", [x, wt]), b.const(bias, name=bias_name)], out)
 
-    def rope(self, x: str, heads: int, out: str) -> None:
+    def rope(
+        self, x: str, heads: int, out: str, head_norm: tuple[np.ndarray, str] | None = None
+    ) -> None:
+        """RoPE of x [1, C, heads·hd] per head, after the per-head RMSNorm `head_norm`
+        (gain [hd], its name) when the model has one (Qwen3; the normalized value is float:
+        the integer graph keeps it in a 16-bit intermediate, no quantized tensor)."""
         from onnx import helper
 
         b, hd = self.b, self.cfg.head_dim
         x4 = self.reshape(x, 1, self.plan.chunk, heads, hd)
+        if head_norm is not None:
+            normed = b.fresh("head_norm")
+            self.rmsnorm(x4, head_norm[0], head_norm[1], normed)
+            x4 = normed
         first, second = b.fresh("half"), b.fresh("half")
         b.nodes.append(
             helper.make_node(
@@ -325,7 +334,11 @@ class _Writer:
                 w_ours = f"layers.{i}.{op.weight_name}"
                 self.linear(ins[0], layers[op.weight_name][i], w_ours, bias, out)
             elif op.kind == "rope":
-                self.rope(ins[0], self.heads[op.heads], out)
+                norm = None
+                if op.head_norm in layers:
+                    gain_name = f"model.layers.{i}.self_attn.{op.head_norm}.weight"
+                    norm = (layers[op.head_norm][i], gain_name)
+                self.rope(ins[0], self.heads[op.heads], out, norm)
             elif op.kind == "attention":
                 q, k, v = ins
                 self.attention(i, op, q, k, v, out)

@@ -30,6 +30,7 @@ import numpy as np
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import (
+    HEAD_NORM_MAX,
     LAYER_INPUT,
     LOGITS_RANGE,
     SCORES,
@@ -271,8 +272,14 @@ def isqrt(v: jax.Array) -> jax.Array:
 
 
 def _rmsnorm(spec: IntSpec, x: Value, c: Mapping[str, jax.Array], out: Act) -> jax.Array:
+    return _rmsnorm_centered(spec, _center(x), c, out)
+
+
+def _rmsnorm_centered(
+    spec: IntSpec, xc: jax.Array, c: Mapping[str, jax.Array], out: Act
+) -> jax.Array:
+    """Integer RMSNorm over the last axis of centered codes (docs/artifact.md, "RMSNorm")."""
     f, k = spec.norm_fraction_bits, spec.norm_unit_bits
-    xc = _center(x)
     d = xc.shape[-1]
     ss = jnp.sum(xc * xc, axis=-1, keepdims=True)
     v = jnp.left_shift(ss, 2 * f) // d + jnp.reshape(c["eps"], ()).astype(I64)
@@ -299,6 +306,10 @@ def _rope(
     b, t, width = x[0].shape
     hd = spec.head_dim
     xc = _center(x).reshape(b, t, width // hd, hd)
+    if "norm.M" in c:  # Qwen3: each head RMSNormed into a 16-bit intermediate first
+        norm = {k.removeprefix("norm."): v for k, v in c.items() if k.startswith("norm.")}
+        bound = jnp.asarray(HEAD_NORM_MAX, I64)
+        xc = _rmsnorm_centered(spec, xc, norm, (jnp.zeros((), I64), -bound, bound)).astype(I64)
     half = hd // 2
     rot = jnp.concatenate([-xc[..., half:], xc[..., :half]], axis=-1)
     acc = xc * cos[None, :, None, :] + rot * sin[None, :, None, :]

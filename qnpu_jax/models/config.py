@@ -1,4 +1,4 @@
-"""ModelConfig: the LLaMA family (LLaMA 2/3.x, Qwen2/2.5, SmolLM2) as HF configs describe it."""
+"""ModelConfig: the LLaMA family (LLaMA 2/3.x, Qwen2/2.5, Qwen3, SmolLM2) as HF configs give it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ from typing import Any
 
 from qnpu_jax.errors import QnpuError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# transformers' class of each architecture (config.json "architectures")
+ARCHITECTURE_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -98,6 +104,11 @@ class ModelConfig:
             raise QnpuError(f"model config: rms_norm_eps must be positive, got {self.rms_norm_eps}")
 
     @property
+    def qk_norm(self) -> bool:
+        """Qwen3's per-head RMSNorm of q and k before RoPE (q_norm / k_norm, gains [head_dim])."""
+        return self.architecture == "qwen3"
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -126,8 +137,10 @@ class ModelConfig:
             )
         if hf.get("mlp_bias"):
             raise QnpuError("config.json: mlp_bias=true is not supported")
-        if model_type == "qwen2" and hf.get("use_sliding_window"):
-            raise QnpuError("config.json: Qwen2 sliding-window attention is not supported")
+        if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+            raise QnpuError("config.json: Qwen sliding-window attention is not supported")
+        if model_type == "qwen3" and hf.get("attention_bias"):
+            raise QnpuError("config.json: Qwen3 attention_bias=true is not supported")
         if hf.get("hidden_act", "silu") != "silu":
             raise QnpuError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported")
         if model_type == "llama" and hf.get("attention_bias"):
@@ -179,7 +192,7 @@ class ModelConfig:
                     "original_max_position_embeddings": self.rope.original_max_position_embeddings,
                 }
             rope_parameters |= rope_scaling
-        arch_class = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.architecture]
+        arch_class = ARCHITECTURE_CLASSES[self.architecture]
         out: dict[str, Any] = {
             "architectures": [arch_class],
             "model_type": self.architecture,

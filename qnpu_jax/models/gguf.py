@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.models.config import ModelConfig, RopeConfig
+from qnpu_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
 from qnpu_jax.models.hf import params_from_state_dict
 from qnpu_jax.models.tokenizer import Tokenizer, tokenizer_from_gguf_vocab
 
@@ -21,6 +21,8 @@ _GGUF_LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -57,8 +59,11 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 def gguf_model_config(reader: Any) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise QnpuError(f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2)")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise QnpuError(
+            f"GGUF architecture {arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
 
     def get(key: str, default: Any = None) -> Any:
         value = _field(reader, f"{arch}.{key}", default)
@@ -105,7 +110,7 @@ def gguf_model_config(reader: Any) -> ModelConfig:
 
 
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
-    """Load a LLaMA/Qwen2 GGUF file as float32 params (quantized blocks dequantized)."""
+    """Load a LLaMA/Qwen2/Qwen3 GGUF file as float32 params (quantized blocks dequantized)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 

@@ -28,6 +28,8 @@ def _hf_layer_names() -> dict[str, str]:
     for op in GRAPH.layer:
         if op.gain:
             names[op.gain] = f"{op.gain}.weight"
+        if op.head_norm:  # inside the attention module (Qwen3)
+            names[op.head_norm] = f"self_attn.{op.head_norm}.weight"
         if op.weight is not None:
             names[op.weight.name] = op.weight.hf
             if op.bias:

@@ -6,6 +6,7 @@ stacked along a leading axis so the depth is one `jax.lax.scan`):
     embed_tokens [V, D]
     layers/ input_layernorm [L, D]      q_proj [L, Hq*hd, D]   k_proj, v_proj [L, Hkv*hd, D]
             q_bias, k_bias, v_bias      (only when config.attention_bias) [L, out]
+            q_norm, k_norm [L, hd]      (only when config.qk_norm: Qwen3)
             o_proj [L, D, Hq*hd]        post_attention_layernorm [L, D]
             gate_proj, up_proj [L, F, D]   down_proj [L, D, F]
     norm [D]
@@ -27,6 +28,7 @@ from qnpu_jax.export.graph import (
     EMBED_TABLE,
     FINAL_NORM,
     GRAPH,
+    HEAD_NORMS,
     LM_HEAD,
     PROBS,
     ROPE_FRACTION_BITS,
@@ -106,10 +108,27 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(var + eps) * weight
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x [..., in] @ w[out, in]^T (+ b)."""
-    y = jnp.einsum("...i,oi->...o", x, w)
+MATMUL_DTYPES = ("float32", "bfloat16")
+
+
+def linear(
+    x: jax.Array, w: jax.Array, b: jax.Array | None = None, dtype: str = "float32"
+) -> jax.Array:
+    """x [..., in] @ w[out, in]^T (+ b); `dtype` "bfloat16": both operands rounded to bf16,
+    products accumulated in float32 (what bf16 training runs on accelerators)."""
+    if dtype == "bfloat16":
+        bf = jnp.bfloat16
+        y = jnp.einsum(
+            "...i,oi->...o", x.astype(bf), w.astype(bf), preferred_element_type=jnp.float32
+        )
+    else:
+        y = jnp.einsum("...i,oi->...o", x, w)
     return y if b is None else y + b
+
+
+def matmul_dtype(taps: Any) -> str:
+    """The linears' operand type `taps` ask for (their `matmul_dtype`; float32 without)."""
+    return str(getattr(taps, "matmul_dtype", "float32")) if taps is not None else "float32"
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
@@ -146,7 +165,7 @@ def probability_codes(e: jax.Array) -> jax.Array:
     if e.shape[-1] > 32767:
         raise ValueError("probability_codes: more than 32767 keys overflow its uint32 division")
     e_int = e.astype(jnp.uint32)
-    total = jnp.sum(e_int, axis=-1, keepdims=True)
+    total = jnp.sum(e_int, axis=-1, keepdims=True, dtype=jnp.uint32)  # also under x64
     half = total // 2
     numerator = e_int * jnp.uint32(PROB_ONE) + half  # the true value modulo 2^32
     estimate = jnp.floor((e * PROB_ONE + half.astype(e.dtype)) / total.astype(e.dtype))
@@ -244,6 +263,7 @@ def _decoder_layer(
     tap: Tap = no_tap,
     graph: Graph = GRAPH,
     device: bool = False,
+    dtype: str = "float32",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decoder layer: the float reading of `graph`'s layer ops, in order; `tap` marks
     every quantized tensor (weights and op outputs) by its name in the graph."""
@@ -257,9 +277,12 @@ def _decoder_layer(
             y = rms_norm(ins[0], layer[op.gain], cfg.rms_norm_eps)
         elif op.kind == "linear":
             w = op.weight_name
-            y = linear(ins[0], tap(w, layer[w]), layer.get(op.bias) if op.bias else None)
+            y = linear(ins[0], tap(w, layer[w]), layer.get(op.bias) if op.bias else None, dtype)
         elif op.kind == "rope":
-            y = apply_rope(ins[0].reshape(b, t, heads[op.heads], hd), cos, sin)
+            x_heads = ins[0].reshape(b, t, heads[op.heads], hd)
+            if op.head_norm in layer:  # Qwen3: RMSNorm over each head first
+                x_heads = rms_norm(x_heads, layer[op.head_norm], cfg.rms_norm_eps)
+            y = apply_rope(x_heads, cos, sin)
         elif op.kind == "attention":
             q, k, v = (a.reshape(b, t, -1, hd) for a in ins)
             k_cache = jax.lax.dynamic_update_slice_in_dim(
@@ -326,6 +349,7 @@ def forward_tapped(
         x = x @ residual_rotation
     x = outer_tap(embed_op.out_name, x)
     device = simulates_device(taps)
+    dtype = matmul_dtype(taps)
     positions = start + jnp.broadcast_to(jnp.arange(t), (b, t))
     cos, sin = rope_cos_sin(positions, cfg, cache["k"].shape[3] if device else None)
 
@@ -333,7 +357,7 @@ def forward_tapped(
         layer, k_cache, v_cache, layer_state = xs
         tap, aux = taps.layer(layer_state) if taps else (no_tap, no_aux)
         x, k_cache, v_cache = _decoder_layer(
-            cfg, x, layer, k_cache, v_cache, start, cos, sin, tap, graph, device
+            cfg, x, layer, k_cache, v_cache, start, cos, sin, tap, graph, device, dtype
         )
         return x, (k_cache, v_cache, aux())
 
@@ -343,7 +367,9 @@ def forward_tapped(
     if residual_rotation is not None:
         x = x @ residual_rotation.T
     logits = linear(
-        x, outer_tap(head_op.weight.name if head_op.weight else "", lm_head_weight(params))
+        x,
+        outer_tap(head_op.weight.name if head_op.weight else "", lm_head_weight(params)),
+        dtype=dtype,
     )
     return logits, {"k": k_new, "v": v_new}, {"layers": layer_aux, **outer_aux()}
 
@@ -445,13 +471,15 @@ def layer_param_shapes(cfg: ModelConfig, graph: Graph = GRAPH) -> dict[str, tupl
             shapes[op.weight_name] = (widths[op.out_name], widths[op.ins[0]])
     if cfg.attention_bias:
         shapes |= {op.bias: shapes[op.weight_name][:1] for op in graph.ops("linear") if op.bias}
+    if cfg.qk_norm:
+        shapes |= {op.head_norm: (cfg.head_dim,) for op in graph.ops("rope") if op.head_norm}
     return shapes
 
 
 def init_random_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
     """Random float32 params of the layout above (for tests and experiments on tiny models)."""
     shapes = layer_param_shapes(cfg)
-    gains = {op.gain for op in GRAPH.layer if op.gain}
+    gains = {op.gain for op in GRAPH.layer if op.gain} | set(HEAD_NORMS)
     layer_key, embed_key, head_key = jax.random.split(key, 3)
     layers = {}
     for (name, shape), k in zip(

@@ -30,6 +30,7 @@ from qnpu_jax.export.graph import (
 )
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import (
+    MATMUL_DTYPES,
     Params,
     Tap,
     embed_rows,
@@ -70,10 +71,13 @@ class FakeQuantTaps:
     lsq_grad_scaling: bool = False
     cfg: ModelConfig | None = None  # needed only for lsq_grad_scaling (elements per scale)
     local_loss: bool = False
+    matmul_dtype: str = "float32"  # the linears' operands ("bfloat16": stage 1's bf16 option)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise QnpuError(f"unknown fake-quant mode {self.mode!r}; known: {MODES}")
+        if self.matmul_dtype not in MATMUL_DTYPES:
+            raise QnpuError(f"matmul_dtype must be one of {MATMUL_DTYPES}")
         if self.lsq_grad_scaling and self.cfg is None:
             raise QnpuError("lsq_grad_scaling needs the model config")
 

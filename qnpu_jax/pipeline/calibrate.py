@@ -14,10 +14,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import ATTENTION_TENSORS, EMBED_TABLE, GRAPH, Graph
+from qnpu_jax.mesh import data_size, put_batch
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, lm_head_weight
 from qnpu_jax.models.quantized import (
@@ -92,10 +94,11 @@ def collect_activation_stats(
     progress: bool = False,
     prefix: tuple[int, ...] = (),
     graph: Graph = GRAPH,
+    mesh: Mesh | None = None,
 ) -> dict[str, Any]:
     """RangeStats of every calibrated activation of `plan` over `windows` [N, T] (each after
     the sink `prefix`, whose K/V count towards the cache ranges), the forward read from
-    `graph`."""
+    `graph`; on `mesh`, `batch_size` windows at a time split along its data axis."""
     paths = _observed_paths(plan)
     taps = ObserveTaps(paths)
     stats = _empty_stats(plan, paths, cfg.num_layers)
@@ -103,7 +106,7 @@ def collect_activation_stats(
         raise QnpuError("no calibration windows")
     # The last batch may be smaller (one more compilation): every window counts once.
     for i in tqdm(range(0, len(windows), batch_size), desc="calibrate", disable=not progress):
-        batch = jnp.asarray(windows[i : i + batch_size])
+        batch = put_batch(mesh, windows[i : i + batch_size])
         stats = _observe_step(params, stats, batch, cfg=cfg, taps=taps, prefix=prefix, graph=graph)
     return stats
 
@@ -320,23 +323,26 @@ def calibrate(
     plan: QuantPlan,
     windows: np.ndarray,
     *,
-    batch_size: int = 1,
+    batch_size: int | None = None,
     progress: bool = False,
     prefix: tuple[int, ...] = (),
     graph: Graph = GRAPH,
+    mesh: Mesh | None = None,
 ) -> QuantState:
     """Static encodings of every tensor in `plan`: weights from the weights, activations from
     statistics of the float model of `graph` over calibration `windows` (after the sink
-    `prefix`)."""
+    `prefix`); on `mesh`, the windows split along its data axis (`batch_size` None: as many
+    as it has devices)."""
     stats = collect_activation_stats(
         params,
         cfg,
         plan,
         windows,
-        batch_size=batch_size,
+        batch_size=batch_size or data_size(mesh),
         progress=progress,
         prefix=prefix,
         graph=graph,
+        mesh=mesh,
     )
     encodings = weight_encodings(params, cfg, plan) | activation_encodings(
         stats, plan, cfg.num_layers

@@ -15,6 +15,7 @@ from typing import Any
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import SIMULATIONS
+from qnpu_jax.mesh import MeshConfig
 from qnpu_jax.pipeline.stage1 import Stage1Config
 from qnpu_jax.quant.plan import QuantRule
 
@@ -74,6 +75,9 @@ class QuantizeConfig:
     eval_windows: int | None = 64  # cap per evaluation set (None: every window)
     stage1: Stage1Config = dataclasses.field(default_factory=Stage1Config)
     rules: tuple[QuantRule, ...] = ()
+    # where it runs (`qnpu_jax.mesh`): {data, fsdp} axis sizes, null = automatic; a run may
+    # resume on another mesh
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -143,6 +147,8 @@ class QuantizeConfig:
             raise QnpuError(f"eval_data must be a list of data specs, got {self.eval_data!r}")
         if not isinstance(self.stage1, Stage1Config):
             raise QnpuError("stage1 must be a Stage1Config")
+        if not isinstance(self.mesh, MeshConfig):
+            raise QnpuError("mesh must be a MeshConfig")
 
     @property
     def bits_name(self) -> str:
@@ -180,6 +186,8 @@ class QuantizeConfig:
             if s1_unknown:
                 raise QnpuError(f"unknown stage1 key(s) {s1_unknown}; known: {sorted(s1_known)}")
             values["stage1"] = Stage1Config(**stage1)
+        if "mesh" in values:
+            values["mesh"] = _mesh_config(values["mesh"])
         if "rules" in values:
             rules = values["rules"] or []
             r_known = {f.name for f in dataclasses.fields(QuantRule)}
@@ -208,6 +216,20 @@ class QuantizeConfig:
             for r in self.rules
         ]
         return out
+
+
+def _mesh_config(value: Any) -> MeshConfig:
+    """`mesh:` as a mapping {data, fsdp}, "DATAxFSDP", "auto" or null."""
+    if value is None:
+        return MeshConfig()
+    if isinstance(value, str):
+        return MeshConfig.parse(value)
+    if not isinstance(value, Mapping):
+        raise QnpuError(f"mesh must be a mapping {{data, fsdp}} or DATAxFSDP, got {value!r}")
+    known = {f.name for f in dataclasses.fields(MeshConfig)}
+    if set(value) - known:
+        raise QnpuError(f"unknown mesh key(s) {sorted(set(value) - known)}; known: {sorted(known)}")
+    return MeshConfig(**value)
 
 
 SHIPPED_CONFIGS = "configs"  # package data of qnpu_jax: the configs named by --config NAME
@@ -284,13 +306,15 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
         except yaml.YAMLError as e:
             raise QnpuError(f"--set {item!r}: the value is not YAML ({e})") from e
         parts = key.strip().split(".")
-        if len(parts) > 2 or (len(parts) == 2 and parts[0] != "stage1"):
-            raise QnpuError(f"--set {item!r}: only stage1.KEY may be dotted")
+        if len(parts) > 2 or (len(parts) == 2 and parts[0] not in ("stage1", "mesh")):
+            raise QnpuError(f"--set {item!r}: only stage1.KEY and mesh.KEY may be dotted")
         if len(parts) == 2:
-            stage1 = out.get("stage1") or {}
-            if not isinstance(stage1, Mapping):
-                raise QnpuError(f"--set {item!r}: stage1 is not a mapping")
-            out["stage1"] = {**stage1, parts[1]: value}
+            inner = out.get(parts[0]) or {}
+            if isinstance(inner, str) and parts[0] == "mesh":
+                inner = _mesh_config(inner).to_dict()
+            if not isinstance(inner, Mapping):
+                raise QnpuError(f"--set {item!r}: {parts[0]} is not a mapping")
+            out[parts[0]] = {**inner, parts[1]: value}
         else:
             out[parts[0]] = value
     return out

@@ -20,9 +20,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
+from qnpu_jax.mesh import data_size, put_batch
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
 from qnpu_jax.models.quantized import CaptureTaps, tapped_forward
@@ -80,21 +82,24 @@ def tensor_sensitivity(
     name: str,
     *,
     bits: int = 8,
-    batch_size: int = 1,
+    batch_size: int | None = None,
     prefix: tuple[int, ...] = (),
+    mesh: Mesh | None = None,
 ) -> SensitivityReport:
-    """Eq. (4) for every layer's tensor `name` at `bits`, static Max-Min over `windows`."""
+    """Eq. (4) for every layer's tensor `name` at `bits`, static Max-Min over `windows`; on
+    `mesh`, the windows split along its data axis (`batch_size` None: its size)."""
     if name not in SCANNED_TENSORS:
         raise QnpuError(f"no sensitivity scan for {name!r}; known: {SCANNED_TENSORS}")
     tq = TensorQuant(bits=bits, init="max_min")
     plan = QuantPlan(((f"layers/{name}", tq),), cfg.num_layers)
-    entry = calibrate(params, cfg, plan, windows, batch_size=batch_size, prefix=prefix)["layers"][
-        name
-    ]
+    batch_size = batch_size or data_size(mesh)
+    entry = calibrate(params, cfg, plan, windows, batch_size=batch_size, prefix=prefix, mesh=mesh)[
+        "layers"
+    ][name]
     total = jnp.zeros((cfg.num_layers,), jnp.float32)
     count = 0
     for i in range(0, len(windows), batch_size):
-        batch = jnp.asarray(windows[i : i + batch_size])
+        batch = put_batch(mesh, windows[i : i + batch_size])
         sums, size = _layer_error_sums(
             params,
             batch,

@@ -252,10 +252,15 @@ def _read_model_json(path: Path) -> dict[str, Any]:
     return meta
 
 
-def nll_perplexity(nll: Any, windows: np.ndarray, *, progress: bool = False) -> dict[str, Any]:
+def nll_perplexity(
+    nll: Any, windows: np.ndarray, *, progress: bool = False, mesh: Any = None
+) -> dict[str, Any]:
+    """{"ppl", "windows", "tokens"} of `nll` over `windows`, on `mesh` as many windows at a time
+    as its data axis has devices (one without a mesh)."""
     from qnpu_jax.eval import perplexity
+    from qnpu_jax.mesh import data_size
 
-    result = perplexity(nll, windows, batch_size=1, progress=progress)
+    result = perplexity(nll, windows, batch_size=data_size(mesh), progress=progress, mesh=mesh)
     return {"ppl": result.ppl, "windows": result.windows, "tokens": result.predicted_tokens}
 
 
@@ -270,8 +275,11 @@ def save_learned(
 ) -> None:
     """Write rotations (None: unrotated), the quantizer state (None: not calibrated yet),
     GPTQ's weight codes (None: round-to-nearest) and the up→down smoothing scales (None: no
-    smoothing) to directory/learned, through a temporary sibling and a rename."""
+    smoothing) to directory/learned, through a temporary sibling and a rename; as host
+    arrays, so a run made on a mesh loads on any device count."""
     import orbax.checkpoint as ocp
+
+    from qnpu_jax.mesh import host_tree
 
     target = (Path(directory) / "learned").resolve()
     tmp = target.with_name("learned.tmp")
@@ -286,7 +294,7 @@ def save_learned(
         if smoothing is not None:
             tree["mlp_smoothing"] = smoothing
             tree["mlp_smoothing_alpha"] = np.asarray(smoothing_alpha, np.float32)
-        ckpt.save(tmp, tree)
+        ckpt.save(tmp, host_tree(tree))
     if target.exists():
         shutil.rmtree(target)
     tmp.rename(target)

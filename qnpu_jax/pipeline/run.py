@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from jax.sharding import Mesh
 
 from qnpu_jax.data import (
     eval_windows,
@@ -37,6 +38,8 @@ from qnpu_jax.environment import environment_info
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
 from qnpu_jax.files import write_json_atomic
+from qnpu_jax.mesh import describe as describe_mesh
+from qnpu_jax.mesh import make_mesh, place_params
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
 from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
@@ -80,19 +83,24 @@ def evaluate(
     cfg: ModelConfig,
     windows: np.ndarray,
     prefix: tuple[int, ...],
+    mesh: Mesh | None = None,
 ) -> dict[str, Any]:
-    """Perplexity of the float (state None) or static fake-quant model over `windows`."""
+    """Perplexity of the float (state None) or static fake-quant model over `windows`, on
+    `mesh` with the params sharded and the windows split along its data axis."""
     taps = FakeQuantTaps(plan) if plan is not None else None
+    if mesh is not None:
+        params = place_params(mesh, params)
     nll = partial(tapped_token_nll, params, state, cfg=cfg, taps=taps, prefix=prefix)
-    return nll_perplexity(nll, windows)
+    return nll_perplexity(nll, windows, mesh=mesh)
 
 
 def _eval_split(spec: str) -> str | None:
     return "eval" if spec == "wiki" else None
 
 
-# Keys that change only how a finished model is evaluated: --resume may change them.
-EVAL_ONLY_KEYS = ("eval_data", "eval_windows")
+# Keys that change only how a finished model is evaluated, or where it runs (a checkpoint
+# resumes on another mesh): --resume may change them.
+EVAL_ONLY_KEYS = ("eval_data", "eval_windows", "mesh")
 
 
 def _without_eval(config: QuantizeConfig) -> QuantizeConfig:
@@ -166,6 +174,7 @@ def quantize(
     say = announce or (lambda message: None)
     t0 = time.perf_counter()
     say(f"loading {config.model}; then the calibration and evaluation text")
+    mesh = make_mesh(config.mesh)
     loaded = load_model(config.model)
     cfg = loaded.config
     prefix = sink_prefix(config.prefix, loaded.tokenizer)
@@ -188,7 +197,7 @@ def quantize(
             say(f"resuming before step {first + 1} of {len(recipe)} ({recipe.steps[first].name})")
     seconds["load"] = time.perf_counter() - t0
 
-    context = Context(workdir=run_dir, progress=progress)
+    context = Context(workdir=run_dir, progress=progress, mesh=mesh)
     for i, step in enumerate(recipe.steps[first:], first):
         if step.resumable and not (resume and i == first):
             model.save(run_dir / RESUME_DIR)
@@ -203,17 +212,17 @@ def quantize(
     model.save(run_dir)
 
     t0 = time.perf_counter()
-    params = model.params()
+    params = place_params(mesh, model.params())
     nll = model.nll_fn(params)
     results: dict[str, Any] = {}
     for spec, windows in eval_sets.items():
         say(
             f"evaluation on {spec}: {len(windows)} windows of {config.seq_len}, quantized and float"
         )
-        quant_r = nll_perplexity(nll, windows)
+        quant_r = nll_perplexity(nll, windows, mesh=mesh)
         reference = (float_reference or {}).get(spec)
         if reference is None:
-            float_r = evaluate(loaded.params, None, None, cfg, windows, prefix)
+            float_r = evaluate(loaded.params, None, None, cfg, windows, prefix, mesh)
         elif (reference.get("windows"), reference.get("tokens")) != (
             quant_r["windows"],
             quant_r["tokens"],
@@ -248,6 +257,7 @@ def quantize(
         "seconds": seconds,
         "resumed": resume,
         "stage1_step_seconds": _stage1_step_seconds(run_dir),
+        "mesh": describe_mesh(mesh),
         "environment": environment_info(),
         "command": command,
     }

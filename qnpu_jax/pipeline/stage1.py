@@ -22,14 +22,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from qnpu_jax.data import sample_windows
 from qnpu_jax.errors import QnpuError, first_line
 from qnpu_jax.export.graph import EMBED_TABLE, LM_HEAD
 from qnpu_jax.files import iter_jsonl
+from qnpu_jax.mesh import (
+    batch_sharding,
+    check_batch,
+    param_shardings,
+    place,
+    replicated,
+)
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import Params, next_token_nll
+from qnpu_jax.models.llama import MATMUL_DTYPES, Params, next_token_nll
 from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, tapped_forward
 from qnpu_jax.quant.fake_quant import log_to_scale, positive_scale, scale_to_log
 from qnpu_jax.quant.plan import QuantPlan
@@ -60,6 +68,9 @@ class Stage1Config:
     scale_param: str = "linear"  # how scales are parameterized (SCALE_PARAMS)
     remat: bool = True
     checkpoint_every: int = 10
+    # the linears' matmul operands in the stage-1 forward ("bfloat16": the paper's bf16
+    # training; R1/R2 and the scales stay float32 master copies either way)
+    compute_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "checkpoint_every"):
@@ -75,6 +86,10 @@ class Stage1Config:
         if not 0.0 <= self.local_loss_fraction <= 1.0:
             raise QnpuError(
                 f"stage 1 local_loss_fraction must be in [0, 1], got {self.local_loss_fraction}"
+            )
+        if self.compute_dtype not in MATMUL_DTYPES:
+            raise QnpuError(
+                f"stage 1 compute_dtype must be one of {MATMUL_DTYPES}, got {self.compute_dtype!r}"
             )
         if self.scale_param not in SCALE_PARAMS:
             raise QnpuError(
@@ -210,17 +225,18 @@ def stage1_loss(
     return ce + local_weight * local, {"ce": ce, "local": local}
 
 
-def make_train_step(
+def train_step(
     cfg: ModelConfig, plan: QuantPlan, config: Stage1Config, prefix: tuple[int, ...] = ()
-) -> jax.stages.Wrapped:
-    """The jitted step `(train_state, batch [A, B, T], base_params, frozen_state) ->
-    (train_state, metrics)`; bind the constants with functools.partial for `(state, batch)`."""
+) -> Any:
+    """The pure step `(train_state, batch [A, B, T], base_params, frozen_state) ->
+    (train_state, metrics)` (`make_train_step` jits it)."""
     taps = FakeQuantTaps(
         plan,
         mode=config.activation_mode,
         lsq_grad_scaling=config.lsq_grad_scaling,
         cfg=cfg,
         local_loss=config.local_loss_steps > 0 and config.activation_mode == "static",
+        matmul_dtype=config.compute_dtype,
     )
     optimizer = make_optimizer(config)
     loss_fn = partial(
@@ -234,7 +250,6 @@ def make_train_step(
     )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    @jax.jit
     def step(
         train_state: dict[str, Any], batch: jax.Array, base_params: Params, frozen: QuantState
     ) -> tuple[dict[str, Any], dict[str, jax.Array]]:
@@ -266,6 +281,43 @@ def make_train_step(
         return new, metrics
 
     return step
+
+
+def step_shardings(
+    mesh: Mesh, train_state: Any, base_params: Any, frozen_state: Any
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """(in_shardings, out_shardings) of the step on `mesh`: the trainable parameters, their
+    optimizer state, the frozen base and quantizer state along `fsdp` (`mesh.param_shardings`),
+    the batch [A, B, T] split on B along `data`, the metrics replicated."""
+    state = param_shardings(mesh, train_state)
+    ins = (
+        state,
+        batch_sharding(mesh, 3, axis=1),
+        param_shardings(mesh, base_params),
+        param_shardings(mesh, frozen_state),
+    )
+    return ins, (state, replicated(mesh))
+
+
+def make_train_step(
+    cfg: ModelConfig,
+    plan: QuantPlan,
+    config: Stage1Config,
+    prefix: tuple[int, ...] = (),
+    *,
+    mesh: Mesh | None = None,
+    like: tuple[Any, Any, Any] | None = None,
+) -> jax.stages.Wrapped:
+    """`train_step` jitted; on `mesh`, with the explicit shardings of `step_shardings` for
+    trees shaped like `like` = (train_state, base_params, frozen_state) (arrays or
+    ShapeDtypeStructs). Bind the constants with functools.partial for `(state, batch)`."""
+    step = train_step(cfg, plan, config, prefix)
+    if mesh is None:
+        return jax.jit(step)
+    if like is None:
+        raise ValueError("make_train_step on a mesh needs `like` (the trees it shards)")
+    ins, outs = step_shardings(mesh, *like)
+    return jax.jit(step, in_shardings=ins, out_shardings=outs)
 
 
 def step_batch(
@@ -310,14 +362,25 @@ def run_stage1(
     prefix: tuple[int, ...] = (),
     progress: bool = True,
     stop_after: int | None = None,
+    mesh: Mesh | None = None,
 ) -> dict[str, Any]:
     """Train to `config.steps`, checkpointing every `checkpoint_every` steps in
     run_dir/checkpoints and appending per-step metrics to run_dir/metrics.jsonl.
 
     If run_dir holds a checkpoint, training continues from the latest one; the result equals
-    an uninterrupted run's. `stop_after` ends early after that step (tests use it as a kill).
+    an uninterrupted run's, and the checkpoint may come from another mesh (orbax restores it
+    into this mesh's shardings). `stop_after` ends early after that step (tests use it as a
+    kill). On `mesh`, every tree is placed by `step_shardings` first.
     """
     import orbax.checkpoint as ocp
+
+    if mesh is not None:
+        check_batch(mesh, config.batch_size, "stage 1 batch_size")
+        like = (train_state, base_params, frozen_state)
+        (state_sh, _, base_sh, frozen_sh), _ = step_shardings(mesh, *like)
+        train_state = place(train_state, state_sh)
+        base_params = place(base_params, base_sh)
+        frozen_state = place(frozen_state, frozen_sh)
 
     manager = _checkpoint_manager(run_dir / "checkpoints", config)
     metrics_path = run_dir / "metrics.jsonl"
@@ -333,13 +396,17 @@ def run_stage1(
         _trim_metrics(metrics_path, latest)
     elif metrics_path.exists():
         metrics_path.unlink()
-    step_fn = make_train_step(cfg, plan, config, prefix)
+    step_fn = make_train_step(
+        cfg, plan, config, prefix, mesh=mesh, like=(train_state, base_params, frozen_state)
+    )
+    batch_in = batch_sharding(mesh, 3, axis=1) if mesh is not None else None
     start = int(train_state["step"])
     bar = tqdm(total=config.steps, initial=start, desc="stage 1", disable=not progress)
     try:
         for step in range(start, config.steps):
             t0 = time.perf_counter()
-            batch = jnp.asarray(step_batch(calib_ids, step, config, seq_len, key))
+            windows = step_batch(calib_ids, step, config, seq_len, key)
+            batch = jax.device_put(windows, batch_in) if batch_in else jnp.asarray(windows)
             train_state, metrics = step_fn(train_state, batch, base_params, frozen_state)
             values = {k: float(v) for k, v in metrics.items()}
             if not np.isfinite(values["loss"]):

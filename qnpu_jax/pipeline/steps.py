@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import (
@@ -27,6 +28,8 @@ from qnpu_jax.export.graph import (
     SMOOTHED_LINEARS,
     UNROTATED_INPUT,
 )
+from qnpu_jax.mesh import place_params
+from qnpu_jax.models.llama import Params
 from qnpu_jax.pipeline.calibrate import calibrate as calibrate_state
 from qnpu_jax.pipeline.calibrate import channel_absmax
 from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits, tensor_sensitivity
@@ -80,10 +83,16 @@ class Calibration:
 @dataclasses.dataclass(frozen=True)
 class Context:
     """How a step runs, not what it computes: a working directory for checkpoints (stage 1
-    resumes from it; None: a temporary one) and progress bars."""
+    resumes from it; None: a temporary one), progress bars, and the device mesh that stage 1,
+    calibration and the sensitivity scan run on (None: the default device)."""
 
     workdir: Path | None = None
     progress: bool = False
+    mesh: Mesh | None = None
+
+    def placed(self, params: Params) -> Params:
+        """`params` sharded on the mesh (`mesh.place_params`), unchanged without one."""
+        return params if self.mesh is None else place_params(self.mesh, params)
 
 
 StepFn = Callable[[QuantizedModel, Calibration, Context], tuple[QuantizedModel, Any]]
@@ -205,7 +214,9 @@ def promote(tensor: str, fraction: float) -> Step:
 
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
         current = m.require_plan()
-        scan = tensor_sensitivity(m.params(), m.cfg, data.windows, tensor, prefix=m.prefix)
+        scan = tensor_sensitivity(
+            ctx.placed(m.params()), m.cfg, data.windows, tensor, prefix=m.prefix, mesh=ctx.mesh
+        )
         bits = mixed_layer_bits(scan.ratios, fraction)
         rule = QuantRule(pattern=f"layers/{tensor}", layer_bits=tuple(bits))
         info = {
@@ -258,7 +269,9 @@ def stage1(
         s1_plan = stage1_plan(
             m.require_plan(), selective=selective, learn=learn_scales, learn_down_in=learn_down_in
         )
-        s1_state = calibrate_state(m.params(), m.cfg, s1_plan, data.windows, prefix=m.prefix)
+        s1_state = calibrate_state(
+            ctx.placed(m.params()), m.cfg, s1_plan, data.windows, prefix=m.prefix, mesh=ctx.mesh
+        )
         with tempfile.TemporaryDirectory() as tmp:
             workdir = ctx.workdir / "stage1" if ctx.workdir is not None else Path(tmp)
             trained = run_stage1(
@@ -274,6 +287,7 @@ def stage1(
                 run_dir=workdir,
                 prefix=m.prefix,
                 progress=ctx.progress,
+                mesh=ctx.mesh,
             )
         learned = trained["params"]
         scales = learned_scales(learned["scales"], config.scale_param) if learn_scales else None
@@ -312,7 +326,9 @@ def calibrate(paths: Sequence[str] | None = None) -> Step:
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
         plan = m.require_plan()
         if chosen is None:
-            state = calibrate_state(m.params(), m.cfg, plan, data.windows, prefix=m.prefix)
+            state = calibrate_state(
+                ctx.placed(m.params()), m.cfg, plan, data.windows, prefix=m.prefix, mesh=ctx.mesh
+            )
             if m.trained is not None:
                 state = merge_scales(state, m.trained)
             return m.replace(state=state, weight_codes=None), None
@@ -324,7 +340,11 @@ def calibrate(paths: Sequence[str] | None = None) -> Step:
         if rounded:
             raise QnpuError(f"calibrate: {rounded} carry GPTQ codes; run gptq again instead")
         sub = plan.with_entries(e for e in plan.entries if e[0] in chosen)
-        fresh = by_path(calibrate_state(m.params(), m.cfg, sub, data.windows, prefix=m.prefix))
+        fresh = by_path(
+            calibrate_state(
+                ctx.placed(m.params()), m.cfg, sub, data.windows, prefix=m.prefix, mesh=ctx.mesh
+            )
+        )
         for p, fields in by_path(m.trained or {}).items():  # stage 1's scales stay
             if p in fresh:
                 fresh[p] = fresh[p].replace(**fields)

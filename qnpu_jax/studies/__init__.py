@@ -28,6 +28,7 @@ STUDIES = (
     "quant_baselines",
     "restage2",
     "scale_drift",
+    "sharding",
     "simulation_gap",
     "smooth_study",
     "table_cost",

@@ -1,0 +1,187 @@
+"""Stage 1's memory per device for a model config on a mesh, from XLA's compiled memory
+analysis of the real train step built on abstract shapes (`jax.ShapeDtypeStruct`): nothing is
+allocated and no weights are needed, so paper-size models are planned on any machine.
+
+The step is `stage1.make_train_step` with the mesh's explicit shardings, lowered for the
+quantnpu stage-1 plan (linear weights and inputs fake-quantized, R1/R2 and their scales
+learned) and compiled for the devices at hand: on a CPU host, 8 platform devices stand in for
+8 accelerators (`--xla_force_host_platform_device_count`); XLA's buffer assignment is then the
+CPU backend's, so figures for a GPU or TPU are an estimate of the same program's footprint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import EMBED_TABLE, LM_HEAD
+from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.quant.plan import QuantPlan
+
+SHIPPED_ARCHITECTURES = "architectures"  # package data: HF config.json files, by name
+BASE_DTYPES = ("float32", "bfloat16")
+GIB = 1 << 30
+
+
+def shipped_architectures() -> dict[str, Any]:
+    """{name: resource} of the model configs shipped with the package (config.json only)."""
+    root = resources.files("qnpu_jax").joinpath(SHIPPED_ARCHITECTURES)
+    return {e.name.removesuffix(".json"): e for e in root.iterdir() if e.name.endswith(".json")}
+
+
+def model_architecture(spec: str) -> ModelConfig:
+    """A ModelConfig from a shipped name (`qnpu plan-memory --list`), a config.json file or an
+    HF checkpoint directory holding one; no weights are read."""
+    shipped = shipped_architectures()
+    path = Path(spec)
+    if spec in shipped:
+        where, text = f"shipped architecture {spec}", shipped[spec].read_text()
+    elif path.is_dir() and (path / "config.json").is_file():
+        where, text = str(path / "config.json"), (path / "config.json").read_text()
+    elif path.is_file():
+        where, text = str(path), path.read_text()
+    else:
+        raise QnpuError(
+            f"unknown model {spec!r}: not a shipped architecture ({', '.join(sorted(shipped))}), "
+            "a config.json file nor a directory holding one"
+        )
+    try:
+        return ModelConfig.from_hf(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise QnpuError(f"{where}: not valid JSON ({e})") from e
+    except QnpuError as e:
+        raise QnpuError(f"{where}: {e}") from e
+
+
+def abstract_params(cfg: ModelConfig, dtype: str = "float32") -> Any:
+    """ShapeDtypeStructs of the fused float params stage 1 starts from (an explicit lm_head,
+    as `fuse_norms` gives), in `dtype`."""
+    from qnpu_jax.models.llama import init_random_params
+
+    shapes = jax.eval_shape(lambda: init_random_params(cfg, jax.random.key(0)))
+    if LM_HEAD not in shapes:
+        shapes[LM_HEAD] = shapes[EMBED_TABLE]
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)), shapes)
+
+
+def _weight_shape(path: str, cfg: ModelConfig) -> tuple[int, ...]:
+    from qnpu_jax.models.llama import layer_param_shapes
+    from qnpu_jax.quant.state import state_key
+
+    group, name = state_key(path)
+    if group == "layers":
+        return layer_param_shapes(cfg)[name]
+    return (cfg.vocab_size, cfg.hidden_size)
+
+
+def abstract_state(plan: QuantPlan, cfg: ModelConfig) -> Any:
+    """The quantizer state `calibrate` gives for `plan`, as ShapeDtypeStructs: a weight's
+    scale keeps its channel axis (the others become 1), a per-tensor activation's is a scalar,
+    both with a leading layer axis under `layers/` (tests compare with `calibrate`)."""
+    from qnpu_jax.models.quantized import state_entry
+    from qnpu_jax.quant.plan import is_weight
+    from qnpu_jax.quant.state import is_layer_path, state_key
+
+    state: dict[str, Any] = {"layers": {}, "outer": {}}
+    for path, tq in plan.entries:
+        layers = cfg.num_layers if is_layer_path(path) else None
+        lead = (layers,) if layers is not None else ()
+        if is_weight(path):
+            shape = _weight_shape(path, cfg)
+            axes = range(len(shape)) if tq.axis is None else [tq.axis % len(shape)]
+            one = tuple(n if a in axes and tq.axis is not None else 1 for a, n in enumerate(shape))
+            scale_shape = (*lead, *one) if tq.axis is not None else lead
+        elif tq.axis is None:
+            scale_shape = lead
+        else:
+            raise QnpuError(f"{path}: the memory plan models per-tensor activation scales only")
+        zeros = np.zeros(scale_shape, np.float32)
+        group, name = state_key(path)
+        state[group][name] = state_entry(tq, zeros, zeros, layers=layers)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), state)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemorySetting:
+    """What one plan entry measures: the stage-1 batch shape, the precision of the frozen base
+    and of the linears' matmul operands (`Stage1Config.compute_dtype`); learned parameters and
+    optimizer state are float32 throughout."""
+
+    seq_len: int = 2048
+    batch_size: int = 2
+    grad_accum: int = 2
+    base_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: bool = True
+    w_bits: int = 4
+    a_bits: int = 8
+
+    def __post_init__(self) -> None:
+        if self.base_dtype not in BASE_DTYPES:
+            raise QnpuError(f"base_dtype must be one of {BASE_DTYPES}, got {self.base_dtype!r}")
+        for name in ("seq_len", "batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise QnpuError(f"{name} must be positive")
+
+
+def stage1_memory(cfg: ModelConfig, mesh: Any, setting: MemorySetting) -> dict[str, Any]:
+    """XLA's memory analysis of the stage-1 train step of `cfg` on `mesh`, per device."""
+    from qnpu_jax.mesh import check_batch
+    from qnpu_jax.pipeline.config import QuantizeConfig
+    from qnpu_jax.pipeline.recipes import config_stage1_plan
+    from qnpu_jax.pipeline.stage1 import Stage1Config, init_train_state, make_train_step
+    from qnpu_jax.quant import default_plan
+
+    check_batch(mesh, setting.batch_size, "batch_size")
+    config = Stage1Config(
+        steps=100,
+        batch_size=setting.batch_size,
+        grad_accum=setting.grad_accum,
+        remat=setting.remat,
+        compute_dtype=setting.compute_dtype,
+    )
+    plan = config_stage1_plan(
+        default_plan(cfg.num_layers, w_bits=setting.w_bits, a_bits=setting.a_bits),
+        QuantizeConfig(w_bits=setting.w_bits, a_bits=setting.a_bits),
+    )
+    params = abstract_params(cfg, setting.base_dtype)
+    frozen = abstract_state(plan, cfg)
+    f32 = jnp.float32
+    r1 = jax.ShapeDtypeStruct((cfg.hidden_size, cfg.hidden_size), f32)
+    r2 = jax.ShapeDtypeStruct((cfg.num_layers, cfg.head_dim, cfg.head_dim), f32)
+    train_state = jax.eval_shape(
+        lambda a, b, s: init_train_state(a, b, s, plan, config), r1, r2, frozen
+    )
+    batch = jax.ShapeDtypeStruct(
+        (setting.grad_accum, setting.batch_size, setting.seq_len), jnp.int32
+    )
+    step = make_train_step(cfg, plan, config, mesh=mesh, like=(train_state, params, frozen))
+    compiled = step.lower(train_state, batch, params, frozen).compile()
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise QnpuError("this backend gives no memory analysis")
+    fields = {
+        "arguments": int(stats.argument_size_in_bytes),
+        "outputs": int(stats.output_size_in_bytes),
+        "aliased": int(stats.alias_size_in_bytes),
+        "temporaries": int(stats.temp_size_in_bytes),
+        "code": int(stats.generated_code_size_in_bytes),
+    }
+    total = fields["arguments"] + fields["outputs"] - fields["aliased"] + fields["temporaries"]
+    base_bytes = sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(params))
+    return {
+        "bytes_per_device": fields,
+        "total_bytes_per_device": total,
+        "total_gib_per_device": total / GIB,
+        "base_params_gib_whole_model": base_bytes / GIB,
+        "parameters": sum(int(np.prod(s.shape)) for s in jax.tree.leaves(params))
+        - (cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0),
+    }
