@@ -570,27 +570,37 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
         return 0
     if not args.model:
         raise QnpuError("give --model NAME... (or --list)")
-    models = {spec: model_architecture(spec) for spec in args.model}  # all errors up front
-    if max(args.devices) > 1:  # stand-in CPU devices; an accelerator's are real
+    # every input checked before the first compile
+    models = {spec: model_architecture(spec) for spec in args.model}
+    settings = [
+        MemorySetting(
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            grad_accum=args.grad_accum,
+            base_dtype=dtype,
+            compute_dtype=compute,
+            remat=not args.no_remat,
+        )
+        for dtype in args.base_dtype
+        for compute in args.compute_dtype
+    ]
+    if not args.budget_gib > 0:
+        raise QnpuError(f"--budget-gib must be positive, got {args.budget_gib}")
+    most = max(args.devices)
+    if most > 1:  # stand-in CPU devices where the accelerators are fewer than asked
         # RuntimeError: a backend already started (a program embedding the CLI): as it is
         with contextlib.suppress(RuntimeError):
-            jax.config.update("jax_num_cpu_devices", max(args.devices))
-    if max(args.devices) > jax.device_count():
-        raise QnpuError(f"{max(args.devices)} devices asked, {jax.device_count()} present")
+            jax.config.update("jax_num_cpu_devices", most)
+    devices = jax.devices() if jax.device_count() >= most else jax.devices("cpu")
+    if len(devices) < most:
+        raise QnpuError(f"{most} devices asked, {len(devices)} present")
     started = time.perf_counter()
     rows = []
     for spec, cfg in models.items():
-        for dtype, compute in [(b, c) for b in args.base_dtype for c in args.compute_dtype]:
-            setting = MemorySetting(
-                seq_len=args.seq_len,
-                batch_size=args.batch_size,
-                grad_accum=args.grad_accum,
-                base_dtype=dtype,
-                compute_dtype=compute,
-                remat=not args.no_remat,
-            )
+        for setting in settings:
+            dtype, compute = setting.base_dtype, setting.compute_dtype
             for n in args.devices:
-                mesh = make_mesh(MeshConfig(data=1, fsdp=n))
+                mesh = make_mesh(MeshConfig(data=1, fsdp=n), devices)
                 row = {
                     "model": spec,
                     "mesh": describe(mesh),

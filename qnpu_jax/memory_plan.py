@@ -24,6 +24,7 @@ import numpy as np
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import EMBED_TABLE, LM_HEAD
 from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import MATMUL_DTYPES
 from qnpu_jax.quant.plan import QuantPlan
 
 SHIPPED_ARCHITECTURES = "architectures"  # package data: HF config.json files, by name
@@ -127,6 +128,10 @@ class MemorySetting:
     def __post_init__(self) -> None:
         if self.base_dtype not in BASE_DTYPES:
             raise QnpuError(f"base_dtype must be one of {BASE_DTYPES}, got {self.base_dtype!r}")
+        if self.compute_dtype not in MATMUL_DTYPES:
+            raise QnpuError(
+                f"compute_dtype must be one of {MATMUL_DTYPES}, got {self.compute_dtype!r}"
+            )
         for name in ("seq_len", "batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise QnpuError(f"{name} must be positive")

@@ -95,19 +95,44 @@ def make_mesh(config: MeshConfig | None = None, devices: Sequence[Any] | None = 
 
 
 def initialize_distributed(enabled: bool | None = None) -> bool:
-    """Join a multi-host job (`jax.distributed.initialize`, which reads the coordinator, process
-    count and id from the cluster: TPU slices, SLURM, Open MPI, or JAX's JAX_COORDINATOR_ADDRESS
-    / JAX_NUM_PROCESSES / JAX_PROCESS_ID). `enabled` None reads QNPU_DISTRIBUTED=1 from the
-    environment. Returns whether it initialized; call before anything touches a device."""
+    """Join a multi-host job (`jax.distributed.initialize`). The coordinator, process count and
+    id come from the cluster (TPU slices, SLURM, Open MPI), or from JAX_COORDINATOR_ADDRESS with
+    JAX_NUM_PROCESSES and JAX_PROCESS_ID. `enabled` None reads QNPU_DISTRIBUTED=1 from the
+    environment. Returns whether it initialized; call before anything touches a device. CPU
+    processes talk through gloo."""
     if enabled is None:
         enabled = os.environ.get(DISTRIBUTED_ENV, "") not in ("", "0")
     if not enabled:
         return False
+    counts: dict[str, int] = {}
+    for key, env in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID")):
+        if os.environ.get(env):
+            try:
+                counts[key] = int(os.environ[env])
+            except ValueError as e:
+                raise QnpuError(f"{env} must be an integer, got {os.environ[env]!r}") from e
     try:
-        jax.distributed.initialize()
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            num_processes=counts.get("num_processes"), process_id=counts.get("process_id")
+        )
     except Exception as e:  # the cluster environment is missing or wrong: say which
         raise QnpuError(f"jax.distributed.initialize failed: {e}") from e
     return True
+
+
+def is_primary() -> bool:
+    """Whether this process writes the run directory (process 0 of a multi-host job)."""
+    return jax.process_index() == 0
+
+
+def sync(name: str) -> None:
+    """A barrier across the job's processes (nothing on one process): the others wait until
+    the primary has written what they read next."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def host_platform_flags(devices: int, existing: str = "") -> str:
@@ -201,16 +226,29 @@ def host_tree(tree: Any) -> Any:
     process when one holds only its shards): what a run directory stores, so that it loads
     on any device count (orbax refuses a sharded tree restored under another topology)."""
 
-    def one(x: Any) -> Any:
-        if not isinstance(x, jax.Array):
-            return x
-        if not x.is_fully_addressable:
-            from jax.experimental import multihost_utils
+    return jax.tree.map(host_array, tree)
 
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+def local_value(x: Any) -> Any:
+    """`x` itself when this process holds all of it, else its value gathered here: eager ops
+    on an array spread over several processes each become a job-wide computation."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return host_array(x)
+    return x
+
+
+def host_array(x: Any) -> Any:
+    """A jax.Array as a numpy array on this host, gathered from every process when this one
+    holds only some of its shards; anything else unchanged."""
+    if not isinstance(x, jax.Array):
+        return x
+    if x.is_fully_addressable:
         return np.asarray(x)
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils
 
-    return jax.tree.map(one, tree)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def describe(mesh: Mesh) -> dict[str, Any]:

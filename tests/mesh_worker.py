@@ -84,7 +84,9 @@ def main(workdir: Path) -> None:
     moved = workdir / "moved"
     stage1((2, 4), moved, stop_after=2)
     resumed = stage1((1, 8), moved)
+    out["r1_start"] = np.asarray(r1).tolist()
     out["resumed"] = {
+        "metrics": (moved / "metrics.jsonl").read_text().splitlines(),
         "r1": np.asarray(resumed["params"]["r1"]).tolist(),
         "scales": [np.asarray(x).ravel().tolist() for x in jax.tree.leaves(
             resumed["params"]["scales"])],

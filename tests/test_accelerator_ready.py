@@ -1,4 +1,5 @@
-"""What runs jitted on an accelerator holds no float64 array, host callback or host round trip:
+"""What runs jitted on an accelerator holds no float64 array and no host callback (a numpy call
+on a traced value fails to trace at all, so tracing them is the check for host round trips):
 the stage-1 train step, calibration's observation pass, the sensitivity scan's error sums and
 the fake-quant NLL, traced with x64 enabled (where a stray numpy float64 would show as f64).
 Scalars are exempt: optax computes its learning-rate schedule in the default float type."""

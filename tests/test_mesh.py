@@ -110,9 +110,10 @@ def test_four_meshes_learn_the_same_parameters(eight_devices):
     for name in ("8x1", "2x4", "1x8"):
         run = runs[name]
         assert run["specs"]["devices"] == 8
-        # float reduction order differs between meshes; 4 steps of stage 1 amplify it to ~1e-3
-        assert _max_diff(run["r1"], ref["r1"]) < 5e-3, name
-        assert _max_diff(run["r2"], ref["r2"]) < 5e-3, name
+        # float reduction order differs between meshes; 4 steps of stage 1 amplify it to
+        # ~6e-4, while training moves R1 by far more (checked below)
+        assert _max_diff(run["r1"], ref["r1"]) < 2e-3, name
+        assert _max_diff(run["r2"], ref["r2"]) < 2e-3, name
         for a, b in zip(run["scales"], ref["scales"], strict=True):
             assert _max_diff(a, b) <= 1e-3 * np.max(np.abs(b)), name
         losses = [json.loads(line)["loss"] for line in run["metrics"]]
@@ -123,6 +124,12 @@ def test_four_meshes_learn_the_same_parameters(eight_devices):
             assert _max_diff(a, b) <= 1e-6 * max(1.0, np.max(np.abs(b))), name
         np.testing.assert_allclose(run["sensitivity"], ref["sensitivity"], rtol=1e-5)
         assert abs(run["ppl"] / ref["ppl"] - 1) < 1e-2
+    # every mesh trained: its R1 moved about as far from the start as 1x1's (1.7e-3 measured;
+    # stage 1's trajectories diverge at a fraction of that, so this is what tells them apart
+    # from a mesh that did not train)
+    moved = _max_diff(ref["r1"], out["r1_start"])
+    for name in ("8x1", "2x4", "1x8"):
+        assert _max_diff(runs[name]["r1"], out["r1_start"]) > 0.5 * moved, name
     # fsdp > 1 splits R1 (and the stacked weights); data-only meshes replicate it
     assert (
         runs["2x4"]["specs"]["r1"] == "PartitionSpec('fsdp', None)"
@@ -136,7 +143,12 @@ def test_checkpoint_from_one_mesh_resumes_on_another(eight_devices):
     out, _ = eight_devices
     resumed, whole = out["resumed"], out["runs"]["1x8"]
     assert resumed["step"] == 4
-    assert _max_diff(resumed["r1"], whole["r1"]) < 5e-3
+    losses = [json.loads(line)["loss"] for line in resumed["metrics"]]
+    on_2x4 = [json.loads(line)["loss"] for line in out["runs"]["2x4"]["metrics"]]
+    on_1x8 = [json.loads(line)["loss"] for line in whole["metrics"]]
+    # steps 1-2 are the 2x4 run's (restored, not restarted on 1x8), steps 3-4 ran on 1x8
+    assert len(losses) == 4 and losses[:2] == on_2x4[:2] and losses[:2] != on_1x8[:2]
+    assert _max_diff(resumed["r1"], whole["r1"]) < 2e-3
     for a, b in zip(resumed["scales"], whole["scales"], strict=True):
         assert _max_diff(a, b) <= 1e-3 * np.max(np.abs(b))
 
@@ -157,3 +169,51 @@ def test_memory_plan_per_device_bytes_fall_with_fsdp(eight_devices):
     assert mem["1x8"] < mem["1x2"] < mem["1x1"], mem
     # the sharded arguments (base weights, state) shrink close to 1/8
     assert args["1x8"] < 0.3 * args["1x1"], args
+
+
+def test_two_process_job_writes_one_run(tmp_path):
+    """`qnpu quantize --distributed` as a 2-host job on this machine (two processes of 2 CPU
+    devices each, gloo between them, JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+    JAX_PROCESS_ID): one run directory written by process 0 that loads in this 1-device
+    process, one metrics line per step, and a perplexity near the same run in one process of
+    4 devices (measured: 13.75 against 14.32; float order differs, see docs/results.md)."""
+    import socket
+
+    from qnpu_jax.pipeline.run import load_run
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    args = ["quantize", "--config", "quick", "--no-progress", "--set", "seq_len=32"]
+    for item in ("calib_windows=2", "eval_windows=2", "stage1.steps=2", "stage1.batch_size=2"):
+        args += ["--set", item]
+    cli = [sys.executable, "-m", "qnpu_jax.cli"]
+    jobs = []
+    for i in range(2):
+        env = dict(os.environ, XLA_FLAGS=host_platform_flags(2),
+                   JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
+                   JAX_PROCESS_ID=str(i))  # fmt: skip
+        jobs.append(subprocess.Popen(
+            [*cli, *args, "--distributed", "--out", str(tmp_path / "job")], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))  # fmt: skip
+    for job in jobs:
+        _, err = job.communicate(timeout=1200)
+        assert job.returncode == 0, err[-3000:]
+    single_env = dict(os.environ, XLA_FLAGS=host_platform_flags(4))
+    done = subprocess.run([*cli, *args, "--out", str(tmp_path / "one")], env=single_env,
+                          capture_output=True, text=True, timeout=1200)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    job = json.loads((tmp_path / "job" / "report.json").read_text())
+    one = json.loads((tmp_path / "one" / "report.json").read_text())
+    assert job["mesh"] == {"data": 1, "fsdp": 4, "devices": 4, "platform": "cpu", "processes": 2}
+    metrics = (tmp_path / "job" / "stage1" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics] == [1, 2]
+    ppl_job = job["perplexity"]["wiki"]["quantized_ppl"]
+    ppl_one = one["perplexity"]["wiki"]["quantized_ppl"]
+    assert abs(np.log(ppl_job / ppl_one)) < 0.15, (ppl_job, ppl_one)
+    assert job["perplexity"]["wiki"]["float_ppl"] == pytest.approx(
+        one["perplexity"]["wiki"]["float_ppl"], rel=1e-4
+    )
+    run = load_run(tmp_path / "job")  # manifest verified; host arrays load on one device
+    assert np.asarray(run.model.transforms.r1).shape == (576, 576)

@@ -198,3 +198,14 @@ def test_bf16_compute_keeps_float32_master_copies(tiny_cfg, setup):
     assert out["bfloat16"][0] != out["float32"][0]
     with pytest.raises(QnpuError, match="compute_dtype"):
         Stage1Config(compute_dtype="float16")
+
+
+def test_stage1_step_records_new_keys_only_off_their_default():
+    """A run saved before `compute_dtype` existed still resumes: the step's recorded config
+    equals the old record unless the new key is set."""
+    from qnpu_jax.pipeline.steps import stage1 as stage1_step
+
+    old = stage1_step(Stage1Config(), jax.random.key(0)).args["config"]
+    assert "compute_dtype" not in old
+    new = stage1_step(Stage1Config(compute_dtype="bfloat16"), jax.random.key(0)).args["config"]
+    assert new["compute_dtype"] == "bfloat16"

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.mesh import put_batch
+from qnpu_jax.mesh import host_array, put_batch
 
 # tokens [B, T] int32 -> NLL of tokens[:, 1:] [B, T-1]
 NllFn = Callable[[np.ndarray], jax.Array]
@@ -56,7 +56,7 @@ def perplexity(
             real = len(batch)
             if real < batch_size:
                 batch = np.concatenate([batch, np.repeat(batch[:1], batch_size - real, 0)])
-            nll = np.asarray(nll_fn(put_batch(mesh, batch)), dtype=np.float64)[:real]
+            nll = np.asarray(host_array(nll_fn(put_batch(mesh, batch))), np.float64)[:real]
             if not np.isfinite(nll).all():
                 raise QnpuError(f"non-finite NLL in windows {i}..{i + real - 1}")
             total += float(nll.sum())

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import ATTENTION_TENSORS, EMBED_TABLE, GRAPH, Graph
-from qnpu_jax.mesh import data_size, put_batch
+from qnpu_jax.mesh import data_size, host_array, host_tree, local_value, put_batch
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, lm_head_weight
 from qnpu_jax.models.quantized import (
@@ -108,7 +108,7 @@ def collect_activation_stats(
     for i in tqdm(range(0, len(windows), batch_size), desc="calibrate", disable=not progress):
         batch = put_batch(mesh, windows[i : i + batch_size])
         stats = _observe_step(params, stats, batch, cfg=cfg, taps=taps, prefix=prefix, graph=graph)
-    return stats
+    return host_tree(stats)  # on this host, also when the mesh spans several
 
 
 @partial(jax.jit, static_argnames=("cfg", "taps", "prefix", "layer"))
@@ -209,7 +209,7 @@ def _encoding(path: str, layer: int | None, compute: Callable[[], Any]) -> Scale
         scale, zero_point = compute()
     except QnpuError as e:
         raise QnpuError(f"{path}{'' if layer is None else f' (layer {layer})'}: {e}") from e
-    return np.asarray(scale, np.float32), np.asarray(zero_point, np.float32)
+    return np.asarray(host_array(scale), np.float32), np.asarray(host_array(zero_point), np.float32)
 
 
 def _stack(per_layer: list[ScaleZeroPoint]) -> ScaleZeroPoint:
@@ -247,13 +247,13 @@ def weight_encodings(
             continue
         group, name = state_key(path)
         if group == "layers":
-            stacked = params["layers"][name]
+            stacked = local_value(params["layers"][name])
             out[path] = _stack(
                 [_weight_encoding(path, stacked[i], tq, i) for i in range(cfg.num_layers)]
             )
         else:
             w = params[EMBED_TABLE] if path == EMBED_TABLE else lm_head_weight(params)
-            out[path] = _weight_encoding(path, w, tq, None)
+            out[path] = _weight_encoding(path, local_value(w), tq, None)
     return out
 
 

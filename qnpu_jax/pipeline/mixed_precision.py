@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
-from qnpu_jax.mesh import data_size, put_batch
+from qnpu_jax.mesh import data_size, host_array, put_batch
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
 from qnpu_jax.models.quantized import CaptureTaps, tapped_forward
@@ -112,13 +112,13 @@ def tensor_sensitivity(
         )
         total = total + sums
         count += int(size)
-    ratios = np.asarray(total, np.float64) / count
+    ratios = np.asarray(host_array(total), np.float64) / count
     if not np.isfinite(ratios).all():
         raise QnpuError(f"{name} sensitivity: non-finite ratio (NaN in calibration data?)")
     return SensitivityReport(
         ratios=tuple(float(r) for r in ratios),
         bits=bits,
-        scales=tuple(float(s) for s in np.asarray(entry.scale).ravel()),
+        scales=tuple(float(s) for s in np.asarray(host_array(entry.scale)).ravel()),
     )
 
 

@@ -167,11 +167,16 @@ class QuantizedModel(struct.PyTreeNode):
         return nll_perplexity(self.nll_fn(), windows, progress=progress)
 
     def save(self, directory: Path) -> Path:
-        """Write the model to `directory` (see the module docstring); model.json goes last."""
+        """Write the model to `directory` (see the module docstring); model.json goes last.
+        In a multi-host job every process calls it and the primary one writes."""
+        from qnpu_jax.mesh import is_primary, sync
+
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "model.json").unlink(missing_ok=True)
-        write_json_atomic(directory / "plan.json", self.require_plan().to_dict())
+        primary = is_primary()
+        if primary:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "model.json").unlink(missing_ok=True)
+            write_json_atomic(directory / "plan.json", self.require_plan().to_dict())
         t = self.transforms
         save_learned(
             directory,
@@ -182,20 +187,22 @@ class QuantizedModel(struct.PyTreeNode):
             t.mlp_smoothing,
             t.mlp_smoothing_alpha,
         )
-        write_json_atomic(
-            directory / "model.json",
-            {
-                "format": MODEL_FORMAT,
-                "version": MODEL_VERSION,
-                "source": self.source,
-                "config": _config_json(self.cfg),
-                "prefix": list(self.prefix),
-                "fused_norms": t.fused_norms,
-                "rotated": t.rotated,
-                "mlp_smoothing_alpha": t.mlp_smoothing_alpha,
-                "steps": [rec.to_dict() for rec in self.steps],
-            },
-        )
+        if primary:
+            write_json_atomic(
+                directory / "model.json",
+                {
+                    "format": MODEL_FORMAT,
+                    "version": MODEL_VERSION,
+                    "source": self.source,
+                    "config": _config_json(self.cfg),
+                    "prefix": list(self.prefix),
+                    "fused_norms": t.fused_norms,
+                    "rotated": t.rotated,
+                    "mlp_smoothing_alpha": t.mlp_smoothing_alpha,
+                    "steps": [rec.to_dict() for rec in self.steps],
+                },
+            )
+        sync("qnpu: model saved")
         return directory
 
     @classmethod
@@ -276,28 +283,33 @@ def save_learned(
     """Write rotations (None: unrotated), the quantizer state (None: not calibrated yet),
     GPTQ's weight codes (None: round-to-nearest) and the up→down smoothing scales (None: no
     smoothing) to directory/learned, through a temporary sibling and a rename; as host
-    arrays, so a run made on a mesh loads on any device count."""
+    arrays, so a run made on a mesh loads on any device count. Every process of a multi-host
+    job calls it (the arrays are gathered); the primary one writes."""
     import orbax.checkpoint as ocp
 
-    from qnpu_jax.mesh import host_tree
+    from qnpu_jax.mesh import host_tree, is_primary, sync
 
-    target = (Path(directory) / "learned").resolve()
-    tmp = target.with_name("learned.tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    with ocp.StandardCheckpointer() as ckpt:
-        tree: dict[str, Any] = {} if state is None else {"state": state}
-        if r1 is not None:
-            tree |= {"r1": r1, "r2": r2}
-        if weight_codes:
-            tree["weight_codes"] = dict(weight_codes)
-        if smoothing is not None:
-            tree["mlp_smoothing"] = smoothing
-            tree["mlp_smoothing_alpha"] = np.asarray(smoothing_alpha, np.float32)
-        ckpt.save(tmp, host_tree(tree))
-    if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
+    tree: dict[str, Any] = {} if state is None else {"state": state}
+    if r1 is not None:
+        tree |= {"r1": r1, "r2": r2}
+    if weight_codes:
+        tree["weight_codes"] = dict(weight_codes)
+    if smoothing is not None:
+        tree["mlp_smoothing"] = smoothing
+        tree["mlp_smoothing_alpha"] = np.asarray(smoothing_alpha, np.float32)
+    host = host_tree(tree)
+    if is_primary():
+        target = (Path(directory) / "learned").resolve()
+        tmp = target.with_name("learned.tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        alone = ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0})
+        with ocp.StandardCheckpointer(multiprocessing_options=alone) as ckpt:
+            ckpt.save(tmp, host)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    sync("qnpu: learned saved")
 
 
 def restore_learned(directory: Path) -> dict[str, Any]:

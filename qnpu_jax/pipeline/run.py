@@ -38,8 +38,8 @@ from qnpu_jax.environment import environment_info
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
 from qnpu_jax.files import write_json_atomic
+from qnpu_jax.mesh import check_batch, is_primary, make_mesh, place_params, sync
 from qnpu_jax.mesh import describe as describe_mesh
-from qnpu_jax.mesh import make_mesh, place_params
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
 from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
@@ -175,6 +175,8 @@ def quantize(
     t0 = time.perf_counter()
     say(f"loading {config.model}; then the calibration and evaluation text")
     mesh = make_mesh(config.mesh)
+    if any(s.name == "stage1" for s in recipe):  # before anything expensive runs
+        check_batch(mesh, config.stage1.batch_size, "stage1.batch_size")
     loaded = load_model(config.model)
     cfg = loaded.config
     prefix = sink_prefix(config.prefix, loaded.tokenizer)
@@ -184,11 +186,15 @@ def quantize(
     except (QnpuError, OSError) as e:
         raise QnpuError(f"calib_data {config.calib_data!r}: {e}") from e
     data = Calibration(calib_ids, calib)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    unseal_run(run_dir)  # a resumed run is unfinished until its manifest is written again
-    write_bytes_atomic(
-        run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False).encode()
-    )
+    primary = is_primary()  # in a multi-host job, process 0 writes the run directory
+    sync("qnpu: run directory checked")
+    if primary:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        unseal_run(run_dir)  # a resumed run is unfinished until its manifest is written again
+        write_bytes_atomic(
+            run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False).encode()
+        )
+    sync("qnpu: run directory started")
     model = QuantizedModel.from_float(loaded, prefix=prefix)
     first = 0
     if resume:
@@ -205,7 +211,7 @@ def quantize(
         say(step.describe)
         model = step(model, data, context)
         seconds[step.label] = time.perf_counter() - t0
-        if step.name == "promote":
+        if step.name == "promote" and primary:
             name = step.args["tensor"]
             file = "sensitivity.json" if name == UNROTATED_INPUT else f"sensitivity_{name}.json"
             write_json_atomic(run_dir / file, model.steps[-1].info)
@@ -261,8 +267,10 @@ def quantize(
         "environment": environment_info(),
         "command": command,
     }
-    write_json_atomic(run_dir / "report.json", report)
-    seal_run(run_dir)
+    if primary:
+        write_json_atomic(run_dir / "report.json", report)
+        seal_run(run_dir)
+    sync("qnpu: run sealed")
     return report
 
 

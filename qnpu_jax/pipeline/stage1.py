@@ -32,6 +32,8 @@ from qnpu_jax.files import iter_jsonl
 from qnpu_jax.mesh import (
     batch_sharding,
     check_batch,
+    host_array,
+    is_primary,
     param_shardings,
     place,
     replicated,
@@ -384,6 +386,7 @@ def run_stage1(
 
     manager = _checkpoint_manager(run_dir / "checkpoints", config)
     metrics_path = run_dir / "metrics.jsonl"
+    primary = is_primary()  # one process writes the metrics (orbax coordinates the rest)
     latest = manager.latest_step()
     if latest is not None:
         try:
@@ -393,8 +396,9 @@ def run_stage1(
                 f"{run_dir / 'checkpoints' / str(latest)}: cannot restore the stage-1 checkpoint "
                 f"({first_line(e)}); delete that step's folder to resume from the one before"
             ) from e
-        _trim_metrics(metrics_path, latest)
-    elif metrics_path.exists():
+        if primary:
+            _trim_metrics(metrics_path, latest)
+    elif primary and metrics_path.exists():
         metrics_path.unlink()
     step_fn = make_train_step(
         cfg, plan, config, prefix, mesh=mesh, like=(train_state, base_params, frozen_state)
@@ -408,12 +412,13 @@ def run_stage1(
             windows = step_batch(calib_ids, step, config, seq_len, key)
             batch = jax.device_put(windows, batch_in) if batch_in else jnp.asarray(windows)
             train_state, metrics = step_fn(train_state, batch, base_params, frozen_state)
-            values = {k: float(v) for k, v in metrics.items()}
+            values = {k: float(host_array(v)) for k, v in metrics.items()}
             if not np.isfinite(values["loss"]):
                 raise QnpuError(f"stage 1: non-finite loss at step {step + 1}")
             record = {"step": step + 1, **values, "seconds": time.perf_counter() - t0}
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            if primary:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
             manager.save(step + 1, args=ocp.args.StandardSave(train_state))
             bar.update(1)
             bar.set_postfix(loss=f"{values['loss']:.4f}", ce=f"{values['ce']:.4f}")

@@ -47,6 +47,8 @@ from qnpu_jax.quant.state import by_path, from_paths
 from qnpu_jax.transforms import fuse_norms as fuse_norm_weights
 from qnpu_jax.transforms import randomized_hadamard_rotations, smoothing_scales
 
+# Stage1Config keys newer than the runs' records: {key: default}
+STAGE1_LATER_KEYS = {"compute_dtype": "float32"}
 # the linears' weights and inputs: the tensors stage 1 quantizes (and learns)
 STAGE1_TENSORS = (*WEIGHTS, *dict.fromkeys(i for i, _ in LINEAR_IO.values()))
 
@@ -299,8 +301,14 @@ def stage1(
         )
         return new, None
 
+    recorded = dataclasses.asdict(config)
+    # keys added after runs were made are recorded only off their default, so that a run
+    # saved before them still resumes (its recorded steps must equal the recipe's)
+    for name, default in STAGE1_LATER_KEYS.items():
+        if recorded[name] == default:
+            del recorded[name]
     args = {
-        "config": dataclasses.asdict(config),
+        "config": recorded,
         "key": np.asarray(jax.random.key_data(key)).tolist(),
         "learn_scales": learn_scales,
         "selective": selective,
