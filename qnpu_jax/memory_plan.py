@@ -95,12 +95,11 @@ def abstract_state(plan: QuantPlan, cfg: ModelConfig) -> Any:
     for path, tq in plan.entries:
         layers = cfg.num_layers if is_layer_path(path) else None
         lead = (layers,) if layers is not None else ()
-        if is_weight(path):
+        if is_weight(path) and tq.axis is not None:
             shape = _weight_shape(path, cfg)
-            axes = range(len(shape)) if tq.axis is None else [tq.axis % len(shape)]
-            one = tuple(n if a in axes and tq.axis is not None else 1 for a, n in enumerate(shape))
-            scale_shape = (*lead, *one) if tq.axis is not None else lead
-        elif tq.axis is None:
+            axis = tq.axis % len(shape)
+            scale_shape = (*lead, *(n if a == axis else 1 for a, n in enumerate(shape)))
+        elif is_weight(path) or tq.axis is None:
             scale_shape = lead
         else:
             raise QnpuError(f"{path}: the memory plan models per-tensor activation scales only")

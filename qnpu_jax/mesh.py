@@ -104,21 +104,23 @@ def initialize_distributed(enabled: bool | None = None) -> bool:
         enabled = os.environ.get(DISTRIBUTED_ENV, "") not in ("", "0")
     if not enabled:
         return False
-    counts: dict[str, int] = {}
-    for key, env in (("num_processes", "JAX_NUM_PROCESSES"), ("process_id", "JAX_PROCESS_ID")):
-        if os.environ.get(env):
-            try:
-                counts[key] = int(os.environ[env])
-            except ValueError as e:
-                raise QnpuError(f"{env} must be an integer, got {os.environ[env]!r}") from e
+    num_processes, process_id = (_env_int(e) for e in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID"))
     try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            num_processes=counts.get("num_processes"), process_id=counts.get("process_id")
-        )
+        jax.distributed.initialize(num_processes=num_processes, process_id=process_id)
     except Exception as e:  # the cluster environment is missing or wrong: say which
         raise QnpuError(f"jax.distributed.initialize failed: {e}") from e
     return True
+
+
+def _env_int(name: str) -> int | None:
+    text = os.environ.get(name)
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError as e:
+        raise QnpuError(f"{name} must be an integer, got {text!r}") from e
 
 
 def is_primary() -> bool:
@@ -171,8 +173,7 @@ def param_shardings(mesh: Mesh, tree: Any) -> Any:
     fsdp = mesh.shape[FSDP]
 
     def one(path: tuple[Any, ...], x: Any) -> NamedSharding:
-        shape = tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
-        return NamedSharding(mesh, array_spec(shape, fsdp, stacked=_stacked(path)))
+        return NamedSharding(mesh, array_spec(tuple(np.shape(x)), fsdp, stacked=_stacked(path)))
 
     return jax.tree_util.tree_map_with_path(one, tree)
 
@@ -197,8 +198,9 @@ def place(tree: Any, shardings: Any) -> Any:
     return jax.device_put(tree, shardings)
 
 
-def place_params(mesh: Mesh, tree: Any) -> Any:
-    return place(tree, param_shardings(mesh, tree))
+def place_params(mesh: Mesh | None, tree: Any) -> Any:
+    """`tree` split on the mesh by `param_shardings`; unchanged without a mesh."""
+    return tree if mesh is None else place(tree, param_shardings(mesh, tree))
 
 
 def place_batch(mesh: Mesh, batch: np.ndarray | jax.Array, axis: int = 0) -> jax.Array:
@@ -225,7 +227,6 @@ def host_tree(tree: Any) -> Any:
     """Every jax.Array leaf of `tree` as a numpy array on this host (gathered from every
     process when one holds only its shards): what a run directory stores, so that it loads
     on any device count (orbax refuses a sharded tree restored under another topology)."""
-
     return jax.tree.map(host_array, tree)
 
 

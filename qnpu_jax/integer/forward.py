@@ -307,7 +307,7 @@ def _rope(
     hd = spec.head_dim
     xc = _center(x).reshape(b, t, width // hd, hd)
     if "norm.M" in c:  # Qwen3: each head RMSNormed into a 16-bit intermediate first
-        norm = {k.removeprefix("norm."): v for k, v in c.items() if k.startswith("norm.")}
+        norm = _sub(c, "norm")
         bound = jnp.asarray(HEAD_NORM_MAX, I64)
         xc = _rmsnorm_centered(spec, xc, norm, (jnp.zeros((), I64), -bound, bound)).astype(I64)
     half = hd // 2

@@ -88,9 +88,9 @@ def evaluate(
     """Perplexity of the float (state None) or static fake-quant model over `windows`, on
     `mesh` with the params sharded and the windows split along its data axis."""
     taps = FakeQuantTaps(plan) if plan is not None else None
-    if mesh is not None:
-        params = place_params(mesh, params)
-    nll = partial(tapped_token_nll, params, state, cfg=cfg, taps=taps, prefix=prefix)
+    nll = partial(
+        tapped_token_nll, place_params(mesh, params), state, cfg=cfg, taps=taps, prefix=prefix
+    )
     return nll_perplexity(nll, windows, mesh=mesh)
 
 

@@ -29,7 +29,6 @@ from qnpu_jax.export.graph import (
     UNROTATED_INPUT,
 )
 from qnpu_jax.mesh import place_params
-from qnpu_jax.models.llama import Params
 from qnpu_jax.pipeline.calibrate import calibrate as calibrate_state
 from qnpu_jax.pipeline.calibrate import channel_absmax
 from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits, tensor_sensitivity
@@ -91,10 +90,6 @@ class Context:
     workdir: Path | None = None
     progress: bool = False
     mesh: Mesh | None = None
-
-    def placed(self, params: Params) -> Params:
-        """`params` sharded on the mesh (`mesh.place_params`), unchanged without one."""
-        return params if self.mesh is None else place_params(self.mesh, params)
 
 
 StepFn = Callable[[QuantizedModel, Calibration, Context], tuple[QuantizedModel, Any]]
@@ -217,7 +212,12 @@ def promote(tensor: str, fraction: float) -> Step:
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
         current = m.require_plan()
         scan = tensor_sensitivity(
-            ctx.placed(m.params()), m.cfg, data.windows, tensor, prefix=m.prefix, mesh=ctx.mesh
+            place_params(ctx.mesh, m.params()),
+            m.cfg,
+            data.windows,
+            tensor,
+            prefix=m.prefix,
+            mesh=ctx.mesh,
         )
         bits = mixed_layer_bits(scan.ratios, fraction)
         rule = QuantRule(pattern=f"layers/{tensor}", layer_bits=tuple(bits))
@@ -272,7 +272,12 @@ def stage1(
             m.require_plan(), selective=selective, learn=learn_scales, learn_down_in=learn_down_in
         )
         s1_state = calibrate_state(
-            ctx.placed(m.params()), m.cfg, s1_plan, data.windows, prefix=m.prefix, mesh=ctx.mesh
+            place_params(ctx.mesh, m.params()),
+            m.cfg,
+            s1_plan,
+            data.windows,
+            prefix=m.prefix,
+            mesh=ctx.mesh,
         )
         with tempfile.TemporaryDirectory() as tmp:
             workdir = ctx.workdir / "stage1" if ctx.workdir is not None else Path(tmp)
@@ -335,7 +340,12 @@ def calibrate(paths: Sequence[str] | None = None) -> Step:
         plan = m.require_plan()
         if chosen is None:
             state = calibrate_state(
-                ctx.placed(m.params()), m.cfg, plan, data.windows, prefix=m.prefix, mesh=ctx.mesh
+                place_params(ctx.mesh, m.params()),
+                m.cfg,
+                plan,
+                data.windows,
+                prefix=m.prefix,
+                mesh=ctx.mesh,
             )
             if m.trained is not None:
                 state = merge_scales(state, m.trained)
@@ -350,7 +360,12 @@ def calibrate(paths: Sequence[str] | None = None) -> Step:
         sub = plan.with_entries(e for e in plan.entries if e[0] in chosen)
         fresh = by_path(
             calibrate_state(
-                ctx.placed(m.params()), m.cfg, sub, data.windows, prefix=m.prefix, mesh=ctx.mesh
+                place_params(ctx.mesh, m.params()),
+                m.cfg,
+                sub,
+                data.windows,
+                prefix=m.prefix,
+                mesh=ctx.mesh,
             )
         )
         for p, fields in by_path(m.trained or {}).items():  # stage 1's scales stay
