@@ -17,6 +17,7 @@ import numpy as np
 
 from qnpu_jax.argtypes import positive_int
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.decode import SELECTIONS
 from qnpu_jax.export.int_model import ENGINES
 
 
@@ -126,11 +127,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ex.add_argument("--prefill-chunk", type=positive_int, default=64)
 
-    em = sub.add_parser("emulate", help="greedy generation with an integer artifact")
+    em = sub.add_parser(
+        "emulate",
+        help="generation with an integer artifact: greedy, or N parallel samples and a selection",
+    )
     em.add_argument("--artifact", required=True, type=Path)
     em.add_argument("--prompt", required=True)
     em.add_argument("--max-new-tokens", type=positive_int, default=32)
     em.add_argument("--engine", choices=ENGINES, default="emulator")
+    em.add_argument(
+        "--samples", type=positive_int, default=1, help="N samples decoded as one batch"
+    )
+    em.add_argument(
+        "--select",
+        choices=SELECTIONS,
+        default="best",
+        help="best: highest likelihood; vote: most frequent continuation; beam: beam search "
+        "of width N (default best)",
+    )
+    em.add_argument(
+        "--temperature", type=float, default=None, help="default 0 (greedy) for one sample, 1"
+    )
+    em.add_argument("--top-p", type=float, default=1.0)
+    em.add_argument("--seed", type=int, default=0, help="sample i draws from (seed, i)")
 
     sub.add_parser("configs", help="list the shipped configs (`qnpu quantize --config NAME`)")
 
@@ -653,6 +672,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_emulate(args: argparse.Namespace) -> int:
+    from qnpu_jax.export.decode import (
+        Sampler,
+        beam_search,
+        sample_parallel,
+        select_best,
+        select_vote,
+    )
     from qnpu_jax.export.int_model import artifact_tokenizer, load_int_model, open_engine
 
     model = load_int_model(args.artifact)
@@ -661,8 +687,31 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     if not prompt:
         raise QnpuError("the prompt is empty")
     engine = open_engine(args.engine, model)
-    new = engine.generate(prompt, args.max_new_tokens, tokenizer.eos_token_id)
+    eos = tokenizer.eos_token_id
+    n = args.samples
+    temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
+    sampler = Sampler(temperature=temperature, top_p=args.top_p)
+    if args.select == "beam":
+        new = list(beam_search(engine, prompt, n, args.max_new_tokens, eos)[0].tokens)
+        note = f"best of {n} beams"
+    elif n == 1 and temperature == 0:
+        new = engine.generate(prompt, args.max_new_tokens, eos)
+        note = ""
+    else:
+        samples = sample_parallel(engine, prompt, n, args.max_new_tokens, sampler, args.seed, eos)
+        if args.select == "vote":
+            texts = {s.tokens: tokenizer.decode(list(s.tokens)).strip() for s in samples}
+            text = select_vote(samples, lambda s: texts[s.tokens])
+            voted = [s for s in samples if texts[s.tokens] == text] or samples
+            new = list(select_best(voted).tokens)
+            note = f"most frequent of {n} samples"
+        else:
+            new = list(select_best(samples).tokens)
+            note = f"likeliest of {n} samples"
     print(args.prompt + tokenizer.decode(new))
+    if note:
+        how = "" if args.select == "beam" else f", temperature {temperature}, top-p {args.top_p}"
+        print(f"({note}{how})", file=sys.stderr)
     return 0
 
 

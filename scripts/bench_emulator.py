@@ -5,8 +5,8 @@ float JAX forward of the artifact's model (median of --repeats after one warm-up
 also holds the JAX compilations, reported apart), and greedy decode on both integer engines.
 Writes a JSON report.
 
-    python scripts/bench_emulator.py --artifact artifacts/smollm2-135m-quantnpu-w4a8 \
-        --seq-len 512 --json reports/bench_emulator.json
+    python scripts/bench_emulator.py --artifact artifacts/smollm2-135m-quantnpu-w4a8-device \
+        --seq-len 512 --repeats 5 --json reports/bench_emulator.json
 """
 
 from __future__ import annotations

@@ -224,6 +224,18 @@ def test_isqrt_is_exact():
     assert [int(x) for x in r] == [math.isqrt(int(x)) for x in v]
 
 
+def _with_ranges(model: IntModel, halves: dict[str, int]) -> IntModel:
+    """`model` with activations given the range [−h, h−1]."""
+    tensors = dict(model.tensors)
+    for field in ("qmin", "qmax"):
+        tensors[f"layers.act.{field}"] = model.t(f"layers.act.{field}").astype(np.int64)
+    for name, h in halves.items():
+        j = LAYER_ACTS.index(name)
+        tensors["layers.act.qmin"][:, j] = -h
+        tensors["layers.act.qmax"][:, j] = h - 1
+    return dataclasses.replace(model, tensors=tensors)
+
+
 def test_refusals(models):
     model, engine = models["w8a8"]
     ops = {k: [dict(op) for op in v] for k, v in model.graph["ops"].items()}
@@ -231,17 +243,18 @@ def test_refusals(models):
     with pytest.raises(QnpuError, match="no layer-level op 'gelu'"):
         F.int_consts(dataclasses.replace(model, graph={**model.graph, "ops": ops}))
     with pytest.raises(QnpuError, match="matmul must be one of"):
-        F.int_consts(model, matmul="f32")
-    # a 32-bit V range makes P·V inexact in float64 (2^16·2^31·256 > 2^53), fine in int64
-    tensors = dict(model.tensors)
-    j = LAYER_ACTS.index("v_out")
-    for field, value in (("qmin", -(2**31)), ("qmax", 2**31 - 1)):
-        tensors[f"layers.act.{field}"] = model.t(f"layers.act.{field}").copy()
-        tensors[f"layers.act.{field}"][:, j] = value
-    wide = dataclasses.replace(model, tensors=tensors)
-    with pytest.raises(QnpuError, match="P·V of layer 0"):
+        F.int_consts(model, matmul="bf16")
+    # 32-bit q and 23-bit k codes make the scores inexact in float64 (2^31·2^22·64 > 2^53):
+    # matmul="f64" refuses, "i64" runs them, and "f32" plans them as one int64 dot
+    wide = _with_ranges(model, {"q_rope": 2**31, "k_rope": 2**22})
+    with pytest.raises(QnpuError, match="scores: integer matmul bound"):
         F.check_exact(wide, F.int_spec(wide, "f64"))
     F.check_exact(wide, F.int_spec(wide, "i64"))
+    plans, _ = F.check_exact(wide, F.int_spec(wide, "f32")).plans("scores", 64)
+    assert [p.dtype for p in plans] == ["int64"]
+    wider = _with_ranges(model, {"q_rope": 2**31, "k_rope": 2**31})
+    with pytest.raises(QnpuError, match="overflows int64"):  # 2^31·2^31·64 > 2^63
+        F.check_exact(wider, F.int_spec(wider))
     for bad in (np.zeros((1, 0), int), np.zeros((0, 2), int), np.array([[1, 49152]])):
         with pytest.raises(QnpuError, match="token ids"):
             engine.prefill(bad)
@@ -255,14 +268,49 @@ def test_refusals(models):
         engine.generate([], 3)
 
 
-def test_the_int64_matmul_path_is_bit_exact_too(models, text_ids):
+def test_every_matmul_mode_is_bit_exact(models, text_ids):
+    """float32 with split operands (the default), float64 and int64 dots: the same codes."""
     model, engine = models["w4a8"]
-    tokens = np.asarray(text_ids)[None, :5]
-    e64 = F.JaxIntEngine(model, matmul="i64")
-    assert e64.consts.layers["q_proj.weight"].dtype == np.int8
-    assert engine.consts.layers["q_proj.weight"].dtype == np.float64
-    a, _ = e64.prefill(tokens)
-    assert np.array_equal(a, E.EmulatorEngine(model).prefill(tokens)[0])
+    tokens = np.asarray(text_ids)[None, :40]
+    want = E.EmulatorEngine(model).prefill(tokens)[0]
+    assert engine.consts.layers["q_proj.weight"].dtype == np.int8  # converted in the scan
+    assert engine.consts.globals["lm_head.weight"].dtype == np.float32
+    for matmul, dtype in (("f64", np.float64), ("i64", np.int8)):
+        other = F.JaxIntEngine(model, matmul=matmul)
+        assert other.consts.globals["lm_head.weight"].dtype == dtype
+        assert np.array_equal(other.prefill(tokens)[0], want)
+    assert np.array_equal(engine.prefill(tokens)[0], want)
+
+
+def test_scores_beyond_int32_take_the_wide_softmax(models, text_ids):
+    """Score codes of ±2^30 (no exporter makes them; the contract allows them): the softmax
+    works in int64 instead of int32, and both engines still agree."""
+    model, engine = models["w8a8"]
+    assert engine.spec.narrow_scores
+    wide = _with_ranges(model, {"scores": 2**30})
+    ours = F.JaxIntEngine(wide)
+    assert not ours.spec.narrow_scores
+    tokens = np.asarray(text_ids)[None, :40]
+    assert np.array_equal(ours.prefill(tokens)[0], E.EmulatorEngine(wide).prefill(tokens)[0])
+
+
+def test_layers_with_different_matmul_plans_share_one_program(models, text_ids):
+    """down_proj reads 8-bit codes in layer 0 and 16-bit ones in layer 1: one plan each,
+    chosen per layer inside the scan (and run bit-exactly by the tests above)."""
+    for name, first, second in (("w4a8", 1, 2), ("w8a8", 2, 3)):
+        engine = models[name][1]
+        plans, index = engine.spec.plans("layers.down_proj", 1536)
+        assert [plans[i].digits for i in index] == [first, second]
+        assert engine.consts.layers["dot_plan.layers.down_proj"].tolist() == list(index)
+        assert "dot_plan.layers.q_proj" not in engine.consts.layers  # one plan: no switch
+
+
+def test_attention_reads_a_window_of_the_cache(models):
+    spec = models["w8a8"][1].spec  # prefill chunk 32, max context 256
+    ends = {1: 32, 32: 32, 33: 40, 65: 80, 129: 160, 200: 224, 256: 256}
+    assert {e: F.key_window(e, spec) for e in ends} == ends
+    assert all(F.key_window(e, spec) >= e for e in range(1, 257))
+    assert len({F.key_window(e, spec) for e in range(1, 257)}) == 13  # compiled programs
 
 
 def test_full_depth(smollm, tmp_path):

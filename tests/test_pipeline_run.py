@@ -110,6 +110,12 @@ def _export_and_run_the_artifact(run, tmp_path, fake_quant_ppl, capsys):
         == 0
     )
     assert capsys.readouterr().out.startswith("The cat")
+    for select in ("vote", "beam"):
+        sampled = ["emulate", "--artifact", str(art), "--prompt", "The cat", "--engine", "jax"]
+        sampled += ["--max-new-tokens", "3", "--samples", "3", "--select", select]
+        assert main(sampled) == 0
+        out = capsys.readouterr()
+        assert out.out.startswith("The cat") and "of 3" in out.err
     assert (
         main(["export", "--run", str(run), "--out", str(tmp_path / "aimet"), "--format", "aimet"])
         == 0

@@ -5,8 +5,9 @@ requantization, LUT non-linearities, integer RMSNorm and softmax, an integer KV 
 fixed prefill chunk (the last chunk padded). No JAX: this is the independent reference the
 JAX integer forward is checked against, bit for bit.
 
-Matmuls run as float64 BLAS on integer values: exact while every partial sum stays below
-2^53, which `exact_matmul` checks from the operands' magnitudes before it trusts the result.
+Matmuls run as float32 BLAS on integer values, split (`quant.integer.dot_plan`, from the
+operands' magnitudes at each call) so that every partial sum is an integer below 2^24: then
+any summation order is exact. Float64 or int64 take over where float32 cannot.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.exact_dot import dot_plan, run_dot_plan
 from qnpu_jax.export.graph import (
     HEAD_NORM_MAX,
     LAYER_INPUT,
@@ -34,7 +36,6 @@ from qnpu_jax.export.int_model import (
 )
 
 I64 = np.int64
-EXACT_LIMIT = float(2**53)
 INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -50,27 +51,37 @@ def requantize(
     sh = np.asarray(shift, I64)
     half = np.left_shift(I64(1), sh - 1)
     limit = (INT64_MAX - half) // m
-    if (np.abs(a) > limit).any():
+    a_max = max(int(a.max(initial=0)), -int(a.min(initial=0)))
+    if a_max > int(limit.min()) and (np.abs(a) > limit).any():  # exact check only if needed
         raise QnpuError("requantization overflows int64 (accumulator too large)")
-    y = np.right_shift(a * m + half, sh) + np.asarray(zero_point, I64)
-    return np.clip(y, qmin, qmax)
+    y = a * m
+    y += half
+    np.right_shift(y, sh, out=y)
+    y += np.asarray(zero_point, I64)
+    return np.clip(y, qmin, qmax, out=y)
+
+
+def _einsum(subscripts: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.einsum(subscripts, a, b, optimize=True)
 
 
 def exact_matmul(
     a: np.ndarray, b: np.ndarray, subscripts: str, *, b_absmax: float | None = None
 ) -> np.ndarray:
-    """einsum of integer arrays through float64, exact when Σ|a|·|b| < 2^53 (checked).
+    """einsum of integer arrays contracting a's last axis, exact, int64: float32 BLAS with
+    the operands split as `dot_plan` says for the magnitudes at hand (the largest |a|, the
+    largest row sum of |a|, the largest |b|; float64 or int64 when float32 cannot).
 
-    `b` may already be float64 holding integers, with its max |b| given as `b_absmax` (the
+    `b` may already be float32 holding integers, with its max |b| given as `b_absmax` (the
     emulator keeps its weights so, instead of converting them at every call)."""
-    k = a.shape[-1]
-    b_max = float(np.abs(b).max(initial=0)) if b_absmax is None else b_absmax
-    bound = float(np.abs(a).max(initial=0)) * b_max * k
-    if bound >= EXACT_LIMIT:
-        raise QnpuError(f"integer matmul bound {bound:.3g} exceeds 2^53: not exact in float64")
-    b64 = b if b.dtype == np.float64 else b.astype(np.float64)
-    out = np.einsum(subscripts, a.astype(np.float64), b64, optimize=True)
-    return out.astype(I64)
+    b_max = int(np.abs(b).max(initial=0)) if b_absmax is None else int(b_absmax)
+    a = np.asarray(a, I64)
+    a_max = max(int(a.max(initial=0)), -int(a.min(initial=0)))
+    plan = dot_plan(a_max, b_max, a.shape[-1])
+    if plan.digits > 1 or plan.chunk_len < a.shape[-1]:  # try the rows' mass before splitting
+        a_sum = int(np.abs(a).sum(axis=-1).max(initial=0))
+        plan = dot_plan(a_max, b_max, a.shape[-1], a_sum)
+    return run_dot_plan(plan, subscripts, a, b, np, _einsum)
 
 
 def isqrt(v: np.ndarray) -> np.ndarray:
@@ -96,12 +107,16 @@ def rmsnorm(
 
 def softmax_codes(scores: np.ndarray, allowed: np.ndarray, exp_lut: np.ndarray) -> np.ndarray:
     """Integer softmax over the last axis: unsigned 16-bit probability codes."""
-    masked = np.where(allowed, scores, np.iinfo(I64).min)
-    d = np.minimum(masked.max(axis=-1, keepdims=True) - scores, (1 << 16) - 1)
-    d = np.where(allowed, d, 0)
-    e = np.where(allowed, exp_lut[d].astype(I64), 0)
+    s = np.asarray(scores, I64)
+    top = np.where(allowed, s, np.iinfo(I64).min).max(axis=-1, keepdims=True)
+    d = np.minimum(top - s, (1 << 16) - 1)
+    d[..., ~allowed] = 0  # masked keys: any valid index, their terms are zeroed next
+    e = exp_lut[d].astype(I64)
+    e[..., ~allowed] = 0
     total = e.sum(axis=-1, keepdims=True)
-    return (e * ((1 << 16) - 1) + total // 2) // total
+    e *= (1 << 16) - 1
+    e += total // 2
+    return e // total
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,18 +58,18 @@ class IntModel:
         return self.tensors[name]
 
     def weight_operand(self, prefix: str, layer: int | None) -> tuple[np.ndarray, float]:
-        """`prefix.weight` (of one layer) as float64 integers and its max |w|, converted once
-        per model: a decode step would otherwise convert every weight again (≈1 GB for
-        SmolLM2-135M, the size of this cache)."""
+        """`prefix.weight` (of one layer) as float32 integers (exact: |w| < 2^24) and its
+        max |w|, converted once per model: a decode step would otherwise convert every weight
+        again (≈0.5 GB for SmolLM2-135M, the size of this cache)."""
         name = prefix + ".weight"
         if name not in self._operands:
             w = self.t(name)
             axes = tuple(range(1, w.ndim)) if name.startswith("layers.") else None
-            self._operands[name] = (w.astype(np.float64), np.abs(w).max(axis=axes))
-        w64, absmax = self._operands[name]
+            self._operands[name] = (w.astype(np.float32), np.abs(w).max(axis=axes))
+        w32, absmax = self._operands[name]
         if layer is None:
-            return w64, float(absmax)
-        return w64[layer], float(absmax[layer])
+            return w32, float(absmax)
+        return w32[layer], float(absmax[layer])
 
 
 def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], where: str) -> None:
@@ -265,6 +265,22 @@ class IntegerEngine(abc.ABC, Generic[C]):
     @abc.abstractmethod
     def _own(self, cache: KVCache) -> C:
         """A cache of this engine's kind, equal to `cache`, that the driver may write into."""
+
+    def take_rows(self, cache: KVCache, rows: Sequence[int]) -> C:
+        """A cache whose batch row i is row `rows[i]` of `cache` (same length): copies one
+        prompt's K/V to N samples, or reorders beams."""
+        idx = np.asarray(rows, np.int64)
+        held = np.shape(cache.k)[1]
+        if idx.ndim != 1 or idx.size == 0 or idx.min() < 0 or idx.max() >= held:
+            raise QnpuError(f"rows must name rows of a batch-{held} cache, got {list(rows)}")
+        return self._take_rows(self._own(cache), idx)
+
+    def _take_rows(self, cache: C, rows: np.ndarray) -> C:
+        k, v = (
+            np.take(np.asarray(cache.k), rows, axis=1),
+            np.take(np.asarray(cache.v), rows, axis=1),
+        )
+        return self._own(dataclasses.replace(cache, k=k, v=v))  # type: ignore[type-var]
 
     def _extend(self, tokens: np.ndarray, cache: C) -> tuple[np.ndarray, C]:
         """`run_chunk` on a cache the driver owns: an engine may write into its buffers."""

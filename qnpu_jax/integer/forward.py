@@ -11,10 +11,15 @@ values, so one compiled program serves layers of different bit-widths.
 Arithmetic is exact integer arithmetic in int64, which needs `jax.enable_x64(True)`:
 `int_forward` refuses to trace without it; the convenience functions (`prefill`,
 `run_chunk`, `token_nll`, `generate`) scope it themselves and leave it off afterwards.
-Matmuls run as float64 dots of the integer values by default (exact: `int_consts` checks
-from the artifact's ranges that every partial sum stays below 2^53; on CPU this is several
-times faster than an int64 dot); `matmul="i64"` selects int64 dots instead. No constant is
-derived here: every multiplier, shift, zero point, range, LUT and table is the artifact's.
+Matmuls run as float32 dots of the integer values by default, split as
+`quant.integer.dot_plan` says for the artifact's ranges (the largest over layers) so that
+every partial sum is an integer below 2^24 and any summation order is exact; `matmul="f64"`
+(sums below 2^53, checked) and `matmul="i64"` select one float64 or int64 dot instead.
+Attention looks at a static window of the cache (`key_window`): the keys a query may see,
+rounded up to one of four sizes per octave, so a short context does not pay for the whole
+cache (one compiled program per window size).
+No constant is derived here: every multiplier, shift, zero point, range, LUT and table is
+the artifact's.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.exact_dot import EXACT, DotPlan, dot_plan, run_dot_plan
 from qnpu_jax.export.graph import (
     HEAD_NORM_MAX,
     LAYER_INPUT,
@@ -45,10 +51,10 @@ from qnpu_jax.export.int_model import (
 )
 from qnpu_jax.quant.integer import requantize_jax
 
-MATMULS = ("f64", "i64")
+MATMULS = ("f32", "f64", "i64")
 LAYER_OPS = ("rmsnorm", "linear", "rope", "attention", "add", "lut", "mul")
 MODEL_OPS = ("embed", "layers", "rmsnorm", "linear")
-EXACT_LIMITS = {"f64": 2.0**53, "i64": 2.0**63}
+MATMUL_DTYPES = {"f32": "float32", "f64": "float64", "i64": "int64"}
 PROB_MAX = (1 << 16) - 1  # softmax probability codes are unsigned 16-bit
 I64 = jnp.int64
 F64 = jnp.float64
@@ -91,6 +97,34 @@ class IntSpec:
     layer_acts: tuple[str, ...]  # the columns of `layers.act.*`
     global_acts: tuple[str, ...]  # the entries of `act.*`
     matmul: str
+    # max |operand| of each matmul: linear consts -> ((input, weight) per layer, or one pair
+    # for a model-level linear); "scores" -> ((q, k),) and "pv" -> ((probabilities, v),), the
+    # largest over layers. Filled by `check_exact` from the artifact's ranges and weights.
+    bounds: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
+    # every layer's score codes lie within ±2^29: the softmax may work in int32
+    narrow_scores: bool = False
+
+    def plans(self, key: str, k: int) -> tuple[tuple[DotPlan, ...], tuple[int, ...]]:
+        """How the matmul `key` with a contraction of `k` runs: its distinct plans (see
+        `dot_plan`) and, per layer, the index of the one that layer uses."""
+        pairs = dict(self.bounds)[key]
+        # a row of probability codes sums to at most PROB_MAX + k/2 (each rounds by <= 1/2)
+        a_sum = PROB_MAX + k // 2 if key == "pv" else None
+        each = [self._plan(key, a_max, b_max, k, a_sum) for a_max, b_max in pairs]
+        distinct = tuple(dict.fromkeys(each))
+        return distinct, tuple(distinct.index(p) for p in each)
+
+    def _plan(self, key: str, a_max: int, b_max: int, k: int, a_sum: int | None) -> DotPlan:
+        if self.matmul == "f32":
+            return dot_plan(a_max, b_max, k, a_sum)
+        dtype = MATMUL_DTYPES[self.matmul]
+        bound = min(a_max * k, a_max * k if a_sum is None else a_sum) * b_max
+        if bound >= EXACT[dtype]:
+            raise QnpuError(
+                f"{key}: integer matmul bound {bound:.3g} is not exact with matmul="
+                f"{self.matmul!r} (limit {EXACT[dtype]:.3g})"
+            )
+        return DotPlan(dtype, 0, 1, max(k, 1))
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["layers", "globals"], meta_fields=["spec"])
@@ -98,8 +132,10 @@ class IntSpec:
 class IntConsts:
     """The artifact's tensors as device arrays: `layers` holds the per-layer ones stacked
     [L, ...] under their names without the `layers.` prefix (`q_proj.weight`, `act.qmin`,
-    ...), `globals` the others under their full names. With `matmul="f64"` the matmul
-    weights (`*.weight`) are stored as float64 (the same integer values)."""
+    ...) and the per-layer matmul plan indices (`dot_plan.<const>`), `globals` the others
+    under their full names. Model-level matmul weights (`lm_head.weight`) are stored as
+    float32 (float64 with `matmul="f64"`), the same integer values; layer weights keep their
+    integer dtype and are converted inside the scan."""
 
     layers: dict[str, jax.Array]
     globals: dict[str, jax.Array]
@@ -118,7 +154,7 @@ def _op_specs(ops: Any, part: str, known: Sequence[str]) -> tuple[OpSpec, ...]:
     return tuple(out)
 
 
-def int_spec(model: IntModel, matmul: str = "f64") -> IntSpec:
+def int_spec(model: IntModel, matmul: str = "f32") -> IntSpec:
     """The static description of `model` that the jitted forward is specialized on."""
     if matmul not in MATMULS:
         raise QnpuError(f"matmul must be one of {MATMULS}, got {matmul!r}")
@@ -150,7 +186,7 @@ def int_spec(model: IntModel, matmul: str = "f64") -> IntSpec:
         raise QnpuError(f"incomplete model config or graph: {e}") from e
 
 
-def _centered_max(model: IntModel, spec: IntSpec, name: str, layer: int | None) -> float:
+def _centered_max(model: IntModel, spec: IntSpec, name: str, layer: int | None) -> int:
     """max |code − zero point| over the range of activation `name`."""
     if layer is None:
         j, prefix = spec.global_acts.index(name), "act."
@@ -160,26 +196,19 @@ def _centered_max(model: IntModel, spec: IntSpec, name: str, layer: int | None) 
         z, lo, hi = (
             int(model.tensors[prefix + f][layer, j]) for f in ("zero_point", "qmin", "qmax")
         )
-    return float(max(hi - z, z - lo, 0))
+    return max(hi - z, z - lo, 0)
 
 
-def _abs_max(a: np.ndarray) -> float:
-    return float(max(abs(int(a.max(initial=0))), abs(int(a.min(initial=0)))))
+def _abs_max(a: np.ndarray) -> int:
+    return max(abs(int(a.max(initial=0))), abs(int(a.min(initial=0))))
 
 
-def check_exact(model: IntModel, spec: IntSpec) -> None:
-    """Every matmul's partial sums stay below 2^53 (f64) or 2^63 (i64), from the activation
-    ranges and the weights' magnitudes; raises QnpuError naming the first one that does not."""
-    limit = EXACT_LIMITS[spec.matmul]
+def matmul_bounds(
+    model: IntModel, spec: IntSpec
+) -> tuple[tuple[str, tuple[tuple[int, int], ...]], ...]:
+    """max |operand| of every matmul (per layer for the layers' linears), from the
+    activation ranges and the weights: the `IntSpec.bounds` the jitted forward plans from."""
     t = model.tensors
-
-    def check(bound: float, what: str) -> None:
-        if bound >= limit:
-            raise QnpuError(
-                f"{what}: integer matmul bound {bound:.3g} is not exact with matmul="
-                f"{spec.matmul!r} (limit {limit:.3g})"
-            )
-
     acts = set(spec.layer_acts)
     unbounded = [
         op.ins
@@ -189,40 +218,80 @@ def check_exact(model: IntModel, spec: IntSpec) -> None:
     ]
     if unbounded:
         raise QnpuError(f"matmul inputs {unbounded[0]} have no activation range to bound them")
+    out: list[tuple[str, tuple[tuple[int, int], ...]]] = []
     for op in spec.model_ops:
         if op.op == "linear":
-            w = t[f"{op.const}.weight"]
             r = _centered_max(model, spec, op.ins[0], None)
-            check(r * _abs_max(w) * w.shape[-1], op.const)
-    for i in range(spec.num_layers):
-        for op in spec.layer_ops:
-            if op.op == "linear":
-                w = t[f"{op.const}.weight"][i]
-                r = _centered_max(model, spec, op.ins[0], i)
-                bound = r * _abs_max(w) * w.shape[-1]
-                check(bound, f"{op.const} of layer {i}")
-            elif op.op == "attention":
-                rq, rk, rv = (_centered_max(model, spec, n, i) for n in op.ins)
-                check(rq * rk * spec.head_dim, f"attention scores of layer {i}")
-                check(PROB_MAX * rv * spec.max_context, f"attention P·V of layer {i}")
+            out.append((op.const, ((r, _abs_max(t[f"{op.const}.weight"])),)))
+    layers = range(spec.num_layers)
+    for op in spec.layer_ops:
+        if op.op == "linear":
+            w = t[f"{op.const}.weight"]
+            pairs = tuple(
+                (_centered_max(model, spec, op.ins[0], i), _abs_max(w[i])) for i in layers
+            )
+            out.append((op.const, pairs))
+        elif op.op == "attention":
+            rq, rk, rv = (max(_centered_max(model, spec, n, i) for i in layers) for n in op.ins)
+            out += [("scores", ((rq, rk),)), ("pv", ((PROB_MAX, rv),))]
+    return tuple(out)
 
 
-def int_consts(model: IntModel, matmul: str = "f64") -> IntConsts:
-    """Upload the artifact's tensors (int64 ones need x64, enabled here for the upload)."""
-    spec = int_spec(model, matmul)
-    check_exact(model, spec)
+def check_exact(model: IntModel, spec: IntSpec) -> IntSpec:
+    """`spec` with its matmul bounds, each matmul planned at the longest contraction it can
+    see: raises QnpuError naming the first matmul that `spec.matmul` cannot run exactly."""
+    j = spec.layer_acts.index(SCORES)
+    lo, hi = (model.tensors[f"layers.act.{f}"][:, j] for f in ("qmin", "qmax"))
+    narrow = max(-int(lo.min()), int(hi.max())) < 2**29
+    spec = dataclasses.replace(spec, bounds=matmul_bounds(model, spec), narrow_scores=narrow)
+    for key, _ in spec.bounds:
+        spec.plans(key, _contraction(model, spec, key))
+    return spec
+
+
+def _contraction(model: IntModel, spec: IntSpec, key: str) -> int:
+    if key == "scores":
+        return spec.head_dim
+    if key == "pv":
+        return spec.max_context
+    return int(model.tensors[f"{key}.weight"].shape[-1])
+
+
+def int_consts(model: IntModel, matmul: str = "f32") -> IntConsts:
+    """Upload the artifact's tensors (int64 ones need x64, enabled here for the upload), and
+    for each layer linear whose layers need different matmul plans the per-layer plan index
+    (`dot_plan.<const>`, int32 [L])."""
+    spec = check_exact(model, int_spec(model, matmul))
     layers: dict[str, jax.Array] = {}
     glob: dict[str, jax.Array] = {}
+    wtype = {"f32": jnp.float32, "f64": F64}.get(matmul)
     with jax.enable_x64(True):
         for name, a in model.tensors.items():
             arr = jnp.asarray(np.asarray(a))
-            if matmul == "f64" and name.endswith(".weight"):
-                arr = arr.astype(F64)  # converted on the device (faster than numpy + upload)
+            if wtype is not None and name.endswith(".weight") and not name.startswith("layers."):
+                # converted once, on the device. Layer weights stay integers: the scan slices
+                # one layer's out of the stack at each step, and slicing int8 then converting
+                # moves a quarter of the bytes of slicing float32 (21 against 31 ms for 30
+                # layers' gate and down on this CPU)
+                arr = arr.astype(wtype)
             if name.startswith("layers."):
                 layers[name.removeprefix("layers.")] = arr
             else:
                 glob[name] = arr
+        for key, _ in spec.bounds:
+            plans, index = spec.plans(key, _contraction(model, spec, key))
+            if len(plans) > 1:
+                layers[f"dot_plan.{key}"] = jnp.asarray(index, jnp.int32)
     return IntConsts(layers, glob, spec)
+
+
+def key_window(end: int, spec: IntSpec) -> int:
+    """The static number of cache slots attention looks at when the last query sits at
+    position end−1: `end` rounded up to four steps per octave (65 → 80, 513 → 640), at least
+    one prefill chunk, at most max_context: few compiled programs, few keys wasted."""
+    w = max(int(end), spec.prefill_chunk, 1)
+    step = 1 << max((w - 1).bit_length() - 3, 0)
+    return min(-(-w // step) * step, spec.max_context)
 
 
 # ------------------------------------------------------------------------ kernels
@@ -236,18 +305,33 @@ def _require_x64() -> None:
         )
 
 
-def _dot(spec: IntSpec, subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """Exact integer einsum (int64 result) of integer-valued operands."""
-    if spec.matmul == "f64":
-        out = jnp.einsum(
-            subscripts,
-            a.astype(F64),
-            b.astype(F64),
-            precision=jax.lax.Precision.HIGHEST,
-            preferred_element_type=F64,
-        )
-        return out.astype(I64)
-    return jnp.einsum(subscripts, a.astype(I64), b.astype(I64), preferred_element_type=I64)
+def _einsum(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    if a.dtype == I64:
+        return jnp.einsum(subscripts, a, b.astype(I64), preferred_element_type=I64)
+    return jnp.einsum(
+        subscripts, a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=a.dtype
+    )
+
+
+def _dot(
+    spec: IntSpec,
+    key: str,
+    subscripts: str,
+    a: jax.Array,
+    b: jax.Array,
+    index: jax.Array | None = None,
+) -> jax.Array:
+    """Exact integer einsum (int64 result) of integer-valued operands, contracting a's last
+    axis, planned from the bounds of matmul `key`; where layers need different plans,
+    `index` (this layer's `dot_plan.<key>`) picks the branch that runs."""
+    plans, _ = spec.plans(key, a.shape[-1])
+    branches = [partial(run_dot_plan, p, subscripts, xp=jnp, einsum=_einsum) for p in plans]
+    a = a.astype(I64)
+    if len(branches) == 1:
+        return branches[0](a=a, b=b)
+    if index is None:
+        raise QnpuError(f"{key}: layers need different matmul plans but no plan index is given")
+    return jax.lax.switch(index, [lambda a, b, f=f: f(a=a, b=b) for f in branches], a, b)
 
 
 def _center(x: Value) -> jax.Array:
@@ -288,8 +372,15 @@ def _rmsnorm_centered(
     return requantize_jax(t * c["sign"].astype(I64), c["M"], c["shift"], *out)
 
 
-def _linear(spec: IntSpec, x: Value, c: Mapping[str, jax.Array], out: Act) -> jax.Array:
-    acc = _dot(spec, "...i,oi->...o", _center(x), c["weight"])
+def _linear(
+    spec: IntSpec,
+    key: str,
+    x: Value,
+    c: Mapping[str, jax.Array],
+    out: Act,
+    index: jax.Array | None = None,
+) -> jax.Array:
+    acc = _dot(spec, key, "...i,oi->...o", _center(x), c["weight"], index)
     if "bias" in c:
         acc = acc + c["bias"].astype(I64)
     return requantize_jax(acc, c["M"], c["shift"], *out)
@@ -316,14 +407,24 @@ def _rope(
     return requantize_jax(acc, c["M"], c["shift"], *out).reshape(b, t, width)
 
 
-def _softmax_codes(scores: jax.Array, allowed: jax.Array, exp_lut: jax.Array) -> jax.Array:
-    """Integer softmax over the last axis: unsigned 16-bit probability codes (masked → 0)."""
-    s = scores.astype(I64)
-    top = jnp.max(jnp.where(allowed, s, jnp.iinfo(I64).min), axis=-1, keepdims=True)
-    d = jnp.where(allowed, jnp.minimum(top - s, PROB_MAX), 0)
-    e = jnp.where(allowed, jnp.take(exp_lut, d, axis=0).astype(I64), 0)
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    return (e * PROB_MAX + total // 2) // total
+def _softmax_codes(
+    scores: jax.Array, top: jax.Array, allowed: jax.Array, exp_lut: jax.Array, narrow: bool
+) -> jax.Array:
+    """Integer softmax over the last axis: unsigned 16-bit probability codes (masked → 0).
+    `top` [.., 1] is the largest allowed score of each row. `narrow`: the scores lie within
+    ±2^29, so differences and the exp terms' sums fit int32 (half the bytes of int64 on these
+    [.., T, S] arrays); the last step is int64 either way."""
+    wide = jnp.int32 if narrow else I64
+    s = scores.astype(wide)
+    d = jnp.where(allowed, jnp.minimum(top.astype(wide) - s, PROB_MAX), 0)
+    # d is in [0, PROB_MAX]: "clip" never acts, and unlike the default ("fill") its consumers
+    # need no bounds test on d, which made XLA recompute the scores for each of them
+    e = jnp.where(allowed, jnp.take(exp_lut, d, axis=0, mode="clip"), 0).astype(wide)
+    total = jnp.sum(e, axis=-1, keepdims=True, dtype=I64)  # S·65535 may pass 2^31
+    num = e.astype(I64) * PROB_MAX + total // 2
+    # both >= 0, so truncating division is floor division: one integer division per
+    # element where jnp's `//` spends two (the slowest op left in this function on XLA:CPU)
+    return jax.lax.div(num, jnp.broadcast_to(total, num.shape))
 
 
 def _attention(
@@ -336,6 +437,7 @@ def _attention(
     out: Act,
     cache: tuple[jax.Array, jax.Array],
     positions: jax.Array,
+    window: int,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     hd, hkv, hq = spec.head_dim, spec.num_kv_heads, spec.num_heads
     b, t, _ = q[0].shape
@@ -345,15 +447,22 @@ def _attention(
     v_new = v[0].reshape(b, t, hkv, hd).transpose(0, 2, 1, 3).astype(vl.dtype)
     kl = kl.at[:, :, positions].set(k_new, mode="drop")
     vl = vl.at[:, :, positions].set(v_new, mode="drop")
-    kc = kl.astype(I64) - k[1].astype(I64)
-    vc = vl.astype(I64) - v[1].astype(I64)
+    kc = kl[:, :, :window].astype(I64) - k[1].astype(I64)  # keys past the window: unseen
+    vc = vl[:, :, :window].astype(I64) - v[1].astype(I64)
     qc = _center(q).reshape(b, t, hkv, hq // hkv, hd)
-    acc = _dot(spec, "btkgd,bksd->bkgts", qc, kc)
-    scores = requantize_jax(acc, c["scores.M"], c["scores.shift"], *acts(SCORES))
-    keys = jnp.arange(spec.max_context, dtype=positions.dtype)
+    acc = _dot(spec, "scores", "btkgd,bksd->bkgts", qc, kc)
+    keys = jnp.arange(window, dtype=positions.dtype)
     allowed = keys[None, :] <= positions[:, None]  # [T, S]: key position <= query position
-    probs = _softmax_codes(scores, allowed, c["softmax.exp_lut"])
-    pv = _dot(spec, "bkgts,bksd->btkgd", probs, vc)
+    rq = (c["scores.M"], c["scores.shift"], *acts(SCORES))
+    scores = requantize_jax(acc, *rq)
+    # requantization is monotone, so the largest score is the requantized largest
+    # accumulator: the row maximum reads the matmul's output and XLA need not recompute the
+    # [.., T, S] requantization for it (every row allows at least its own position)
+    top = requantize_jax(
+        jnp.max(jnp.where(allowed, acc, jnp.iinfo(I64).min), axis=-1, keepdims=True), *rq
+    )
+    probs = _softmax_codes(scores, top, allowed, c["softmax.exp_lut"], spec.narrow_scores)
+    pv = _dot(spec, "pv", "bkgts,bksd->btkgd", probs, vc)
     res = requantize_jax(pv, c["pv.M"], c["pv.shift"], *out)
     return res.reshape(b, t, hq * hd), (kl, vl)
 
@@ -385,6 +494,7 @@ def _layer(
     positions: jax.Array,
     cos: jax.Array,
     sin: jax.Array,
+    window: int,
 ) -> tuple[Value, tuple[jax.Array, jax.Array]]:
     """One decoder layer: the layer op list interpreted over this layer's constants."""
     zp, qmin, qmax = lc["act.zero_point"], lc["act.qmin"], lc["act.qmax"]
@@ -401,16 +511,19 @@ def _layer(
         if op.op == "rmsnorm":
             y = _rmsnorm(spec, ins[0], c, out)
         elif op.op == "linear":
-            y = _linear(spec, ins[0], c, out)
+            y = _linear(spec, op.const, ins[0], c, out, lc.get(f"dot_plan.{op.const}"))
         elif op.op == "rope":
             y = _rope(spec, ins[0], c, out, cos, sin)
         elif op.op == "attention":
-            y, cache = _attention(spec, ins[0], ins[1], ins[2], c, act, out, cache, positions)
+            y, cache = _attention(
+                spec, ins[0], ins[1], ins[2], c, act, out, cache, positions, window
+            )
         elif op.op == "add":
             y = _add(ins[0], ins[1], c, out)
         elif op.op == "lut":
             lo = act(op.ins[0])[1]
-            y = jnp.take(c["lut"], ins[0][0].astype(I64) - lo.astype(I64), axis=0)
+            index = ins[0][0].astype(I64) - lo.astype(I64)  # in range: the LUT spans it
+            y = jnp.take(c["lut"], index, axis=0, mode="clip")
             y = y.astype(jnp.int32)
         elif op.op == "mul":
             prod = _center(ins[0]) * _center(ins[1])
@@ -421,21 +534,28 @@ def _layer(
     return env[spec.layer_ops[-1].out], cache
 
 
-@jax.jit
+@partial(jax.jit, static_argnames=("window",))
 def int_forward(
     consts: IntConsts,
     tokens: jax.Array,
     cache_k: jax.Array,
     cache_v: jax.Array,
     start: jax.Array,
+    window: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Integer logits int32 [B, T, V] of `tokens` int32 [B, T] at positions
     start..start+T-1, and the caches [L, B, Hkv, max_context, hd] (int16 codes) with their
     K/V written. Positions past max_context are computed but not written (prefill padding).
-    Token ids are not checked here (out-of-range ids clamp; the convenience functions check
-    them). Must run inside `with jax.enable_x64(True):`, raises QnpuError otherwise."""
+    Attention reads the first `window` cache slots (static; all of them when None), which
+    must hold every key up to the last query (`key_window(start + T, spec)`; a smaller
+    window silently drops keys). Token ids are not checked here (out-of-range ids clamp; the
+    convenience functions check them). Must run inside `with jax.enable_x64(True):`, raises
+    QnpuError otherwise."""
     _require_x64()
     spec = consts.spec
+    window = spec.max_context if window is None else window
+    if not 0 < window <= spec.max_context:
+        raise QnpuError(f"window must be in [1, {spec.max_context}], got {window}")
     g = consts.globals
     t = tokens.shape[1]
     positions = jnp.asarray(start, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
@@ -455,7 +575,7 @@ def int_forward(
         x: Value, xs: tuple[dict[str, jax.Array], jax.Array, jax.Array]
     ) -> tuple[Value, tuple[jax.Array, jax.Array]]:
         lc, kl, vl = xs
-        return _layer(spec, x, lc, (kl, vl), positions, cos, sin)
+        return _layer(spec, x, lc, (kl, vl), positions, cos, sin, window)
 
     env: dict[str, Value] = {}
     for op in spec.model_ops:
@@ -476,7 +596,8 @@ def int_forward(
             env[op.out] = (_rmsnorm(spec, env[op.ins[0]], _sub(g, op.const), out), out[0])
         elif op.op == "linear":
             out = global_act(op.out)
-            env[op.out] = (_linear(spec, env[op.ins[0]], _sub(g, op.const), out), out[0])
+            y = _linear(spec, op.const, env[op.ins[0]], _sub(g, op.const), out)
+            env[op.out] = (y, out[0])
         else:
             raise QnpuError(f"the integer forward has no model-level op {op.op!r}")
     logits = env[spec.model_ops[-1].out][0].astype(jnp.int32)
@@ -502,7 +623,7 @@ class JaxIntEngine(IntegerEngine[IntCache]):
     once; compiled programs are cached per shape and shared by equal specs. Prefill, NLL and
     decoding come from `IntegerEngine`; each chunk is one jitted `int_forward` call."""
 
-    def __init__(self, model: IntModel, matmul: str = "f64") -> None:
+    def __init__(self, model: IntModel, matmul: str = "f32") -> None:
         if not isinstance(model, IntModel):
             raise QnpuError(f"JaxIntEngine runs an IntModel (load_int_model), got {type(model)}")
         self.model = model
@@ -534,14 +655,21 @@ class JaxIntEngine(IntegerEngine[IntCache]):
                 raise QnpuError(f"cache has shape {a.shape}, expected {expected}")
         return IntCache(k, v, int(cache.length))
 
+    def _take_rows(self, cache: IntCache, rows: np.ndarray) -> IntCache:
+        idx = jnp.asarray(rows, jnp.int32)  # on the device: no host round trip of the cache
+        return IntCache(
+            jnp.take(cache.k, idx, axis=1), jnp.take(cache.v, idx, axis=1), cache.length
+        )
+
     def run_chunk(self, tokens: np.ndarray, cache: KVCache) -> tuple[np.ndarray, IntCache]:
         ids = check_tokens(tokens, self.spec.vocab_size)
         own = self._own(cache)
         check_cache_batch(own, ids.shape[0])
         check_room(own.length, ids.shape[1], self.spec.max_context)
         with jax.enable_x64(True):
+            window = key_window(own.length + ids.shape[1], self.spec)
             logits, k, v = int_forward(
-                self.consts, jnp.asarray(ids), own.k, own.v, jnp.int32(own.length)
+                self.consts, jnp.asarray(ids), own.k, own.v, jnp.int32(own.length), window
             )
             out = np.asarray(logits)
         return out, IntCache(k, v, own.length + ids.shape[1])
