@@ -146,7 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
         "of width N (default best)",
     )
     em.add_argument(
-        "--temperature", type=float, default=None, help="default 0 (greedy) for one sample, 1"
+        "--temperature",
+        type=float,
+        default=None,
+        help="default 0 (greedy) for one sample, 1 for several; beam search ignores it",
     )
     em.add_argument("--top-p", type=float, default=1.0)
     em.add_argument("--seed", type=int, default=0, help="sample i draws from (seed, i)")

@@ -99,6 +99,7 @@ def test_selection_rules():
     a, b, c = Sample((1, 2), -1.0), Sample((3,), -0.9), Sample((1, 2, 5), -1.2)
     assert select_best([a, b, c]) == b
     assert select_best([a, Sample((9,), -0.6)], per_token=True) == a  # −0.5 per token
+    assert select_best([a, b, c], score=lambda s: len(s.tokens)) == c  # an outside scorer
     word = {(1, 2): "paris", (3,): "lyon", (1, 2, 5): "paris"}
     assert select_vote([a, b, c], lambda s: word[s.tokens]) == "paris"
     assert select_vote([a, b], lambda s: word[s.tokens]) == "lyon"  # tie → likelier answer
@@ -112,8 +113,13 @@ def test_refusals(engines, prompt):
     _, cache = emulator.prefill(np.asarray([prompt]))
     with pytest.raises(QnpuError, match="rows must name rows of a batch-1 cache"):
         emulator.take_rows(cache, [1])
+    two = engines[1].take_rows(cache, [0, 0])  # any engine's cache is accepted
+    assert np.array_equal(np.asarray(two.k), np.repeat(cache.k, 2, axis=1))
+    assert two.length == cache.length
     with pytest.raises(QnpuError, match="samples must be an integer >= 1"):
         sample_parallel(emulator, prompt, 0, 3, Sampler(), 0)
+    with pytest.raises(QnpuError, match="seed and rows must be >= 0"):
+        sample_parallel(emulator, prompt, 2, 3, Sampler(), -1)
     with pytest.raises(QnpuError, match="prompt is empty"):
         beam_search(emulator, [], 2, 3)
     with pytest.raises(QnpuError, match="maximum context"):

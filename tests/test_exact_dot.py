@@ -60,6 +60,8 @@ def test_plans_choose_the_fewest_passes():
     assert dot_plan(2**31, 2**15, 2**16).dtype == "int64"
     with pytest.raises(QnpuError, match="overflows int64"):
         dot_plan(2**31, 2**31, 64)
+    with pytest.raises(QnpuError, match="overflows int64"):  # digits would wrap when recombined
+        dot_plan(2**62, 1, 8)
     with pytest.raises(QnpuError, match="non-negative"):
         dot_plan(-1, 1, 1)
 
@@ -115,14 +117,45 @@ def test_one_float32_matmul_would_round_where_the_plan_splits():
     assert int(run_dot_plan(plan, "...i,oi->...o", a, b, np, _np_einsum)[0, 0]) == 2**24 + 1
 
 
-def test_the_emulator_plans_from_the_values_at_hand():
-    """exact_matmul bounds by the operands themselves (|a|, the rows' Σ|a|, |b|)."""
+def test_the_emulator_plans_from_the_values_at_hand(monkeypatch):
+    """exact_matmul bounds by the operands themselves: rows of probability codes summing to
+    65535 against 8-bit values run as one float32 pass (by the rows' mass, where |a|·K alone
+    would need three digits), exactly."""
+    from qnpu_jax.emulator import engine
+
     rng = np.random.default_rng(0)
-    probs = rng.integers(0, 200, (1, 2, 2, 3, 700))
-    probs[..., 0] = 65535 - probs[..., 1:].sum(-1)  # rows summing to 65535
-    v = rng.integers(-32768, 32768, (1, 2, 700, 8))
+    cuts = np.sort(rng.integers(0, 65536, (1, 2, 2, 3, 699)), axis=-1)
+    edges = np.concatenate(
+        [np.zeros_like(cuts[..., :1]), cuts, np.full_like(cuts[..., :1], 65535)], -1
+    )
+    probs = np.diff(edges, axis=-1)  # 700 non-negative codes per row, summing to 65535
+    probs[0, 0, 0, 0] = 0
+    probs[0, 0, 0, 0, 0] = 65535  # one row at a single extreme
+    v = rng.integers(-128, 128, (1, 2, 700, 8))
+    v[..., 0] = -128
+    used = []
+    real = engine.run_dot_plan
+    monkeypatch.setattr(engine, "run_dot_plan", lambda p, *a: used.append(p) or real(p, *a))
+    got = exact_matmul(probs, v, "bkgts,bksd->btkgd")
+    assert np.array_equal(got, _reference("bkgts,bksd->btkgd", probs, v))
+    assert used == [DotPlan("float32", 0, 1, 700)]
+    assert dot_plan(65535, 128, 700).digits == 3
+
+
+def test_probability_rows_at_their_bound_run_in_one_pass():
+    """The JAX forward's P·V plan (a_sum = 65535 + S/2) at its extreme: every row's mass at
+    the bound, every value at ±max."""
+    k = 2049
+    plan = dot_plan(65535, 128, k, a_sum=65535 + k // 2)
+    assert plan == DotPlan("float32", 0, 1, k)
+    rng = np.random.default_rng(1)
+    probs = np.zeros((1, 1, 2, 3, k), np.int64)
+    probs[..., : k // 2] = 1  # the rounding excess, spread
+    probs[..., k // 2] = 65535
+    v = np.where(rng.random((1, 1, k, 4)) < 0.5, -128, 127)
+    v[..., 0] = -128
     want = _reference("bkgts,bksd->btkgd", probs, v)
-    assert np.array_equal(exact_matmul(probs, v, "bkgts,bksd->btkgd"), want)
+    assert np.array_equal(run_dot_plan(plan, "bkgts,bksd->btkgd", probs, v, np, _np_einsum), want)
 
 
 def test_subscripts_must_contract_the_left_operands_last_axis():

@@ -190,3 +190,20 @@ def test_build_lut_errors() -> None:
     # +inf clamps to qmax
     with np.errstate(over="ignore"):
         assert build_lut(np.exp, 100.0, 0, 10, 1.0, 0, 255)[-1] == 255
+
+
+def test_the_emulators_requantize_equals_requantize_np() -> None:
+    """The emulator's in-place kernel: any broadcast of acc against per-channel constants,
+    scalars included, gives requantize_np's codes."""
+    from qnpu_jax.emulator.engine import requantize
+
+    rng = np.random.default_rng(3)
+    m = rng.integers(1 << 30, 1 << 31, (5,)).astype(np.int32)
+    sh = rng.integers(20, 40, (5,)).astype(np.int32)
+    for acc in (rng.integers(-(2**30), 2**30, (3, 5)), rng.integers(-(2**30), 2**30, (3, 1))):
+        want = requantize_np(acc, m, sh, 3, -128, 127)
+        assert np.array_equal(requantize(acc, m, sh, 3, -128, 127), want)
+    scalar = requantize(np.int64(12345678), m[0], sh[0], 0, -(2**15), 2**15 - 1)
+    assert int(scalar) == int(
+        requantize_np(np.int64(12345678), m[0], sh[0], 0, -(2**15), 2**15 - 1)
+    )

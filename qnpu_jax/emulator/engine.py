@@ -5,7 +5,7 @@ requantization, LUT non-linearities, integer RMSNorm and softmax, an integer KV 
 fixed prefill chunk (the last chunk padded). No JAX: this is the independent reference the
 JAX integer forward is checked against, bit for bit.
 
-Matmuls run as float32 BLAS on integer values, split (`quant.integer.dot_plan`, from the
+Matmuls run as float32 BLAS on integer values, split (`export.exact_dot.dot_plan`, from the
 operands' magnitudes at each call) so that every partial sum is an integer below 2^24: then
 any summation order is exact. Float64 or int64 take over where float32 cannot.
 """
@@ -54,10 +54,13 @@ def requantize(
     a_max = max(int(a.max(initial=0)), -int(a.min(initial=0)))
     if a_max > int(limit.min()) and (np.abs(a) > limit).any():  # exact check only if needed
         raise QnpuError("requantization overflows int64 (accumulator too large)")
-    y = a * m
+    z = np.asarray(zero_point, I64)
+    shape = np.broadcast_shapes(a.shape, m.shape, sh.shape, z.shape, np.shape(qmin), np.shape(qmax))
+    y = np.empty(shape, I64)  # one buffer, updated in place
+    np.multiply(a, m, out=y)
     y += half
     np.right_shift(y, sh, out=y)
-    y += np.asarray(zero_point, I64)
+    y += z
     return np.clip(y, qmin, qmax, out=y)
 
 
@@ -78,7 +81,7 @@ def exact_matmul(
     a = np.asarray(a, I64)
     a_max = max(int(a.max(initial=0)), -int(a.min(initial=0)))
     plan = dot_plan(a_max, b_max, a.shape[-1])
-    if plan.digits > 1 or plan.chunk_len < a.shape[-1]:  # try the rows' mass before splitting
+    if plan != dot_plan(0, 0, a.shape[-1]):  # not one float32 pass: try the rows' mass
         a_sum = int(np.abs(a).sum(axis=-1).max(initial=0))
         plan = dot_plan(a_max, b_max, a.shape[-1], a_sum)
     return run_dot_plan(plan, subscripts, a, b, np, _einsum)
@@ -367,3 +370,7 @@ class EmulatorEngine(IntegerEngine[Cache]):
 
     def _extend(self, tokens: np.ndarray, cache: Cache) -> tuple[np.ndarray, Cache]:
         return _run_chunk_into(self.model, tokens, cache)
+
+    def _take_rows(self, cache: KVCache, rows: np.ndarray) -> Cache:
+        k, v = (np.take(np.asarray(a, np.int16), rows, axis=1) for a in (cache.k, cache.v))
+        return Cache(k, v, int(cache.length))

@@ -99,10 +99,12 @@ def sample_parallel(
     """N samples of up to `max_new_tokens` after `prompt`, decoded as one batch: the prompt
     prefilled once, its cache copied to N rows, one batched chunk per step. `rows` names the
     random streams (default 0..n−1): `rows=[i]` alone reproduces sample i of a larger batch."""
+    _check(engine, prompt, n, max_new_tokens)
     rows = list(range(n)) if rows is None else list(rows)
     if len(rows) != n:
         raise QnpuError(f"{len(rows)} rows given for {n} samples")
-    _check(engine, prompt, n, max_new_tokens)
+    if int(seed) < 0 or any(int(r) < 0 for r in rows):
+        raise QnpuError(f"the seed and rows must be >= 0, got seed {seed} and rows {rows}")
     rngs = [np.random.default_rng((int(seed), int(r))) for r in rows]
     codes, cache = engine.prefill(np.asarray([list(prompt)]))
     logits = np.repeat(engine.logits_to_float(codes[:, -1]), n, axis=0)  # [n, V]
@@ -160,21 +162,26 @@ def beam_search(
         if all(f for _, _, f in beams) or step == max_new_tokens - 1:
             break
         cache = engine.take_rows(cache, parents)
-        feed = np.asarray([[t[-1] if t else 0] for t, _, _ in beams], np.int32)
+        feed = np.asarray([[t[-1]] for t, _, _ in beams], np.int32)
         codes, cache = engine._extend(feed, cache)
         lp = log_softmax(engine.logits_to_float(codes[:, -1]))
     return [Sample(t, s) for t, s, _ in beams]
 
 
-def select_best(samples: Sequence[Sample], per_token: bool = False) -> Sample:
-    """Best-of-N by the model's own likelihood (summed, or per token), ties → first."""
+def select_best(
+    samples: Sequence[Sample],
+    per_token: bool = False,
+    score: Callable[[Sample], float] | None = None,
+) -> Sample:
+    """Best-of-N, ties → first: by `score` (a reward model, say) when given, else by the
+    model's own likelihood, summed or per token."""
     if not samples:
         raise QnpuError("no samples to select from")
 
-    def score(s: Sample) -> float:
+    def own(s: Sample) -> float:
         return s.logprob / max(len(s.tokens), 1) if per_token else s.logprob
 
-    return max(samples, key=score)
+    return max(samples, key=score or own)
 
 
 def select_vote(samples: Sequence[Sample], answer: Callable[[Sample], str]) -> str:

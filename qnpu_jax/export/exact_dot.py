@@ -50,6 +50,10 @@ def dot_plan(a_max: int, b_max: int, k: int, a_sum: int | None = None) -> DotPla
     mass = a_max * k if a_sum is None else min(a_max * k, int(a_sum))
     if min(a_max, b_max, k, mass) < 0:
         raise QnpuError(f"dot_plan needs non-negative bounds, got {a_max}, {b_max}, {k}")
+    if mass * b_max >= EXACT["int64"]:  # the digits' recombination would wrap in int64 too
+        raise QnpuError(
+            f"integer matmul bound {a_max}·{b_max}·{k} = {mass * b_max:.3g} overflows int64"
+        )
     limit = EXACT["float32"]
     if mass * b_max < limit:
         return DotPlan("float32", 0, 1, max(k, 1))
@@ -63,12 +67,8 @@ def dot_plan(a_max: int, b_max: int, k: int, a_sum: int | None = None) -> DotPla
             chunks = -(-k // per) if per else max_chunks + 1
             if chunks <= max_chunks:
                 return DotPlan("float32", bits, digits, -(-k // chunks))
-    for dtype in ("float64", "int64"):
-        if mass * b_max < EXACT[dtype]:
-            return DotPlan(dtype, 0, 1, max(k, 1))
-    raise QnpuError(
-        f"integer matmul bound {a_max}·{b_max}·{k} = {a_max * b_max * k:.3g} overflows int64"
-    )
+    dtype = "float64" if mass * b_max < EXACT["float64"] else "int64"
+    return DotPlan(dtype, 0, 1, max(k, 1))
 
 
 def _digit_max(a_max: int, bits: int, digits: int) -> int:

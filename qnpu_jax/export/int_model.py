@@ -273,14 +273,11 @@ class IntegerEngine(abc.ABC, Generic[C]):
         held = np.shape(cache.k)[1]
         if idx.ndim != 1 or idx.size == 0 or idx.min() < 0 or idx.max() >= held:
             raise QnpuError(f"rows must name rows of a batch-{held} cache, got {list(rows)}")
-        return self._take_rows(self._own(cache), idx)
+        return self._take_rows(cache, idx)
 
-    def _take_rows(self, cache: C, rows: np.ndarray) -> C:
-        k, v = (
-            np.take(np.asarray(cache.k), rows, axis=1),
-            np.take(np.asarray(cache.v), rows, axis=1),
-        )
-        return self._own(dataclasses.replace(cache, k=k, v=v))  # type: ignore[type-var]
+    @abc.abstractmethod
+    def _take_rows(self, cache: KVCache, rows: np.ndarray) -> C:
+        """`take_rows` of checked row indices, into a cache of this engine's kind."""
 
     def _extend(self, tokens: np.ndarray, cache: C) -> tuple[np.ndarray, C]:
         """`run_chunk` on a cache the driver owns: an engine may write into its buffers."""

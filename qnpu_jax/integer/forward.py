@@ -12,7 +12,8 @@ Arithmetic is exact integer arithmetic in int64, which needs `jax.enable_x64(Tru
 `int_forward` refuses to trace without it; the convenience functions (`prefill`,
 `run_chunk`, `token_nll`, `generate`) scope it themselves and leave it off afterwards.
 Matmuls run as float32 dots of the integer values by default, split as
-`quant.integer.dot_plan` says for the artifact's ranges (the largest over layers) so that
+`export.exact_dot.dot_plan` says for the artifact's ranges (each layer's own for the linears,
+one `lax.switch` branch per distinct plan; the largest over layers for attention) so that
 every partial sum is an integer below 2^24 and any summation order is exact; `matmul="f64"`
 (sums below 2^53, checked) and `matmul="i64"` select one float64 or int64 dot instead.
 Attention looks at a static window of the cache (`key_window`): the keys a query may see,
@@ -118,7 +119,7 @@ class IntSpec:
         if self.matmul == "f32":
             return dot_plan(a_max, b_max, k, a_sum)
         dtype = MATMUL_DTYPES[self.matmul]
-        bound = min(a_max * k, a_max * k if a_sum is None else a_sum) * b_max
+        bound = (a_max * k if a_sum is None else min(a_max * k, a_sum)) * b_max
         if bound >= EXACT[dtype]:
             raise QnpuError(
                 f"{key}: integer matmul bound {bound:.3g} is not exact with matmul="
@@ -436,19 +437,25 @@ def _attention(
     acts: Callable[[str], Act],
     out: Act,
     cache: tuple[jax.Array, jax.Array],
+    layer: jax.Array,
     positions: jax.Array,
     window: int,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     hd, hkv, hq = spec.head_dim, spec.num_kv_heads, spec.num_heads
     b, t, _ = q[0].shape
-    kl, vl = cache  # [B, Hkv, S, hd] int16 codes
-    # Write this chunk's K/V at its positions; positions past the context (padding) drop.
-    k_new = k[0].reshape(b, t, hkv, hd).transpose(0, 2, 1, 3).astype(kl.dtype)
-    v_new = v[0].reshape(b, t, hkv, hd).transpose(0, 2, 1, 3).astype(vl.dtype)
-    kl = kl.at[:, :, positions].set(k_new, mode="drop")
-    vl = vl.at[:, :, positions].set(v_new, mode="drop")
-    kc = kl[:, :, :window].astype(I64) - k[1].astype(I64)  # keys past the window: unseen
-    vc = vl[:, :, :window].astype(I64) - v[1].astype(I64)
+    ck, cv = cache  # all layers' [L, B, Hkv, S, hd] int16 codes, carried through the scan
+    # Write this chunk's K/V at its positions of this layer, in place (the buffers are the
+    # scan's carry); positions past the context (prefill padding) drop.
+    k_new = k[0].reshape(b, t, hkv, hd).transpose(1, 0, 2, 3).astype(ck.dtype)  # [T, B, ..]
+    v_new = v[0].reshape(b, t, hkv, hd).transpose(1, 0, 2, 3).astype(cv.dtype)
+    ck = ck.at[layer, :, :, positions].set(k_new, mode="drop")
+    cv = cv.at[layer, :, :, positions].set(v_new, mode="drop")
+    size = (1, b, hkv, window, hd)  # read only the window: keys past it are never seen
+    zero = jnp.zeros((), layer.dtype)
+    kl = jax.lax.dynamic_slice(ck, (layer, zero, zero, zero, zero), size)[0]
+    vl = jax.lax.dynamic_slice(cv, (layer, zero, zero, zero, zero), size)[0]
+    kc = kl.astype(I64) - k[1].astype(I64)
+    vc = vl.astype(I64) - v[1].astype(I64)
     qc = _center(q).reshape(b, t, hkv, hq // hkv, hd)
     acc = _dot(spec, "scores", "btkgd,bksd->bkgts", qc, kc)
     keys = jnp.arange(window, dtype=positions.dtype)
@@ -457,14 +464,14 @@ def _attention(
     scores = requantize_jax(acc, *rq)
     # requantization is monotone, so the largest score is the requantized largest
     # accumulator: the row maximum reads the matmul's output and XLA need not recompute the
-    # [.., T, S] requantization for it (every row allows at least its own position)
+    # [.., T, S] requantization for it (key 0 is allowed in every row, padding rows too)
     top = requantize_jax(
         jnp.max(jnp.where(allowed, acc, jnp.iinfo(I64).min), axis=-1, keepdims=True), *rq
     )
     probs = _softmax_codes(scores, top, allowed, c["softmax.exp_lut"], spec.narrow_scores)
     pv = _dot(spec, "pv", "bkgts,bksd->btkgd", probs, vc)
     res = requantize_jax(pv, c["pv.M"], c["pv.shift"], *out)
-    return res.reshape(b, t, hq * hd), (kl, vl)
+    return res.reshape(b, t, hq * hd), (ck, cv)
 
 
 def _add(a: Value, b: Value, c: Mapping[str, jax.Array], out: Act) -> jax.Array:
@@ -491,12 +498,14 @@ def _layer(
     x: Value,
     lc: Mapping[str, jax.Array],
     cache: tuple[jax.Array, jax.Array],
+    layer: jax.Array,
     positions: jax.Array,
     cos: jax.Array,
     sin: jax.Array,
     window: int,
 ) -> tuple[Value, tuple[jax.Array, jax.Array]]:
-    """One decoder layer: the layer op list interpreted over this layer's constants."""
+    """One decoder layer: the layer op list interpreted over this layer's constants; `cache`
+    holds every layer's K/V, `layer` says which are this one's."""
     zp, qmin, qmax = lc["act.zero_point"], lc["act.qmin"], lc["act.qmax"]
 
     def act(name: str) -> Act:
@@ -516,7 +525,7 @@ def _layer(
             y = _rope(spec, ins[0], c, out, cos, sin)
         elif op.op == "attention":
             y, cache = _attention(
-                spec, ins[0], ins[1], ins[2], c, act, out, cache, positions, window
+                spec, ins[0], ins[1], ins[2], c, act, out, cache, layer, positions, window
             )
         elif op.op == "add":
             y = _add(ins[0], ins[1], c, out)
@@ -534,8 +543,7 @@ def _layer(
     return env[spec.layer_ops[-1].out], cache
 
 
-@partial(jax.jit, static_argnames=("window",))
-def int_forward(
+def _int_forward(
     consts: IntConsts,
     tokens: jax.Array,
     cache_k: jax.Array,
@@ -572,10 +580,12 @@ def int_forward(
     layer_consts = {k: v for k, v in consts.layers.items() if not k.startswith("prefix.")}
 
     def body(
-        x: Value, xs: tuple[dict[str, jax.Array], jax.Array, jax.Array]
-    ) -> tuple[Value, tuple[jax.Array, jax.Array]]:
-        lc, kl, vl = xs
-        return _layer(spec, x, lc, (kl, vl), positions, cos, sin, window)
+        carry: tuple[Value, jax.Array, jax.Array], xs: tuple[dict[str, jax.Array], jax.Array]
+    ) -> tuple[tuple[Value, jax.Array, jax.Array], None]:
+        x, ck, cv = carry
+        lc, layer = xs
+        x, (ck, cv) = _layer(spec, x, lc, (ck, cv), layer, positions, cos, sin, window)
+        return (x, ck, cv), None
 
     env: dict[str, Value] = {}
     for op in spec.model_ops:
@@ -587,8 +597,9 @@ def int_forward(
             sh = jnp.take(g[f"{op.const}.shift"], ids, axis=0)[..., None]
             env[op.out] = (requantize_jax(rows, m, sh, *out), out[0])
         elif op.op == "layers":
-            x, (cache_k, cache_v) = jax.lax.scan(
-                body, env[op.ins[0]], (layer_consts, cache_k, cache_v)
+            layers = jnp.arange(spec.num_layers, dtype=jnp.int32)
+            (x, cache_k, cache_v), _ = jax.lax.scan(
+                body, (env[op.ins[0]], cache_k, cache_v), (layer_consts, layers)
             )
             env[op.out] = x
         elif op.op == "rmsnorm":
@@ -602,6 +613,16 @@ def int_forward(
             raise QnpuError(f"the integer forward has no model-level op {op.op!r}")
     logits = env[spec.model_ops[-1].out][0].astype(jnp.int32)
     return logits, cache_k, cache_v
+
+
+int_forward = jax.jit(_int_forward, static_argnames=("window",))
+int_forward.__doc__ = _int_forward.__doc__
+# The drivers' variant (`JaxIntEngine._extend`): the caches it is given are its own to reuse,
+# so XLA writes the new K/V into them instead of copying every layer's cache at each call
+# (a [L, B, Hkv, max_context, hd] copy per decode step made batched decoding no faster).
+_int_forward_in_place = jax.jit(
+    _int_forward, static_argnames=("window",), donate_argnames=("cache_k", "cache_v")
+)
 
 
 # ------------------------------------------------------------------------ the engine
@@ -645,7 +666,8 @@ class JaxIntEngine(IntegerEngine[IntCache]):
             v[:, :, :, : s.prefix_len] = np.asarray(self.consts.layers["prefix.v"])[:, None]
         return IntCache(jnp.asarray(k), jnp.asarray(v), s.prefix_len)
 
-    def _own(self, cache: KVCache) -> IntCache:
+    def _device_cache(self, cache: KVCache) -> IntCache:
+        """`cache` (any engine's) as device arrays, shape checked; no copy of device arrays."""
         s = self.spec
         k, v = jnp.asarray(cache.k, jnp.int16), jnp.asarray(cache.v, jnp.int16)
         want = (s.num_layers, s.num_kv_heads, s.max_context, s.head_dim)
@@ -655,21 +677,30 @@ class JaxIntEngine(IntegerEngine[IntCache]):
                 raise QnpuError(f"cache has shape {a.shape}, expected {expected}")
         return IntCache(k, v, int(cache.length))
 
-    def _take_rows(self, cache: IntCache, rows: np.ndarray) -> IntCache:
-        idx = jnp.asarray(rows, jnp.int32)  # on the device: no host round trip of the cache
-        return IntCache(
-            jnp.take(cache.k, idx, axis=1), jnp.take(cache.v, idx, axis=1), cache.length
-        )
+    def _own(self, cache: KVCache) -> IntCache:
+        c = self._device_cache(cache)  # a copy: `_extend` reuses (donates) its buffers
+        return IntCache(jnp.array(c.k, copy=True), jnp.array(c.v, copy=True), c.length)
+
+    def _take_rows(self, cache: KVCache, rows: np.ndarray) -> IntCache:
+        c = self._device_cache(cache)
+        idx = jnp.asarray(rows, jnp.int32)
+        return IntCache(jnp.take(c.k, idx, axis=1), jnp.take(c.v, idx, axis=1), c.length)
+
+    def _extend(self, tokens: np.ndarray, cache: IntCache) -> tuple[np.ndarray, IntCache]:
+        return self._run(tokens, cache, _int_forward_in_place)
 
     def run_chunk(self, tokens: np.ndarray, cache: KVCache) -> tuple[np.ndarray, IntCache]:
+        return self._run(tokens, self._device_cache(cache), int_forward)
+
+    def _run(
+        self, tokens: np.ndarray, cache: IntCache, fn: Callable[..., Any]
+    ) -> tuple[np.ndarray, IntCache]:
         ids = check_tokens(tokens, self.spec.vocab_size)
-        own = self._own(cache)
-        check_cache_batch(own, ids.shape[0])
-        check_room(own.length, ids.shape[1], self.spec.max_context)
+        check_cache_batch(cache, ids.shape[0])
+        check_room(cache.length, ids.shape[1], self.spec.max_context)
         with jax.enable_x64(True):
-            window = key_window(own.length + ids.shape[1], self.spec)
-            logits, k, v = int_forward(
-                self.consts, jnp.asarray(ids), own.k, own.v, jnp.int32(own.length), window
-            )
+            window = key_window(cache.length + ids.shape[1], self.spec)
+            start = jnp.int32(cache.length)
+            logits, k, v = fn(self.consts, jnp.asarray(ids), cache.k, cache.v, start, window)
             out = np.asarray(logits)
-        return out, IntCache(k, v, own.length + ids.shape[1])
+        return out, IntCache(k, v, cache.length + ids.shape[1])
