@@ -14,6 +14,16 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs() -> Any:
+    """Drop JAX's compiled programs after each test module. One process running the whole
+    suite otherwise keeps every program the engines compiled (a key window × batch × chunk
+    shape each) and XLA later crashed while compiling (test_stage1, twice, after 570 tests);
+    the programs' code mappings are the suspect."""
+    yield
+    jax.clear_caches()
+
+
 def load_script(name: str) -> Any:
     """Study NAME (`qnpu_jax.studies.NAME`), or scripts/NAME.py as a module (once per session)."""
     import importlib
