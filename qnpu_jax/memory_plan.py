@@ -99,6 +99,8 @@ def abstract_state(plan: QuantPlan, cfg: ModelConfig) -> Any:
             shape = _weight_shape(path, cfg)
             axis = tq.axis % len(shape)
             scale_shape = (*lead, *(n if a == axis else 1 for a, n in enumerate(shape)))
+            if tq.block is not None:  # one scale per row and block of inputs
+                scale_shape = (*scale_shape[:-1], shape[-1] // tq.block)
         elif is_weight(path) or tq.axis is None:
             scale_shape = lead
         else:

@@ -113,10 +113,12 @@ def wikitext_test_path() -> Path:
     return path
 
 
-def build_int_source(smollm: LoadedModel, *, w_bits: int, layers: int = 2) -> dict:
+def build_int_source(
+    smollm: LoadedModel, *, w_bits: int, layers: int = 2, rules: tuple = ()
+) -> dict:
     """A fake-quant model of the real weights cut to `layers` layers: R1/R2 Hadamard, the
     default plan at W`w_bits`A8KV8 with down_proj inputs at 8 and 16 bits (per-layer bits),
-    BOS sink prefix, calibrated on two 64-token windows of the calib split."""
+    then `rules`, BOS sink prefix, calibrated on two 64-token windows of the calib split."""
     import dataclasses
 
     from qnpu_jax.data import load_documents, tokenize_documents
@@ -136,7 +138,7 @@ def build_int_source(smollm: LoadedModel, *, w_bits: int, layers: int = 2) -> di
     plan = default_plan(
         layers,
         w_bits=w_bits,
-        rules=[QuantRule(pattern="layers/down_in", layer_bits=down_bits)],
+        rules=[QuantRule(pattern="layers/down_in", layer_bits=down_bits), *rules],
     )
     tok = smollm.tokenizer
     windows = sample_windows(

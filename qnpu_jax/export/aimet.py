@@ -193,7 +193,35 @@ def _checked(tensor: str, entry: object) -> dict[str, Any]:
         "axis": axis,
         "scale": scale,
         "zero_point": zps,
+        **_checked_blocks(tensor, entry, len(scale), symmetric and signed),
     }
+
+
+def _checked_blocks(tensor: str, entry: Mapping[str, Any], n_scales: int, sym: bool) -> dict:
+    """The optional per-block fields: `block` (inputs per block; `scale` then lists the
+    [out, nb] block scales row-major), or with `block_scale_bits` AIMET's LPBQ (`scale` per
+    row, `block_scale` the integer block scales [out, nb] in [1, 2^block_scale_bits])."""
+    block = entry.get("block")
+    if block is None:
+        if entry.get("block_scale") is not None or entry.get("block_scale_bits") is not None:
+            raise QnpuError(f"{tensor}: block scales without a block size")
+        return {}
+    if isinstance(block, bool) or not isinstance(block, int | np.integer) or block < 1:
+        raise QnpuError(f"{tensor}: block must be a positive integer, got {block!r}")
+    if entry.get("axis") != 0 or not sym:
+        raise QnpuError(f"{tensor}: per-block encodings are symmetric signed, per row (axis 0)")
+    out: dict[str, Any] = {"block": int(block)}
+    bits, ints = entry.get("block_scale_bits"), entry.get("block_scale")
+    if bits is None and ints is None:
+        return out
+    if isinstance(bits, bool) or not isinstance(bits, int | np.integer) or not 1 <= bits <= 8:
+        raise QnpuError(f"{tensor}: block_scale_bits must be an integer in 1..8, got {bits!r}")
+    k = _numbers(tensor, "block_scale", ints)
+    if not k or len(k) % n_scales:
+        raise QnpuError(f"{tensor}: {len(k)} block scales for {n_scales} rows")
+    if any(v != int(v) or not 1 <= v <= 1 << int(bits) for v in k):
+        raise QnpuError(f"{tensor}: block scales must be integers in [1, 2^{int(bits)}]")
+    return out | {"block_scale_bits": int(bits), "block_scale": [int(v) for v in k]}
 
 
 def _offsets(e: Mapping[str, Any]) -> list[int]:
@@ -208,6 +236,31 @@ def _is_sym(e: Mapping[str, Any]) -> bool:
 
 
 def _entry_1_0_0(name: str, e: Mapping[str, Any]) -> dict[str, Any]:
+    if "block_scale" in e:  # LPBQ: AIMET's decompressed width is bits + block-scale bits
+        bw = e["bits"] + e["block_scale_bits"]
+        return {
+            "name": name,
+            "dtype": "INT",
+            "enc_type": "LPBQ",
+            "bw": bw,
+            "compressed_bw": e["bits"],
+            "is_sym": True,
+            "scale": list(e["scale"]),
+            "offset": [-(1 << (bw - 1))] * len(e["scale"]),
+            "per_block_int_scale": list(e["block_scale"]),
+            "block_size": e["block"],
+        }
+    if "block" in e:
+        return {
+            "name": name,
+            "dtype": "INT",
+            "enc_type": "PER_BLOCK",
+            "bw": e["bits"],
+            "is_sym": _is_sym(e),
+            "scale": list(e["scale"]),
+            "offset": _offsets(e),
+            "block_size": e["block"],
+        }
     return {
         "name": name,
         "dtype": "INT",
@@ -219,7 +272,9 @@ def _entry_1_0_0(name: str, e: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _entry_0_6_1(e: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _entry_0_6_1(name: str, e: Mapping[str, Any]) -> list[dict[str, Any]]:
+    if "block" in e:
+        raise QnpuError(f"{name}: schema 0.6.1 has no per-block encodings; write 1.0.0")
     top = (1 << e["bits"]) - 1
     sym = str(_is_sym(e))
     return [
@@ -281,7 +336,7 @@ def aimet_encodings(
     param_map: dict[str, list[dict[str, Any]]] = {}
     for t, e in checked.items():
         target_map = param_map if is_param(t, graph) else act_map
-        target_map[aimet_name(t, names, graph)] = _entry_0_6_1(e)
+        target_map[aimet_name(t, names, graph)] = _entry_0_6_1(t, e)
     return {"version": version, "activation_encodings": act_map, "param_encodings": param_map}
 
 

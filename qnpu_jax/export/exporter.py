@@ -49,8 +49,14 @@ from qnpu_jax.quant.integer import (
     fixed_point_multiplier,
     quantize_to_int,
 )
-from qnpu_jax.quant.plan import PROBS_SCALE_DENOMINATOR, QuantPlan, all_paths, is_weight
-from qnpu_jax.quant.spec import QuantSpec, qrange
+from qnpu_jax.quant.plan import (
+    PROBS_SCALE_DENOMINATOR,
+    QuantPlan,
+    TensorQuant,
+    all_paths,
+    is_weight,
+)
+from qnpu_jax.quant.spec import QuantSpec, block_view, check_block, lpbq_split, qrange
 from qnpu_jax.quant.state import get_entry
 
 DEFAULT_CONTEXT = 2048  # tokens after the sink prefix (the paper's sequence length)
@@ -176,7 +182,10 @@ def _stack(per_layer: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {k: np.stack([d[k] for d in per_layer]) for k in per_layer[0]}
 
 
-def _check_plan(plan: QuantPlan, num_layers: int, graph: Graph = GRAPH) -> None:
+def _check_plan(
+    plan: QuantPlan, num_layers: int, graph: Graph = GRAPH, *, integer: bool = True
+) -> None:
+    """What the integer graph needs of a plan (`integer` False: of an encodings table)."""
     missing = [p for p in all_paths(graph) if p not in plan]
     if missing:
         raise QnpuError(
@@ -186,6 +195,39 @@ def _check_plan(plan: QuantPlan, num_layers: int, graph: Graph = GRAPH) -> None:
     for path, tq in plan.entries:
         if is_weight(path, graph) and max(tq.layer_bits or (tq.bits,)) > 8:
             raise QnpuError(f"{path}: integer weights are at most 8 bits")
+        if integer and tq.block is not None and tq.block_scale_bits is None:
+            raise QnpuError(
+                f"{path}: per-block weights with float block scales are not integer-only; "
+                "give them integer block scales (block_scale_bits, AIMET's LPBQ) to export "
+                "the integer artifact (AIMET encodings and ONNX take float block scales)"
+            )
+
+
+def weight_scales(tq: TensorQuant, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """One layer's weight scales as the integer graph holds them: (per-channel float32
+    [out], LPBQ integer block scales [out, nb] or None). `scale` is the state's [out, 1]
+    (per channel) or [out, nb] (per block): a float per-block weight keeps [out · nb]."""
+    s = np.asarray(scale, np.float32)
+    if tq.block_scale_bits is None:
+        return s.reshape(-1), None
+    channel, k = lpbq_split(s.reshape(s.shape[0], -1), tq.block_scale_bits)
+    return channel.reshape(-1).astype(np.float32), k.astype(np.uint8)
+
+
+def _layer_weight_codes(
+    w: np.ndarray, tq: TensorQuant, layer: int, scale: np.ndarray, what: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(codes [out, in], per-channel scales [out], LPBQ block scales [out, nb] or None) of
+    one layer's weight."""
+    channel, k = weight_scales(tq, scale)
+    if tq.block is None or k is None:
+        s = channel.reshape(-1, 1)
+        return _weight_codes(w, s, np.zeros_like(s), tq.spec(layer), what), channel, None
+    check_block(tq.block, w.shape[-1], what)
+    s = (channel[:, None] * k.astype(np.float32))[..., None]  # the block scales, [out, nb, 1]
+    view = block_view(w, tq.block)
+    codes = _weight_codes(view, s, np.zeros_like(s), tq.spec(layer), what)
+    return codes.reshape(w.shape), channel, k
 
 
 def prefix_cache_codes(
@@ -236,16 +278,23 @@ def encodings_table(
     for name in (t.name for t in graph.layer_weights):
         tq = plan.get(f"layers/{name}")
         assert tq is not None
-        s = np.asarray(state["layers"][name].scale, np.float32).reshape(n, -1)
+        s = np.asarray(state["layers"][name].scale, np.float32)
         for i in range(n):
-            table[f"layers.{i}.{name}"] = {
+            channel, k = weight_scales(tq, s[i])
+            entry: dict[str, Any] = {
                 "bits": tq.bits_for_layer(i),
                 "signed": True,
                 "symmetric": True,
                 "axis": 0,
-                "scale": [float(v) for v in s[i]],
-                "zero_point": [0] * s.shape[1],
+                "scale": [float(v) for v in channel],
+                "zero_point": [0] * channel.size,
             }
+            if tq.block is not None:
+                entry["block"] = tq.block
+            if k is not None:
+                entry["block_scale_bits"] = tq.block_scale_bits
+                entry["block_scale"] = [int(v) for v in k.reshape(-1)]
+            table[f"layers.{i}.{name}"] = entry
     for name, encs in layer_encs.items():
         tq = plan.get(f"layers/{name}")
         assert tq is not None
@@ -275,7 +324,7 @@ def run_encodings(
 ) -> dict[str, Any]:
     """The encodings table of a run (what `export_model` puts in the manifest and the AIMET
     file carries), without building the integer tensors."""
-    _check_plan(plan, cfg.num_layers, graph)
+    _check_plan(plan, cfg.num_layers, graph, integer=False)
     state = effective_state(plan, state)
     acts, outer = _activation_encodings(plan, state, cfg.num_layers, graph)
     return encodings_table(plan, state, cfg, acts, outer, graph)
@@ -392,12 +441,15 @@ def export_model(
             tq = plan.get(f"layers/{name}")
             assert tq is not None
             w = layers[name]
-            s_w = np.asarray(state["layers"][name].scale, np.float32).reshape(n, -1, 1)
-            codes, ms, shs, biases = [], [], [], []
+            s_state = np.asarray(state["layers"][name].scale, np.float32)
+            codes, ms, shs, biases, blocks = [], [], [], [], []
             for i in range(n):
                 where = f"layers.{i}.{name}"
-                codes.append(_weight_codes(w[i], s_w[i], np.zeros_like(s_w[i]), tq.spec(i), where))
-                s_acc = enc(src, i).scale * s_w[i, :, 0].astype(np.float64)
+                q, s_w, block_scales = _layer_weight_codes(w[i], tq, i, s_state[i], where)
+                codes.append(q)
+                if block_scales is not None:
+                    blocks.append(block_scales)
+                s_acc = enc(src, i).scale * s_w.astype(np.float64)
                 m, sh = _requant(s_acc / enc(dst, i).scale, where)
                 ms.append(m)
                 shs.append(sh)
@@ -411,6 +463,8 @@ def export_model(
             tensors[f"{c}.shift"] = np.stack(shs)
             if biases:
                 tensors[f"{c}.bias"] = np.stack(biases)
+            if blocks:  # LPBQ: the engines run the int8 codes k·q (`int_model.lpbq_weights`)
+                tensors[f"{c}.block_scale"] = np.stack(blocks)
             if max(tq.layer_bits or (tq.bits,)) <= 4:
                 int4.add(f"{c}.weight")
         elif op.kind == "rmsnorm":

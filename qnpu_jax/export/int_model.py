@@ -170,11 +170,42 @@ def _check_constants(manifest: dict[str, Any], where: str) -> None:
             raise QnpuError(f"{where}: tokenizer {key} {tid!r} is not a token id < {vocab}")
 
 
+def lpbq_weights(tensors: Mapping[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
+    """`tensors` with every LPBQ linear's codes q [L, out, in] replaced by the int8 codes the
+    engines multiply, k·q, k its integer block scales `{const}.block_scale` [L, out, nb]
+    repeated over each block of in/nb inputs (what an NPU's LPBQ kernel decompresses; its
+    per-channel requantization is already in the linear's M/shift)."""
+    out = dict(tensors)
+    for op in GRAPH.ops("linear"):
+        name = f"{op.const}.block_scale"
+        if name not in tensors:
+            continue
+        k, q = tensors[name], tensors[f"{op.const}.weight"]
+        if k.dtype != np.uint8 or k.ndim != 3 or k.shape[:2] != q.shape[:2]:
+            raise QnpuError(
+                f"{where}: {name} must be uint8 [L, out, blocks] for weights {q.shape}, got "
+                f"{k.dtype} {k.shape}"
+            )
+        if k.shape[2] < 1 or q.shape[2] % k.shape[2]:
+            raise QnpuError(
+                f"{where}: {name}: {k.shape[2]} blocks do not split {q.shape[2]} inputs"
+            )
+        if int(k.min(initial=1)) < 1:
+            raise QnpuError(f"{where}: {name} holds a block scale of 0")
+        wide = q.astype(np.int16) * np.repeat(k.astype(np.int16), q.shape[2] // k.shape[2], -1)
+        if wide.min(initial=0) < -128 or wide.max(initial=0) > 127:
+            raise QnpuError(f"{where}: {name} times the codes leaves the int8 range")
+        out[f"{op.const}.weight"] = wide.astype(np.int8)
+    return out
+
+
 def load_int_model(path: Path | str) -> IntModel:
-    """Read and validate an artifact directory (hashes, dtypes, shapes, op list)."""
+    """Read and validate an artifact directory (hashes, dtypes, shapes, op list); LPBQ
+    weights come folded into int8 codes (`lpbq_weights`)."""
     art: Artifact = read_artifact(Path(path))
     validate_graph(art.manifest, art.tensors, str(path))
     tensors = {k: np.ascontiguousarray(v).reshape(v.shape) for k, v in art.tensors.items()}
+    tensors = lpbq_weights(tensors, str(path))
     return IntModel(
         art.path,
         dict(art.manifest["model"]),

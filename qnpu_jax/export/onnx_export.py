@@ -182,6 +182,8 @@ def _weight(
     per-channel scales run along `axis` of the stored layout."""
     if entry is None:
         return b.const(w, name=name)
+    if entry.get("block") is not None:
+        return _blocked_weight(b, w, name, entry, axis)
     bits, signed = int(entry["bits"]), bool(entry["signed"])
     onnx_type = _onnx_int_type(bits, signed, name)
     scale = np.asarray(entry["scale"], np.float32)
@@ -197,6 +199,40 @@ def _weight(
     b.inits[z.name] = z
     s = b.const(scale, name=f"{name}_scale")
     return b.node("DequantizeLinear", [q.name, s, z.name], name, axis=axis)
+
+
+def _blocked_weight(
+    b: _Builder, w: np.ndarray, name: str, entry: Mapping[str, Any], axis: int
+) -> str:
+    """A per-block weight stored [in, out] (`axis` 1, the output channels): its codes and a
+    blocked DequantizeLinear (opset 21 `block_size`, scales [in/B, out]). LPBQ block scales
+    come from a DequantizeLinear of the integer block scales at the per-channel scales, as
+    AIMET's ONNX export writes them, so a runtime sees the compressed form."""
+    if axis != 1 or w.ndim != 2:
+        raise QnpuError(f"{name}: blocked weights are stored [in, out]")
+    block, bits = int(entry["block"]), int(entry["bits"])
+    onnx_type = _onnx_int_type(bits, True, name)
+    n_in, n_out = w.shape
+    nb = n_in // block
+    channel = np.asarray(entry["scale"], np.float32)
+    if entry.get("block_scale") is not None:
+        k = np.asarray(entry["block_scale"], np.int64).reshape(n_out, nb)
+        scales = (channel[:, None] * k.astype(np.float32)).T  # [nb, out], float32 products
+        kt = _int_tensor(f"{name}_block_scale", k.T, _onnx_int_type(8, False, name))
+        kz = _int_tensor(f"{name}_block_scale_zero_point", np.zeros(n_out), kt.data_type)
+        b.inits[kt.name], b.inits[kz.name] = kt, kz
+        ch = b.const(channel, name=f"{name}_scale")
+        s = b.node("DequantizeLinear", [kt.name, ch, kz.name], f"{name}_block_scales", axis=1)
+    else:
+        scales = channel.reshape(n_out, nb).T
+        s = b.const(scales, name=f"{name}_scale")
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    inv = np.repeat((1.0 / scales).astype(np.float32), block, axis=0)
+    codes = np.clip(np.rint(w * inv), qmin, qmax)
+    q = _int_tensor(f"{name}_quantized", codes, onnx_type)
+    z = _int_tensor(f"{name}_zero_point", np.zeros((nb, n_out)), onnx_type)
+    b.inits[q.name], b.inits[z.name] = q, z
+    return b.node("DequantizeLinear", [q.name, s, z.name], name, axis=0, block_size=block)
 
 
 class _Writer:

@@ -208,12 +208,13 @@ def check_encodings(directory: Path, data: bytes) -> None:
 
 def encoding_bits(enc: Mapping[str, Any]) -> dict[str, int]:
     """name -> bit-width of every entry of an AIMET encodings object (1.0.0 lists of named
-    entries, or 0.6.1 name -> [entry])."""
+    entries, or 0.6.1 name -> [entry]); an LPBQ entry's is its codes' (`compressed_bw`), which
+    AIMET's quantizer holds, not the decompressed `bw`."""
     bits: dict[str, int] = {}
     for section in ("activation_encodings", "param_encodings"):
         entries = enc[section]
         if isinstance(entries, list):
-            bits |= {e["name"]: int(e["bw"]) for e in entries}
+            bits |= {e["name"]: int(e.get("compressed_bw", e["bw"])) for e in entries}
         else:
             bits |= {name: int(e[0]["bitwidth"]) for name, e in entries.items()}
     return bits

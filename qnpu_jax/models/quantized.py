@@ -4,7 +4,8 @@ Quantizer state is a pytree shaped like the plan:
     {"layers": {name: {"scale", "zero_point", "qmin", "qmax"}},   # leading layer axis
      "outer":  {name: {"scale", "zero_point", "qmin", "qmax"}}}
 Per-channel weight scales keep their broadcast shape ([L, out, 1] for a layer weight [L, out,
-in]); qmin/qmax are arrays ([L] per layer) so per-layer bit-widths share one compiled program.
+in]; per-block ones are [L, out, in // block]); qmin/qmax are arrays ([L] per layer) so
+per-layer bit-widths share one compiled program.
 """
 
 from __future__ import annotations
@@ -40,9 +41,15 @@ from qnpu_jax.models.llama import (
     no_aux,
     no_tap,
 )
-from qnpu_jax.quant.fake_quant import dynamic_fake_quant, fake_quant, positive_scale
+from qnpu_jax.quant.fake_quant import (
+    dynamic_fake_quant,
+    fake_quant,
+    positive_scale,
+    round_ste,
+)
 from qnpu_jax.quant.init import update_range_stats
 from qnpu_jax.quant.plan import QuantPlan, TensorQuant, is_weight
+from qnpu_jax.quant.spec import block_view, lpbq_split
 from qnpu_jax.quant.state import Encoding, QuantState, state_key
 
 MODES = ("static", "dynamic")
@@ -94,15 +101,25 @@ class FakeQuantTaps:
             if tq is None:
                 return x
             s = state[name]
+            shape, block = x.shape, tq.block if is_weight(path) else None
+            blocked = block is not None
+            if block is not None:  # per-block weight [out, in]: per-row quantization of
+                x = block_view(x, block)  # [out, nb, block]
             # qmin/qmax are traced per-layer arrays: per-layer bit-widths apply in every mode.
             if self.mode == "dynamic" and name != PROBS:
                 bits = jnp.log2(s.qmax - s.qmin + 1.0)
-                return dynamic_fake_quant(x, bits, axis=-1)  # weights [out, in]: per out row
+                y = dynamic_fake_quant(x, bits, axis=-1)  # weights: per out row (or block)
+                return y.reshape(shape) if blocked else y
             scale, zero_point = s.scale, s.zero_point
             if tq.learnable:
                 scale = positive_scale(scale)
             else:
                 scale, zero_point = jax.lax.stop_gradient((scale, zero_point))
+            if tq.block_scale_bits is not None:  # LPBQ: what the device's block scales are
+                channel, k = lpbq_split(scale, tq.block_scale_bits, jnp, round_ste)
+                scale = channel * k
+            if blocked:
+                scale, zero_point = scale[..., None], zero_point[..., None]
             grad_scale: Any = 1.0
             if self.lsq_grad_scaling and self.cfg is not None:
                 n = _elements_per_scale(name, tq, self.cfg, x)
@@ -112,7 +129,8 @@ class FakeQuantTaps:
                 x0 = jax.lax.stop_gradient(x)
                 err = fake_quant(x0, *args, grad_scale=grad_scale) - x0
                 local[name] = jnp.sum(err * err) / jnp.maximum(jnp.sum(x0 * x0), 1e-30)
-            return fake_quant(x, *args, grad_scale=grad_scale)
+            y = fake_quant(x, *args, grad_scale=grad_scale)
+            return y.reshape(shape) if blocked else y
 
         def aux() -> dict[str, Any]:
             return {"local_error": dict(local)} if self.local_loss else {}
@@ -157,7 +175,8 @@ def effective_state(plan: QuantPlan, state: QuantState) -> QuantState:
 def _elements_per_scale(name: str, tq: TensorQuant, cfg: ModelConfig, x: jax.Array) -> int:
     """N of the LSQ gradient scale: elements sharing one scale within one sample (token)."""
     if is_weight(name):  # a layer weight by its name, or embed_tokens / lm_head
-        # per channel: one output row of `in` elements; per tensor: the whole weight
+        # per block: `block` inputs; per channel: one output row of `in` elements; per
+        # tensor: the whole weight (x is the blocked view [out, nb, block] for a per-block one)
         return int(x.shape[-1]) if tq.axis is not None else int(x.size)
     if name in ATTENTION_TENSORS:  # [B, Hkv, G, T, S]: all heads' scores of one query
         return cfg.num_heads * int(x.shape[-1])

@@ -7,6 +7,7 @@ weights get their per-channel encodings from the weights themselves.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -45,6 +46,7 @@ from qnpu_jax.quant.plan import (
     TensorQuant,
     is_weight,
 )
+from qnpu_jax.quant.spec import block_view, check_block
 from qnpu_jax.quant.state import is_layer_path, state_key, with_entry
 
 ScaleZeroPoint = tuple[np.ndarray, np.ndarray]  # (scale, zero_point)
@@ -223,7 +225,17 @@ def _encoding_from_stats(
 
 
 def _weight_encoding(path: str, w: jax.Array, tq: TensorQuant, layer: int | None) -> ScaleZeroPoint:
+    """Per-channel (or per-tensor) encoding of `w` [out, in]; a per-block weight is encoded
+    per row of its blocks, [out · nb, block], and its scales come back as [out, nb]."""
     spec = tq.spec(layer)
+    if tq.block is not None:
+        where = path if layer is None else f"{path} (layer {layer})"
+        nb = check_block(tq.block, int(w.shape[-1]), where)
+        rows = block_view(w, tq.block).reshape(-1, tq.block)
+        scale, zero_point = _weight_encoding(
+            path, rows, dataclasses.replace(tq, block=None, block_scale_bits=None), layer
+        )
+        return scale.reshape(-1, nb), zero_point.reshape(-1, nb)
 
     def compute() -> Any:
         if tq.init == "mse":

@@ -17,7 +17,7 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import SIMULATIONS
 from qnpu_jax.mesh import MeshConfig
 from qnpu_jax.pipeline.stage1 import Stage1Config
-from qnpu_jax.quant.plan import QuantRule
+from qnpu_jax.quant.plan import QuantRule, check_block_fields
 
 METHODS = ("rtn", "quarot", "spinquant", "quantnpu")
 PREFIXES = ("none", "bos")
@@ -63,6 +63,10 @@ class QuantizeConfig:
     weight_rounding: str = "rtn"  # "gptq": GPTQ codes on the same grid after stage 2
     gptq_damp: float = 0.01  # GPTQ's dampening, a share of the Hessian's mean diagonal
     smooth_mlp: float | None = None  # α of up→down channel smoothing; None: off (the paper)
+    # the decoder linears' weights per block of inputs (16..256; None: per channel), and with
+    # weight_block_scale_bits the block scales in AIMET's LPBQ form (integer · per-channel)
+    weight_block: int | None = None
+    weight_block_scale_bits: int | None = None
     prefix: str = "bos"  # sink prefix computed offline (PrefixQuant); "none": the paper
     # what the fake-quant forward computes between quantizers (stage 1, evaluation, GPTQ):
     # "device" the integer contract's softmax and RoPE tables; "fake" plain float32
@@ -101,6 +105,10 @@ class QuantizeConfig:
         for name in ("learn_down_in", "selective"):
             if not isinstance(getattr(self, name), bool):
                 raise QnpuError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        try:  # the plan's own validation, with the config's names
+            check_block_fields(self.weight_block, self.weight_block_scale_bits)
+        except QnpuError as e:
+            raise QnpuError(f"weight_block / weight_block_scale_bits: {e}") from e
         if self.prefix not in PREFIXES:
             raise QnpuError(f"unknown prefix {self.prefix!r}; known: {', '.join(PREFIXES)}")
         if self.simulation not in SIMULATIONS:

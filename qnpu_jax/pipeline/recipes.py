@@ -109,6 +109,14 @@ def plan_rules(config: QuantizeConfig) -> list[QuantRule]:
         rules.append(QuantRule(pattern=f"(?!layers/({keep})$).*", quantize=False))
     if config.method == "quantnpu" and config.init_scheme == "aware":
         rules += init_rules(config.w_bits, config.a_bits)
+    if config.weight_block is not None:
+        rules.append(
+            QuantRule(
+                pattern=f"layers/({'|'.join(WEIGHTS)})",
+                block=config.weight_block,
+                block_scale_bits=config.weight_block_scale_bits,
+            )
+        )
     return rules + list(config.rules)
 
 

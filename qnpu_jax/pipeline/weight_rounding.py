@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import LINEAR_IO, layer_widths
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
@@ -30,7 +31,11 @@ LINEAR_INPUT = {name: io[0] for name, io in LINEAR_IO.items()}
 
 def rounded_weights(plan: QuantPlan) -> tuple[str, ...]:
     """The decoder-layer linears whose weights the plan quantizes (GPTQ's targets)."""
-    return tuple(n for n in LINEAR_INPUT if plan.get(f"layers/{n}") is not None)
+    names = tuple(n for n in LINEAR_INPUT if plan.get(f"layers/{n}") is not None)
+    blocked = [n for n in names if getattr(plan.get(f"layers/{n}"), "block", None) is not None]
+    if blocked:  # GPTQ's column sweep here runs on one scale per row
+        raise QnpuError(f"GPTQ rounding does not support per-block weights ({blocked[0]})")
+    return names
 
 
 @partial(jax.jit, static_argnames=("cfg", "taps", "prefix"))

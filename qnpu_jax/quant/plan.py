@@ -65,6 +65,10 @@ class TensorQuant:
 
     `axis` is the per-channel axis of a weight stored [out, in] (0: one scale per output row),
     None for per-tensor. `layer_bits`, for a `layers/` tensor, overrides `bits` layer by layer.
+    `block` (a layer weight, per channel): one scale per output row and block of `block`
+    inputs instead of one per row. `block_scale_bits` makes those block scales AIMET's LPBQ: a
+    float scale per row times an integer per block in [1, 2^block_scale_bits]
+    (`spec.lpbq_split`), which an integer engine folds into the codes (k·q, int8).
     """
 
     bits: int
@@ -74,10 +78,15 @@ class TensorQuant:
     init: str = "max_min"
     learnable: bool = False
     layer_bits: tuple[int, ...] | None = None
+    block: int | None = None
+    block_scale_bits: int | None = None
 
     def __post_init__(self) -> None:
         if self.layer_bits is not None:  # a list would make the plan unhashable under jit
             object.__setattr__(self, "layer_bits", tuple(self.layer_bits))
+        check_block_fields(self.block, self.block_scale_bits)
+        if self.block is not None and self.axis != 0:
+            raise QnpuError("per-block weights need per-channel scales (axis 0)")
         for b in (self.bits, *(self.layer_bits or ())):
             if isinstance(b, bool) or not isinstance(b, int) or not 2 <= b <= 16:
                 raise QnpuError(f"bit-width must be an integer in 2..16, got {b!r}")
@@ -87,6 +96,10 @@ class TensorQuant:
             raise QnpuError("a tensor with a fixed encoding cannot be learnable")
         if self.axis is not None and (isinstance(self.axis, bool) or self.axis != 0):
             raise QnpuError(f"per-channel axis must be 0 (output channels), got {self.axis!r}")
+
+    @property
+    def lpbq(self) -> bool:
+        return self.block_scale_bits is not None
 
     def bits_for_layer(self, layer: int) -> int:
         return self.layer_bits[layer] if self.layer_bits is not None else self.bits
@@ -115,6 +128,8 @@ class QuantRule:
     init: str | None = None
     learnable: bool | None = None
     layer_bits: tuple[int, ...] | None = None
+    block: int | None = None  # 0: back to one scale per row (None: leave unchanged)
+    block_scale_bits: int | None = None  # 0: float block scales (None: leave unchanged)
     quantize: bool | None = None  # False removes the tensor from the plan (kept in float)
 
     def __post_init__(self) -> None:
@@ -126,6 +141,10 @@ class QuantRule:
             raise QnpuError(f"bad rule pattern {self.pattern!r}: {e}") from e
         if self.layer_bits is not None and not isinstance(self.layer_bits, tuple):
             object.__setattr__(self, "layer_bits", tuple(self.layer_bits))
+        if self.block not in (None, 0):
+            check_block_fields(self.block, None)
+        if self.block_scale_bits not in (None, 0):
+            check_block_fields(self.block or BLOCK_SIZES[0], self.block_scale_bits)
 
     def matches(self, path: str) -> bool:
         return re.fullmatch(self.pattern, path) is not None
@@ -234,12 +253,43 @@ class QuantPlan:
                 }
                 if rule.axis != -1:
                     changes["axis"] = rule.axis
+                for f in ("block", "block_scale_bits"):  # 0 clears the field
+                    value = getattr(rule, f)
+                    if value is not None:
+                        changes[f] = value or None
+                if rule.block == 0 and not rule.block_scale_bits:  # no blocks, no LPBQ
+                    changes["block_scale_bits"] = None
                 table[path] = dataclasses.replace(base, **changes)
         return self.with_entries(sorted(table.items()))
 
 
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+MAX_LPBQ_BITS = 8  # k·q of an LPBQ weight must stay an int8 code
+
+
+def check_block_fields(block: object, scale_bits: object) -> None:
+    if block is not None and (isinstance(block, bool) or block not in BLOCK_SIZES):
+        raise QnpuError(f"block must be one of {BLOCK_SIZES} (or null), got {block!r}")
+    if scale_bits is None:
+        return
+    if block is None:
+        raise QnpuError("block_scale_bits (LPBQ) needs a block size")
+    if isinstance(scale_bits, bool) or not isinstance(scale_bits, int) or not 2 <= scale_bits <= 8:
+        raise QnpuError(f"block_scale_bits must be an integer in 2..8, got {scale_bits!r}")
+
+
 def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
     name = path.removeprefix("layers/")
+    if tq.block is not None:
+        if not (is_weight(path) and is_layer_path(path)):
+            raise QnpuError(f"{path}: per-block scales apply to the decoder layers' weights only")
+        widest = max(tq.layer_bits or (tq.bits,))
+        if tq.block_scale_bits is not None and widest + tq.block_scale_bits > MAX_LPBQ_BITS:
+            raise QnpuError(
+                f"{path}: LPBQ at {widest} bits with {tq.block_scale_bits}-bit block scales "
+                f"decompresses to {widest + tq.block_scale_bits} bits; at most "
+                f"{MAX_LPBQ_BITS} (int8 codes)"
+            )
     if tq.layer_bits is not None:
         if not is_layer_path(path):
             raise QnpuError(f"{path}: per-layer bits apply to layers/ tensors only")

@@ -8,6 +8,7 @@ that would drop -2^(b-1)), so the grid matches what int8/int16 NPU kernels store
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -105,3 +106,36 @@ class QuantSpec:
     def storage_dtype(self) -> np.dtype:
         """numpy dtype of the integer codes (int4 codes are stored one per int8 here)."""
         return code_dtype(self.qmin, self.qmax)
+
+
+# ------------------------------------------------------------------ per-block weights
+# A per-block weight [..., out, in] has one scale per (output row, block of `block` inputs):
+# scales [..., out, in // block]. Quantizing it is per-row quantization of the blocked view
+# [..., out, in // block, block], so the per-channel code paths serve it unchanged.
+
+
+def check_block(block: int, in_features: int, what: str) -> int:
+    """The number of blocks of `block` inputs in a row of `in_features`; QnpuError unless
+    the row splits into whole blocks."""
+    if in_features % block:
+        raise QnpuError(f"{what}: {in_features} input features do not split into blocks of {block}")
+    return in_features // block
+
+
+def block_view(w: Any, block: int) -> Any:
+    """[..., out, in] -> [..., out, in // block, block] (numpy or jax; a view, no copy)."""
+    return w.reshape(*w.shape[:-1], w.shape[-1] // block, block)
+
+
+def lpbq_split(scale: Any, scale_bits: int, xp: Any = np, round_: Any = None) -> tuple[Any, Any]:
+    """AIMET's low-power blockwise quantization (LPBQ) of per-block scales [..., out, nb]:
+    (per-channel float scales [..., out, 1], integer block scales [..., out, nb] in
+    [1, 2^scale_bits]) with block scale ≈ per-channel · integer. As aimet_onnx's
+    `lpbq_utils.grouped_dynamic_quantize`: per-channel = max over blocks / 2^scale_bits,
+    integer = clip(round(scale / per-channel), 1, 2^scale_bits), the division written as a
+    product with fl(1/per-channel), which is what XLA computes under jit, so numpy and jax
+    agree. `xp` is numpy or jax.numpy; `round_` replaces the rounding (a straight-through
+    round while scales are learned)."""
+    channel = xp.max(scale, axis=-1, keepdims=True) * (1.0 / float(1 << scale_bits))
+    rounded = (round_ or xp.round)(scale * (1.0 / channel))
+    return channel, xp.clip(rounded, 1, 1 << scale_bits)

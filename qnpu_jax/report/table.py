@@ -190,13 +190,22 @@ def data_label(key: str) -> str:
     return key
 
 
+def granularity_name(tq: Any) -> str:
+    """per-tensor, per-channel, per-block B, or LPBQ B (k-bit block scales)."""
+    if tq.block is not None:
+        if tq.block_scale_bits is not None:
+            return f"LPBQ {tq.block} ({tq.block_scale_bits}-bit block scales)"
+        return f"per-block {tq.block}"
+    return "per-channel" if tq.axis is not None else "per-tensor"
+
+
 def _granularity(plan: Any) -> str:
     """The granularity of the plan's linear weights and inputs, e.g. W per-channel / A
     per-tensor static."""
     from qnpu_jax.quant.plan import WEIGHTS
 
     def axes_text(entries: list[Any]) -> str:
-        kinds = {"per-channel" if tq.axis is not None else "per-tensor" for tq in entries}
+        kinds = {granularity_name(tq) for tq in entries}
         return "/".join(sorted(kinds)) if kinds else "float"
 
     weights = [plan.get(f"layers/{n}") for n in WEIGHTS]

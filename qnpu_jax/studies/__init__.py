@@ -32,6 +32,7 @@ STUDIES = (
     "simulation_gap",
     "smooth_study",
     "table_cost",
+    "weight_granularity",
 )
 
 

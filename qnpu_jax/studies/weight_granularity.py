@@ -1,0 +1,173 @@
+"""Per-block (float and LPBQ) against per-channel weights, and ExecuTorch's rows of Table 1.
+
+The cells run `qnpu quantize` exactly as `qnpu study compare_methods` runs its grid (one
+calibration set, one evaluation protocol: the `wiki` eval split and WikiText-2 test, seq_len
+512, the first `--eval-windows` windows of each; the FP32 row measured once and reused), with
+the decoder linears' weights per channel, per block of `--block` inputs with float scales, or
+per block with AIMET's LPBQ integer block scales (`--block-scale-bits`):
+
+    executorch-lpbq   ExecuTorch's QNN W4A16 row of Table 1: RTN, 16-bit activations (per
+                      tensor, Max-Min), 4-bit LPBQ weights, KV 8
+    rtn-*             RTN at W4A16 and W4A8 (down_proj inputs 16 bits, Table 1's setting),
+                      per channel, per block, LPBQ: the granularity axis on its own
+    executorch-8a8w   ExecuTorch's per-channel RTN at W8A8 (Table 1's 8-8-8 row)
+    executorch-smollm2  ExecuTorch's own SmolLM2 recipe (QNN 16a8w): 16-bit activations and
+                      KV with per-tensor Max-Min ranges, 8-bit per-channel weights
+    quantnpu-lpbq     Quant.npu at W4A8, setting (b), with LPBQ weights learned in stage 1
+                      (`--with-quantnpu`; a stage-1 run, much slower than the rest)
+
+Run directories: RUNS/<row>/ (`--runs-dir`, default runs/weight_granularity); finished rows
+are read back, so the study can be killed and restarted. Writes `--json` (default
+reports/weight_granularity.json) and a markdown table beside it.
+
+    qnpu study weight_granularity --prefix bos --eval-windows 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from qnpu_jax.studies import study_parser
+
+# (row, label, QuantizeConfig overrides); block fields filled from the arguments
+ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("rtn-w4a16-channel", "RTN W4A16 per-channel", {"w_bits": 4, "a_bits": 16}),
+    ("rtn-w4a16-block", "RTN W4A16 per-block", {"w_bits": 4, "a_bits": 16, "block": "float"}),
+    (
+        "executorch-lpbq",
+        "ExecuTorch W4A16 LPBQ (Table 1)",
+        {"w_bits": 4, "a_bits": 16, "block": "lpbq"},
+    ),
+    ("rtn-w4a8-channel", "RTN W4A8 per-channel", {"w_bits": 4, "a_bits": 8}),
+    ("rtn-w4a8-block", "RTN W4A8 per-block", {"w_bits": 4, "a_bits": 8, "block": "float"}),
+    ("rtn-w4a8-lpbq", "RTN W4A8 LPBQ", {"w_bits": 4, "a_bits": 8, "block": "lpbq"}),
+    ("executorch-8a8w", "ExecuTorch W8A8 per-channel (Table 1)", {"w_bits": 8, "a_bits": 8}),
+    (
+        "executorch-smollm2",
+        "ExecuTorch SmolLM2 recipe (16a8w, KV16)",
+        {"w_bits": 8, "a_bits": 16, "kv_bits": 16},
+    ),
+)
+QUANTNPU_ROW = (
+    "quantnpu-lpbq",
+    "Quant.npu W4A8 LPBQ, setting (b)",
+    {"w_bits": 4, "a_bits": 8, "block": "lpbq", "method": "quantnpu"},
+)
+
+
+def row_config(base: Any, over: dict[str, Any], args: argparse.Namespace) -> Any:
+    """The QuantizeConfig of one row: RTN with all down_proj inputs at 16 bits (Table 1's
+    setting), or Quant.npu's setting (b) for the Quant.npu row."""
+    from qnpu_jax.pipeline.stage1 import Stage1Config
+
+    over = dict(over)
+    block = over.pop("block", None)
+    method = over.pop("method", "rtn")
+    if method == "quantnpu":
+        setting = {"down_in_bits": 8, "mixed_precision": args.mixed_fraction}
+    else:
+        setting = {"down_in_bits": 16, "mixed_precision": 0.0, "stage1": Stage1Config()}
+    return dataclasses.replace(
+        base,
+        method=method,
+        **setting,
+        **over,
+        weight_block=args.block if block else None,
+        weight_block_scale_bits=args.block_scale_bits if block == "lpbq" else None,
+    )
+
+
+def _table(rows: list[dict[str, Any]], floats: dict[str, float]) -> list[str]:
+    lines = [
+        "| Row | W-A-KV | Weights | PPL wiki | PPL WikiText-2 | × float (wiki) | "
+        "× float (WikiText-2) |",
+        "|---|---|---|---|---|---|---|",
+        "| FP32 | – | – | "
+        + " | ".join(f"{floats[n]:.2f}" for n in ("wiki", "wikitext2"))
+        + " | 1.000 | 1.000 |",
+    ]
+    for r in rows:
+        if r["status"] not in ("ran", "reused"):
+            lines.append(f"| {r['label']} | {r['bits']} | {r['weights']} | {r['status']} |||")
+            continue
+        ppl, ratio = r["ppl"], r["ratio"]
+        lines.append(
+            f"| {r['label']} | {r['bits']} | {r['weights']} | {ppl['wiki']:.2f} | "
+            f"{ppl['wikitext2']:.2f} | {ratio['wiki']:.3f} | {ratio['wikitext2']:.3f} |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    from qnpu_jax.files import write_bytes_atomic
+    from qnpu_jax.pipeline.recipes import for_config
+    from qnpu_jax.studies import compare_methods as cm
+    from qnpu_jax.studies.harness import write_study_json
+
+    args = parse_args(argv)
+    command = "qnpu study weight_granularity " + " ".join(argv or sys.argv[1:])
+    specs = cm.eval_specs(args)
+    t0 = time.perf_counter()
+    float_report = cm.float_cell(args, specs, command)
+    floats = {n: float_report["perplexity"][n]["ppl"] for n in specs}
+    base = cm.base_config(args)
+    rows = [*ROWS, *((QUANTNPU_ROW,) if args.with_quantnpu else ())]
+    out: list[dict[str, Any]] = []
+    for key, label, over in rows:
+        config = row_config(base, over, args)
+        run_dir = Path(args.runs_dir) / f"{key}{cm._suffix(args)}"
+        cell = cm.Cell(config.method, key, config, for_config(config), run_dir, label)
+        status, payload = cm.run_cell(cell, args, command, cm.float_reference(float_report, specs))
+        entry = cm.grid_entry(cell, status, payload, specs)
+        entry["bits"] = f"{config.w_bits}-{config.a_bits}-{config.kv_bits}"
+        entry["weights"] = _weights_text(config)
+        out.append(entry)
+        print(f"{label}: {status} {entry.get('ppl', payload if status == 'error' else '')}")
+    doc = {"float": floats, "rows": out, "block": args.block}
+    write_study_json(Path(args.json), doc, command=command, started=t0)
+    md = [f"Command: `{command}`", "", *_table(out, floats), ""]
+    write_bytes_atomic(Path(args.json).with_suffix(".md"), "\n".join(md).encode())
+    return 0 if all(r["status"] in ("ran", "reused") for r in out) else 1
+
+
+def _weights_text(config: Any) -> str:
+    if config.weight_block is None:
+        return "per-channel"
+    if config.weight_block_scale_bits is None:
+        return f"per-block {config.weight_block}"
+    return f"LPBQ {config.weight_block} ({config.weight_block_scale_bits}-bit block scales)"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from qnpu_jax.pipeline.stage1 import Stage1Config
+
+    s1 = Stage1Config()
+    parser = study_parser(__name__, __doc__)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--block", type=int, default=64, help="inputs per weight block")
+    parser.add_argument("--block-scale-bits", type=int, default=4, help="LPBQ integer scales")
+    parser.add_argument("--with-quantnpu", action="store_true", help="add the stage-1 row")
+    parser.add_argument("--kv-bits", type=int, default=8)
+    parser.add_argument("--mixed-fraction", type=float, default=0.1)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--calib-windows", type=int, default=16)
+    parser.add_argument("--eval-windows", type=int, default=32)
+    parser.add_argument("--wikitext", default="../shared/data/wikitext-2-raw/wiki.test.raw")
+    parser.add_argument("--prefix", choices=("none", "bos"), default="bos")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=s1.steps, help="stage 1 steps")
+    parser.add_argument("--stage1-batch-size", type=int, default=s1.batch_size)
+    parser.add_argument("--grad-accum", type=int, default=s1.grad_accum)
+    parser.add_argument("--lr-rotation", type=float, default=s1.lr_rotation)
+    parser.add_argument("--lr-scale", type=float, default=s1.lr_scale)
+    parser.add_argument("--local-loss-fraction", type=float, default=s1.local_loss_fraction)
+    parser.add_argument("--checkpoint-every", type=int, default=s1.checkpoint_every)
+    parser.add_argument("--runs-dir", default="runs/weight_granularity")
+    parser.add_argument("--json", default="reports/weight_granularity.json")
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    return parser.parse_args(argv)
