@@ -345,3 +345,22 @@ def test_config_keys_make_the_block_plan():
         dataclasses.replace(config, weight_block=None, weight_block_scale_bits=None), 3
     )
     assert plain.get("layers/q_proj").block is None
+
+
+def test_weight_granularity_rows():
+    from qnpu_jax.studies import compare_methods as cm
+    from qnpu_jax.studies import weight_granularity as wg
+
+    args = wg.parse_args(["--block", "32"])
+    base = cm.base_config(args)
+    configs = {k: wg.row_config(base, o, args) for k, _, o in (*wg.ROWS, wg.QUANTNPU_ROW)}
+    assert len(configs) == len(wg.ROWS) + 1
+    lpbq = configs["executorch-lpbq"]
+    assert (lpbq.method, lpbq.w_bits, lpbq.a_bits, lpbq.down_in_bits) == ("rtn", 4, 16, 16)
+    assert (lpbq.weight_block, lpbq.weight_block_scale_bits) == (32, 4)
+    assert configs["rtn-w4a8-block"].weight_block_scale_bits is None
+    assert configs["executorch-smollm2"].kv_bits == 16
+    assert configs["rtn-w4a16-channel"].weight_block is None
+    qnpu = configs["quantnpu-lpbq"]
+    assert qnpu.method == "quantnpu" and qnpu.down_in_bits == 8 and qnpu.mixed_precision == 0.1
+    assert wg._weights_text(lpbq) == "LPBQ 32 (4-bit block scales)"

@@ -237,6 +237,13 @@ class Taps(Protocol):
     def embed(self, state: Any, table: jax.Array, tokens: jax.Array) -> jax.Array: ...
 
 
+def attention_kernel(taps: Any) -> Callable[..., jax.Array] | None:
+    """The attention `taps` put in place of the float one (their `attention` attribute: a
+    function of (q, k_cache, v_cache, query_pos, valid_len) -> [B, T, Hq·hd] with
+    `_attention`'s shapes and masking, e.g. `kernels.fp16_lut_attention`), or None."""
+    return getattr(taps, "attention", None) if taps is not None else None
+
+
 def simulates_device(taps: Any) -> bool:
     """Whether `taps` ask for the device's arithmetic: their `simulation` attribute is
     "device" (taps without one, and no taps, mean the float ops)."""
@@ -264,9 +271,11 @@ def _decoder_layer(
     graph: Graph = GRAPH,
     device: bool = False,
     dtype: str = "float32",
+    attention: Callable[..., jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decoder layer: the float reading of `graph`'s layer ops, in order; `tap` marks
-    every quantized tensor (weights and op outputs) by its name in the graph."""
+    every quantized tensor (weights and op outputs) by its name in the graph; `attention`
+    replaces the float attention (`attention_kernel`), untapped."""
     b, t, _ = x.shape
     hd = cfg.head_dim
     heads = {"q": cfg.num_heads, "kv": cfg.num_kv_heads}
@@ -293,7 +302,12 @@ def _decoder_layer(
             )
             query_pos = start + jnp.broadcast_to(jnp.arange(t), (b, t))
             scores, probs = (i.name for i in op.inner)
-            y = _attention(q, k_cache, v_cache, query_pos, start + t, tap, scores, probs, device)
+            if attention is not None:
+                y = attention(q, k_cache, v_cache, query_pos, start + t)
+            else:
+                y = _attention(
+                    q, k_cache, v_cache, query_pos, start + t, tap, scores, probs, device
+                )
         elif op.kind == "add":
             y = ins[0] + ins[1]
         elif op.kind == "lut":
@@ -350,6 +364,7 @@ def forward_tapped(
     x = outer_tap(embed_op.out_name, x)
     device = simulates_device(taps)
     dtype = matmul_dtype(taps)
+    attention = attention_kernel(taps)
     positions = start + jnp.broadcast_to(jnp.arange(t), (b, t))
     cos, sin = rope_cos_sin(positions, cfg, cache["k"].shape[3] if device else None)
 
@@ -357,7 +372,7 @@ def forward_tapped(
         layer, k_cache, v_cache, layer_state = xs
         tap, aux = taps.layer(layer_state) if taps else (no_tap, no_aux)
         x, k_cache, v_cache = _decoder_layer(
-            cfg, x, layer, k_cache, v_cache, start, cos, sin, tap, graph, device, dtype
+            cfg, x, layer, k_cache, v_cache, start, cos, sin, tap, graph, device, dtype, attention
         )
         return x, (k_cache, v_cache, aux())
 

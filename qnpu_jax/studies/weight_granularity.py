@@ -9,7 +9,8 @@ per block with AIMET's LPBQ integer block scales (`--block-scale-bits`):
     executorch-lpbq   ExecuTorch's QNN W4A16 row of Table 1: RTN, 16-bit activations (per
                       tensor, Max-Min), 4-bit LPBQ weights, KV 8
     rtn-*             RTN at W4A16 and W4A8 (down_proj inputs 16 bits, Table 1's setting),
-                      per channel, per block, LPBQ: the granularity axis on its own
+                      per channel, per block, LPBQ; at W4A16 KV16 the weights' granularity
+                      on its own (nothing else quantized below 16 bits)
     executorch-8a8w   ExecuTorch's per-channel RTN at W8A8 (Table 1's 8-8-8 row)
     executorch-smollm2  ExecuTorch's own SmolLM2 recipe (QNN 16a8w): 16-bit activations and
                       KV with per-tensor Max-Min ranges, 8-bit per-channel weights
@@ -42,6 +43,22 @@ ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "executorch-lpbq",
         "ExecuTorch W4A16 LPBQ (Table 1)",
         {"w_bits": 4, "a_bits": 16, "block": "lpbq"},
+    ),
+    # the weights' granularity alone: every activation and the KV cache at 16 bits
+    (
+        "rtn-w4a16kv16-channel",
+        "RTN W4A16 KV16 per-channel",
+        {"w_bits": 4, "a_bits": 16, "kv_bits": 16},
+    ),
+    (
+        "rtn-w4a16kv16-block",
+        "RTN W4A16 KV16 per-block",
+        {"w_bits": 4, "a_bits": 16, "kv_bits": 16, "block": "float"},
+    ),
+    (
+        "rtn-w4a16kv16-lpbq",
+        "RTN W4A16 KV16 LPBQ",
+        {"w_bits": 4, "a_bits": 16, "kv_bits": 16, "block": "lpbq"},
     ),
     ("rtn-w4a8-channel", "RTN W4A8 per-channel", {"w_bits": 4, "a_bits": 8}),
     ("rtn-w4a8-block", "RTN W4A8 per-block", {"w_bits": 4, "a_bits": 8, "block": "float"}),
