@@ -89,6 +89,7 @@ def abstract_state(plan: QuantPlan, cfg: ModelConfig) -> Any:
     both with a leading layer axis under `layers/` (tests compare with `calibrate`)."""
     from qnpu_jax.models.quantized import state_entry
     from qnpu_jax.quant.plan import is_weight
+    from qnpu_jax.quant.spec import check_block
     from qnpu_jax.quant.state import is_layer_path, state_key
 
     state: dict[str, Any] = {"layers": {}, "outer": {}}
@@ -100,7 +101,8 @@ def abstract_state(plan: QuantPlan, cfg: ModelConfig) -> Any:
             axis = tq.axis % len(shape)
             scale_shape = (*lead, *(n if a == axis else 1 for a, n in enumerate(shape)))
             if tq.block is not None:  # one scale per row and block of inputs
-                scale_shape = (*scale_shape[:-1], shape[-1] // tq.block)
+                blocks = check_block(tq.block, shape[-1], path)
+                scale_shape = (*scale_shape[:-1], blocks)
         elif is_weight(path) or tq.axis is None:
             scale_shape = lead
         else:

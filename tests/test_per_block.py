@@ -72,6 +72,14 @@ def test_plan_fields_are_validated():
         QuantizeConfig(weight_block=100)
     with pytest.raises(QnpuError, match="weight_block"):
         QuantizeConfig(weight_block_scale_bits=4)
+    with pytest.raises(QnpuError, match="block must be one of"):
+        QuantizeConfig(weight_block=64.0)
+    with pytest.raises(QnpuError, match="gptq does not support per-block"):
+        QuantizeConfig(weight_block=64, weight_rounding="gptq")
+    with pytest.raises(QnpuError, match="layers/q_proj: per-block weights need"):
+        default_plan(2, rules=[QuantRule(pattern="layers/q_proj", block=64, axis=None)])
+    with pytest.raises(QnpuError, match="no 'percentile'"):
+        default_plan(2, rules=[_blocks(64), QuantRule(pattern=ALL_WEIGHTS, init="percentile")])
     with pytest.raises(QnpuError, match="GPTQ rounding does not support per-block"):
         rounded_weights(plan)
 
@@ -199,21 +207,37 @@ def test_lpbq_artifact_runs_bit_exact_on_both_engines(smollm, lpbq_source, lpbq_
 
 def test_lpbq_block_scales_are_checked_on_load(lpbq_artifact):
     from qnpu_jax.export.artifact import read_artifact
+    from qnpu_jax.export.int_model import lpbq_blocks
 
-    raw = dict(read_artifact(lpbq_artifact).tensors)  # as stored: q and k apart
-    folded = lpbq_weights(raw, "art")
-    assert np.array_equal(folded["layers.o_proj.weight"], load_int_model(lpbq_artifact).t(
-        "layers.o_proj.weight"))  # fmt: skip
+    art = read_artifact(lpbq_artifact)
+    raw = dict(art.tensors)  # as stored: q and k apart
+    blocks = lpbq_blocks(art.manifest["encodings"], "art")
+    assert blocks == {f"layers.{n}": 64 for n in WEIGHTS}
+    folded = lpbq_weights(raw, blocks, "art")
+    np.testing.assert_array_equal(
+        folded["layers.o_proj.weight"], load_int_model(lpbq_artifact).t("layers.o_proj.weight")
+    )
     k = raw["layers.o_proj.block_scale"].copy()
     k[0, 0, 0] = 0
-    with pytest.raises(QnpuError, match="block scale of 0"):
-        lpbq_weights({**raw, "layers.o_proj.block_scale": k}, "art")
-    with pytest.raises(QnpuError, match="must be uint8"):
-        lpbq_weights({**raw, "layers.o_proj.block_scale": k.astype(np.int32)}, "art")
-    big = np.full_like(k, 200)
-    with pytest.raises(QnpuError, match="leaves the int8 range"):
-        lpbq_weights({**raw, "layers.o_proj.weight": np.ones_like(raw["layers.o_proj.weight"]),
-                      "layers.o_proj.block_scale": big}, "art")  # fmt: skip
+    for tensors, match in (
+        ({**raw, "layers.o_proj.block_scale": k}, "block scale of 0"),
+        ({**raw, "layers.o_proj.block_scale": k.astype(np.int32)}, "must be uint8"),
+        ({**raw, "layers.o_proj.block_scale": k[..., :4]}, "must be uint8"),
+        (
+            {
+                **raw,
+                "layers.o_proj.weight": np.ones_like(raw["layers.o_proj.weight"]),
+                "layers.o_proj.block_scale": np.full_like(k, 200),
+            },
+            "leaves the int8 range",
+        ),
+        ({**raw, "lm_head.block_scale": k}, "belongs to no LPBQ linear"),
+        ({n: t for n, t in raw.items() if n != "layers.q_proj.block_scale"}, "is missing"),
+    ):
+        with pytest.raises(QnpuError, match=match):
+            lpbq_weights(tensors, blocks, "art")
+    with pytest.raises(QnpuError, match="belongs to no LPBQ linear"):  # codes without LPBQ
+        lpbq_weights(raw, {}, "art")
 
 
 def test_float_block_scales_are_no_integer_artifact(lpbq_source):

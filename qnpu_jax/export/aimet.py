@@ -210,12 +210,14 @@ def _checked_blocks(tensor: str, entry: Mapping[str, Any], n_scales: int, sym: b
         raise QnpuError(f"{tensor}: block must be a positive integer, got {block!r}")
     if entry.get("axis") != 0 or not sym:
         raise QnpuError(f"{tensor}: per-block encodings are symmetric signed, per row (axis 0)")
+    if not _LAYER_RE.fullmatch(tensor):
+        raise QnpuError(f"{tensor}: per-block encodings are for the decoder layers' weights")
     out: dict[str, Any] = {"block": int(block)}
     bits, ints = entry.get("block_scale_bits"), entry.get("block_scale")
     if bits is None and ints is None:
         return out
-    if isinstance(bits, bool) or not isinstance(bits, int | np.integer) or not 1 <= bits <= 8:
-        raise QnpuError(f"{tensor}: block_scale_bits must be an integer in 1..8, got {bits!r}")
+    if isinstance(bits, bool) or not isinstance(bits, int | np.integer) or not 2 <= bits <= 8:
+        raise QnpuError(f"{tensor}: block_scale_bits must be an integer in 2..8, got {bits!r}")
     k = _numbers(tensor, "block_scale", ints)
     if not k or len(k) % n_scales:
         raise QnpuError(f"{tensor}: {len(k)} block scales for {n_scales} rows")

@@ -219,11 +219,16 @@ def _layer_weight_codes(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(codes [out, in], per-channel scales [out], LPBQ block scales [out, nb] or None) of
     one layer's weight."""
+    blocks = 1 if tq.block is None else check_block(tq.block, w.shape[-1], what)
+    if np.shape(scale) != (w.shape[0], blocks):
+        raise QnpuError(
+            f"{what}: weight scales {np.shape(scale)} do not match the plan's "
+            f"{(w.shape[0], blocks)} (calibrate again after changing the plan)"
+        )
     channel, k = weight_scales(tq, scale)
     if tq.block is None or k is None:
         s = channel.reshape(-1, 1)
         return _weight_codes(w, s, np.zeros_like(s), tq.spec(layer), what), channel, None
-    check_block(tq.block, w.shape[-1], what)
     s = (channel[:, None] * k.astype(np.float32))[..., None]  # the block scales, [out, nb, 1]
     view = block_view(w, tq.block)
     codes = _weight_codes(view, s, np.zeros_like(s), tq.spec(layer), what)

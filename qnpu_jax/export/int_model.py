@@ -170,32 +170,60 @@ def _check_constants(manifest: dict[str, Any], where: str) -> None:
             raise QnpuError(f"{where}: tokenizer {key} {tid!r} is not a token id < {vocab}")
 
 
-def lpbq_weights(tensors: Mapping[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
-    """`tensors` with every LPBQ linear's codes q [L, out, in] replaced by the int8 codes the
-    engines multiply, k·q, k its integer block scales `{const}.block_scale` [L, out, nb]
-    repeated over each block of in/nb inputs (what an NPU's LPBQ kernel decompresses; its
-    per-channel requantization is already in the linear's M/shift)."""
-    out = dict(tensors)
-    for op in GRAPH.ops("linear"):
-        name = f"{op.const}.block_scale"
-        if name not in tensors:
+def lpbq_blocks(encodings: Mapping[str, Any], where: str) -> dict[str, int]:
+    """{linear const: block size} of the LPBQ linears the manifest's encodings declare (one
+    block size for every layer of a linear)."""
+    out: dict[str, int] = {}
+    for op in GRAPH.layer:
+        if op.kind != "linear":
             continue
-        k, q = tensors[name], tensors[f"{op.const}.weight"]
-        if k.dtype != np.uint8 or k.ndim != 3 or k.shape[:2] != q.shape[:2]:
+        entries = [e for k, e in encodings.items() if k.endswith(f".{op.weight_name}")]
+        blocks = {
+            e.get("block") if isinstance(e, Mapping) and e.get("block_scale") else None
+            for e in entries
+        }
+        if len(blocks) > 1:
+            raise QnpuError(f"{where}: the layers of {op.weight_name} disagree on LPBQ blocks")
+        block = blocks.pop() if blocks else None
+        if block is not None:
+            if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+                raise QnpuError(f"{where}: {op.weight_name} has a bad block size {block!r}")
+            out[op.const] = block
+    return out
+
+
+def lpbq_weights(
+    tensors: Mapping[str, np.ndarray], blocks: Mapping[str, int], where: str
+) -> dict[str, np.ndarray]:
+    """`tensors` with every LPBQ linear's codes q [L, out, in] replaced by the int8 codes the
+    engines multiply, k·q, k its integer block scales `{const}.block_scale` [L, out, in/B]
+    repeated over each block of B inputs (what an NPU's LPBQ kernel decompresses; its
+    per-channel requantization is already in the linear's M/shift). `blocks` ({const: B},
+    `lpbq_blocks`) says which linears have them; any other block scales are refused."""
+    suffix = ".block_scale"
+    stray = sorted(n for n in tensors if n.endswith(suffix) and n[: -len(suffix)] not in blocks)
+    if stray:
+        raise QnpuError(f"{where}: {stray[0]} belongs to no LPBQ linear of the encodings")
+    out = dict(tensors)
+    for const, block in blocks.items():
+        name = f"{const}{suffix}"
+        if name not in tensors:
+            raise QnpuError(f"{where}: the encodings make {const} LPBQ, but {name} is missing")
+        k, q = tensors[name], tensors[f"{const}.weight"]
+        if q.shape[-1] % block:
+            raise QnpuError(f"{where}: blocks of {block} do not split {const}'s inputs {q.shape}")
+        want = (*q.shape[:2], q.shape[-1] // block)
+        if k.dtype != np.uint8 or k.shape != want:
             raise QnpuError(
-                f"{where}: {name} must be uint8 [L, out, blocks] for weights {q.shape}, got "
+                f"{where}: {name} must be uint8 {want} for weights {q.shape}, got "
                 f"{k.dtype} {k.shape}"
-            )
-        if k.shape[2] < 1 or q.shape[2] % k.shape[2]:
-            raise QnpuError(
-                f"{where}: {name}: {k.shape[2]} blocks do not split {q.shape[2]} inputs"
             )
         if int(k.min(initial=1)) < 1:
             raise QnpuError(f"{where}: {name} holds a block scale of 0")
-        wide = q.astype(np.int16) * np.repeat(k.astype(np.int16), q.shape[2] // k.shape[2], -1)
+        wide = q.astype(np.int16) * np.repeat(k.astype(np.int16), block, axis=-1)
         if wide.min(initial=0) < -128 or wide.max(initial=0) > 127:
             raise QnpuError(f"{where}: {name} times the codes leaves the int8 range")
-        out[f"{op.const}.weight"] = wide.astype(np.int8)
+        out[f"{const}.weight"] = wide.astype(np.int8)
     return out
 
 
@@ -205,7 +233,8 @@ def load_int_model(path: Path | str) -> IntModel:
     art: Artifact = read_artifact(Path(path))
     validate_graph(art.manifest, art.tensors, str(path))
     tensors = {k: np.ascontiguousarray(v).reshape(v.shape) for k, v in art.tensors.items()}
-    tensors = lpbq_weights(tensors, str(path))
+    blocks = lpbq_blocks(art.manifest.get("encodings") or {}, str(path))
+    tensors = lpbq_weights(tensors, blocks, str(path))
     return IntModel(
         art.path,
         dict(art.manifest["model"]),

@@ -215,6 +215,12 @@ def _blocked_weight(
     n_in, n_out = w.shape
     nb = n_in // block
     channel = np.asarray(entry["scale"], np.float32)
+    ints = entry.get("block_scale")
+    counts = (channel.size, None if ints is None else len(ints))
+    if n_in % block or counts != ((n_out, n_out * nb) if ints is not None else (n_out * nb, None)):
+        raise QnpuError(
+            f"{name}: {counts} scales do not fit blocks of {block} of a weight [in, out] {w.shape}"
+        )
     if entry.get("block_scale") is not None:
         k = np.asarray(entry["block_scale"], np.int64).reshape(n_out, nb)
         scales = (channel[:, None] * k.astype(np.float32)).T  # [nb, out], float32 products

@@ -240,7 +240,8 @@ class Taps(Protocol):
 def attention_kernel(taps: Any) -> Callable[..., jax.Array] | None:
     """The attention `taps` put in place of the float one (their `attention` attribute: a
     function of (q, k_cache, v_cache, query_pos, valid_len) -> [B, T, Hq·hd] with
-    `_attention`'s shapes and masking, e.g. `kernels.fp16_lut_attention`), or None."""
+    `_attention`'s shapes and masking, e.g. `kernels.fp16_lut_attention`), or None. The
+    kernel runs untapped: taps with one quantize no attention scores or probabilities."""
     return getattr(taps, "attention", None) if taps is not None else None
 
 

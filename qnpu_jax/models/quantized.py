@@ -115,6 +115,8 @@ class FakeQuantTaps:
                 scale = positive_scale(scale)
             else:
                 scale, zero_point = jax.lax.stop_gradient((scale, zero_point))
+            # (dynamic mode, above, quantizes an LPBQ weight per block with float scales:
+            # SpinQuant's rotations are learned on that grid, the deployed one is LPBQ's)
             if tq.block_scale_bits is not None:  # LPBQ: what the device's block scales are
                 channel, k = lpbq_split(scale, tq.block_scale_bits, jnp, round_ste)
                 scale = channel * k

@@ -109,6 +109,9 @@ class QuantizeConfig:
             check_block_fields(self.weight_block, self.weight_block_scale_bits)
         except QnpuError as e:
             raise QnpuError(f"weight_block / weight_block_scale_bits: {e}") from e
+        blocked = self.weight_block is not None or any(r.block for r in self.rules)
+        if blocked and self.weight_rounding == "gptq":
+            raise QnpuError("weight_rounding gptq does not support per-block weights")
         if self.prefix not in PREFIXES:
             raise QnpuError(f"unknown prefix {self.prefix!r}; known: {', '.join(PREFIXES)}")
         if self.simulation not in SIMULATIONS:
@@ -165,7 +168,7 @@ class QuantizeConfig:
 
     def summary(self) -> dict[str, Any]:
         """What every report on a run repeats about it: method, bits, prefix, seq_len and the
-        options beyond the paper (weight rounding, up→down smoothing)."""
+        options beyond the paper (weight rounding, up→down smoothing, per-block weights)."""
         return {
             "method": self.method,
             "bits": self.bits_name,
@@ -174,6 +177,8 @@ class QuantizeConfig:
             "seq_len": self.seq_len,
             "weight_rounding": self.weight_rounding,
             "smooth_mlp": self.smooth_mlp,
+            "weight_block": self.weight_block,
+            "weight_block_scale_bits": self.weight_block_scale_bits,
         }
 
     @classmethod

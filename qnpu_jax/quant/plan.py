@@ -259,7 +259,10 @@ class QuantPlan:
                         changes[f] = value or None
                 if rule.block == 0 and not rule.block_scale_bits:  # no blocks, no LPBQ
                     changes["block_scale_bits"] = None
-                table[path] = dataclasses.replace(base, **changes)
+                try:
+                    table[path] = dataclasses.replace(base, **changes)
+                except QnpuError as e:
+                    raise QnpuError(f"{path}: {e}") from e
         return self.with_entries(sorted(table.items()))
 
 
@@ -268,7 +271,9 @@ MAX_LPBQ_BITS = 8  # k·q of an LPBQ weight must stay an int8 code
 
 
 def check_block_fields(block: object, scale_bits: object) -> None:
-    if block is not None and (isinstance(block, bool) or block not in BLOCK_SIZES):
+    if block is not None and (
+        isinstance(block, bool) or not isinstance(block, int) or block not in BLOCK_SIZES
+    ):
         raise QnpuError(f"block must be one of {BLOCK_SIZES} (or null), got {block!r}")
     if scale_bits is None:
         return
@@ -283,6 +288,8 @@ def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
     if tq.block is not None:
         if not (is_weight(path) and is_layer_path(path)):
             raise QnpuError(f"{path}: per-block scales apply to the decoder layers' weights only")
+        if tq.init == "percentile":  # a 2048-bin histogram per block of a few inputs
+            raise QnpuError(f"{path}: per-block weights take no 'percentile' initialization")
         widest = max(tq.layer_bits or (tq.bits,))
         if tq.block_scale_bits is not None and widest + tq.block_scale_bits > MAX_LPBQ_BITS:
             raise QnpuError(

@@ -130,8 +130,9 @@ def block_view(w: Any, block: int) -> Any:
 def lpbq_split(scale: Any, scale_bits: int, xp: Any = np, round_: Any = None) -> tuple[Any, Any]:
     """AIMET's low-power blockwise quantization (LPBQ) of per-block scales [..., out, nb]:
     (per-channel float scales [..., out, 1], integer block scales [..., out, nb] in
-    [1, 2^scale_bits]) with block scale ≈ per-channel · integer. As aimet_onnx's
-    `lpbq_utils.grouped_dynamic_quantize`: per-channel = max over blocks / 2^scale_bits,
+    [1, 2^scale_bits]) with block scale ≈ per-channel · integer. The rule of aimet_onnx's
+    `lpbq_utils.grouped_dynamic_quantize` (equal but at exact .5 ties of the ratio):
+    per-channel = max over blocks / 2^scale_bits,
     integer = clip(round(scale / per-channel), 1, 2^scale_bits), the division written as a
     product with fl(1/per-channel), which is what XLA computes under jit, so numpy and jax
     agree. `xp` is numpy or jax.numpy; `round_` replaces the rounding (a straight-through

@@ -110,7 +110,7 @@ def _table(rows: list[dict[str, Any]], floats: dict[str, float]) -> list[str]:
     ]
     for r in rows:
         if r["status"] not in ("ran", "reused"):
-            lines.append(f"| {r['label']} | {r['bits']} | {r['weights']} | {r['status']} |||")
+            lines.append(f"| {r['label']} | {r['bits']} | {r['weights']} | {r['status']} ||||")
             continue
         ppl, ratio = r["ppl"], r["ratio"]
         lines.append(
