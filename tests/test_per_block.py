@@ -377,8 +377,9 @@ def test_weight_granularity_rows():
 
     args = wg.parse_args(["--block", "32"])
     base = cm.base_config(args)
-    configs = {k: wg.row_config(base, o, args) for k, _, o in (*wg.ROWS, wg.QUANTNPU_ROW)}
-    assert len(configs) == len(wg.ROWS) + 1
+    configs = {k: wg.row_config(base, o, args) for k, _, o in (*wg.ROWS, *wg.QUANTNPU_ROWS)}
+    assert len(configs) == len(wg.ROWS) + 2
+    assert configs["quantnpu-channel"].weight_block is None
     lpbq = configs["executorch-lpbq"]
     assert (lpbq.method, lpbq.w_bits, lpbq.a_bits, lpbq.down_in_bits) == ("rtn", 4, 16, 16)
     assert (lpbq.weight_block, lpbq.weight_block_scale_bits) == (32, 4)

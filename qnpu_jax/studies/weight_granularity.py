@@ -14,8 +14,8 @@ per block with AIMET's LPBQ integer block scales (`--block-scale-bits`):
     executorch-8a8w   ExecuTorch's per-channel RTN at W8A8 (Table 1's 8-8-8 row)
     executorch-smollm2  ExecuTorch's own SmolLM2 recipe (QNN 16a8w): 16-bit activations and
                       KV with per-tensor Max-Min ranges, 8-bit per-channel weights
-    quantnpu-lpbq     Quant.npu at W4A8, setting (b), with LPBQ weights learned in stage 1
-                      (`--with-quantnpu`; a stage-1 run, much slower than the rest)
+    quantnpu-*        Quant.npu at W4A8, setting (b), per-channel and with LPBQ weights
+                      learned in stage 1 (`--with-quantnpu`; stage-1 runs, much slower)
 
 Run directories: RUNS/<row>/ (`--runs-dir`, default runs/weight_granularity); finished rows
 are read back, so the study can be killed and restarted. Writes `--json` (default
@@ -70,10 +70,17 @@ ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {"w_bits": 8, "a_bits": 16, "kv_bits": 16},
     ),
 )
-QUANTNPU_ROW = (
-    "quantnpu-lpbq",
-    "Quant.npu W4A8 LPBQ, setting (b)",
-    {"w_bits": 4, "a_bits": 8, "block": "lpbq", "method": "quantnpu"},
+QUANTNPU_ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    (
+        "quantnpu-channel",
+        "Quant.npu W4A8 per-channel, setting (b)",
+        {"w_bits": 4, "a_bits": 8, "method": "quantnpu"},
+    ),
+    (
+        "quantnpu-lpbq",
+        "Quant.npu W4A8 LPBQ, setting (b)",
+        {"w_bits": 4, "a_bits": 8, "block": "lpbq", "method": "quantnpu"},
+    ),
 )
 
 
@@ -133,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     float_report = cm.float_cell(args, specs, command)
     floats = {n: float_report["perplexity"][n]["ppl"] for n in specs}
     base = cm.base_config(args)
-    rows = [*ROWS, *((QUANTNPU_ROW,) if args.with_quantnpu else ())]
+    rows = [*ROWS, *(QUANTNPU_ROWS if args.with_quantnpu else ())]
     out: list[dict[str, Any]] = []
     for key, label, over in rows:
         config = row_config(base, over, args)
@@ -168,7 +175,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--block", type=int, default=64, help="inputs per weight block")
     parser.add_argument("--block-scale-bits", type=int, default=4, help="LPBQ integer scales")
-    parser.add_argument("--with-quantnpu", action="store_true", help="add the stage-1 row")
+    parser.add_argument("--with-quantnpu", action="store_true", help="add the stage-1 rows")
     parser.add_argument("--kv-bits", type=int, default=8)
     parser.add_argument("--mixed-fraction", type=float, default=0.1)
     parser.add_argument("--seq-len", type=int, default=512)
