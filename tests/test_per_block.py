@@ -375,7 +375,8 @@ def test_weight_granularity_rows():
     from qnpu_jax.studies import compare_methods as cm
     from qnpu_jax.studies import weight_granularity as wg
 
-    args = wg.parse_args(["--block", "32"])
+    args = wg.parse_args(["--block", "32", "--rows", "quantnpu-lpbq,executorch-lpbq"])
+    assert args.rows == ["quantnpu-lpbq", "executorch-lpbq"]
     base = cm.base_config(args)
     configs = {k: wg.row_config(base, o, args) for k, _, o in (*wg.ROWS, *wg.QUANTNPU_ROWS)}
     assert len(configs) == len(wg.ROWS) + 2

@@ -141,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     floats = {n: float_report["perplexity"][n]["ppl"] for n in specs}
     base = cm.base_config(args)
     rows = [*ROWS, *(QUANTNPU_ROWS if args.with_quantnpu else ())]
+    if args.rows:
+        unknown = sorted(set(args.rows) - {key for key, _, _ in rows})
+        if unknown:
+            print(f"weight_granularity: unknown rows {unknown}", file=sys.stderr)
+            return 2
+        rows = [row for row in rows if row[0] in args.rows]
     out: list[dict[str, Any]] = []
     for key, label, over in rows:
         config = row_config(base, over, args)
@@ -176,6 +182,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block", type=int, default=64, help="inputs per weight block")
     parser.add_argument("--block-scale-bits", type=int, default=4, help="LPBQ integer scales")
     parser.add_argument("--with-quantnpu", action="store_true", help="add the stage-1 rows")
+    parser.add_argument(
+        "--rows", type=lambda t: t.split(","), default=None, help="only these rows (keys)"
+    )
     parser.add_argument("--kv-bits", type=int, default=8)
     parser.add_argument("--mixed-fraction", type=float, default=0.1)
     parser.add_argument("--seq-len", type=int, default=512)
