@@ -5,6 +5,8 @@ integer forward and the numpy NPU emulator, in that order (median of --repeats a
 warm-up call, which also holds the JAX compilations, reported apart), and greedy decode on
 both integer engines. The emulator goes last: run before the JAX engine in the same process,
 it halved that engine's decode speed (cause not found; standalone runs agree with this order).
+One more emulator prefill counts the seconds spent inside its float32 BLAS matmuls
+(`emulator_matmuls`): the emulator's prefill can be no faster than that part alone.
 Writes a JSON report.
 
     python scripts/bench_emulator.py --artifact artifacts/smollm2-135m-quantnpu-w4a8-device \
@@ -17,12 +19,16 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+import qnpu_jax.emulator.engine as emulator_engine
 
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.environment import environment_info, script_command
@@ -41,6 +47,24 @@ def _timed(fn: Callable[[], Any], repeats: int) -> dict[str, float]:
         fn()
         times.append(time.perf_counter() - t0)
     return {"first_call_s": first, "median_s": statistics.median(times), "repeats": repeats}
+
+
+@contextmanager
+def _matmul_clock(seconds: list[float]) -> Iterator[None]:
+    """Time every matmul the emulator hands to BLAS (its einsum hook), appending to `seconds`."""
+    inner = emulator_engine._einsum
+
+    def timed(subscripts: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = inner(subscripts, a, b)
+        seconds.append(time.perf_counter() - t0)
+        return out
+
+    emulator_engine._einsum = timed
+    try:
+        yield
+    finally:
+        emulator_engine._einsum = inner
 
 
 def main() -> int:
@@ -79,6 +103,19 @@ def main() -> int:
         r = _timed(prefill, args.repeats)
         r["tokens_per_s"] = args.seq_len / r["median_s"]
         report["prefill"][name] = r
+        if name == "emulator":
+            seconds: list[float] = []
+            t0 = time.perf_counter()
+            with _matmul_clock(seconds):
+                prefill()
+            total = time.perf_counter() - t0
+            report["prefill"]["emulator_matmuls"] = {
+                "prefill_s": total,
+                "matmul_s": sum(seconds),
+                "matmul_calls": len(seconds),
+                "tokens_per_s_matmuls_alone": args.seq_len / sum(seconds),
+            }
+            print(f"emulator: {sum(seconds):.2f} of {total:.2f} s in {len(seconds)} matmuls")
         prompt = [int(t) for t in tokens[0, :32]]
         engine.generate(prompt, 2)  # warm-up: compiles prefill and the decode step
         t0 = time.perf_counter()
