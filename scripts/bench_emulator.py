@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import qnpu_jax.emulator.engine as emulator_engine
-
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.export.int_model import artifact_tokenizer, load_int_model, open_engine
