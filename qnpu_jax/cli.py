@@ -221,6 +221,29 @@ def build_parser() -> argparse.ArgumentParser:
     pm.add_argument("--budget-gib", type=float, default=80.0, help="a device's memory")
     pm.add_argument("--json", type=Path, default=None, help="write the report here")
 
+    co = sub.add_parser(
+        "cost",
+        help="a plan's MACs by precision pair, bytes, LUT lookups and modelled NPU latency",
+    )
+    co_src = co.add_mutually_exclusive_group()
+    co_src.add_argument(
+        "--config", default=None, help="a shipped config NAME or a YAML file (default: defaults)"
+    )
+    co_src.add_argument("--run", type=Path, default=None, help="a finished run's plan instead")
+    co.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key, repeatable",
+    )
+    co.add_argument("--model", default=None, help="shipped architecture or config.json (overrides)")
+    co.add_argument("--prefill", type=positive_int, default=512, help="prompt tokens")
+    co.add_argument("--chunk", type=positive_int, default=64, help="prefill chunk (the artifact's)")
+    co.add_argument("--decode", type=positive_int, default=128, help="generated tokens")
+    co.add_argument("--json", type=Path, default=None, help="write the report here")
+
     gen = sub.add_parser("generate", help="greedy continuation of a prompt")
     gen.add_argument("--model", required=True)
     gen.add_argument("--prompt", required=True)
@@ -648,6 +671,82 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cost(args: argparse.Namespace) -> int:
+    from qnpu_jax import cost
+    from qnpu_jax.memory_plan import model_architecture
+
+    plan, cfg, source = _cost_plan(args, model_architecture)
+    phases = [cost.prefill(args.prefill, args.chunk), cost.decode(args.prefill, args.decode)]
+    anchor = model_architecture(cost.ANCHOR_MODEL)
+    readings = cost.devices(anchor)
+    report: dict[str, Any] = {
+        "source": source,
+        "model": dataclasses.asdict(cfg),
+        "note": "counts are exact; latencies are a model fitted to the seeds' device figures "
+        "(qnpu_jax.cost), not measurements",
+        "devices": {k: dataclasses.asdict(v) for k, v in readings.items()},
+        "phases": {},
+    }
+    for phase in phases:
+        costs = cost.plan_costs(plan, cfg, phase)
+        sums = cost.totals(costs)
+        lat = {k: cost.latency(costs, d, cost.num_linears(cfg)) for k, d in readings.items()}
+        report["phases"][phase.name] = {"phase": dataclasses.asdict(phase), **sums, "latency": lat}
+        pairs = ", ".join(f"{p} {n / 1e9:.2f}" for p, n in sums["macs"].items())
+        moved = sums["weight_bytes"] + sums["act_bytes"] + sums["kv_bytes"]
+        print(f"{phase.name} ({phase.tokens} tokens): GMACs {pairs}")
+        print(
+            f"  bytes moved {moved / 1e6:.1f} MB (weights {sums['weight_bytes'] / 1e6:.1f}), "
+            f"LUT lookups {sums['lut_lookups'] / 1e6:.2f} M, requantizations "
+            f"{sums['requants'] / 1e6:.2f} M"
+        )
+        for k, v in lat.items():
+            print(f"  modelled latency ({k}): {v['total_s'] * 1e3:.1f} ms")
+    if args.json is not None:
+        from qnpu_jax.studies.harness import write_study_json
+
+        write_study_json(args.json, report, command="qnpu " + shlex.join(args.argv))
+        print(f"-> {args.json}")
+    return 0
+
+
+def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, str]:
+    """(plan, model config, what it came from) for `qnpu cost`."""
+    if args.run is not None:
+        from qnpu_jax.models.config import ModelConfig, RopeConfig
+        from qnpu_jax.pipeline.model import _read_model_json, read_plan
+
+        if args.overrides:
+            raise QnpuError("--set changes a config; a run's plan is fixed")
+        plan = read_plan(args.run / "plan.json")
+        if args.model is not None:
+            return plan, architecture(args.model), str(args.run)
+        meta = _read_model_json(args.run / "model.json")
+        try:
+            data = dict(meta["config"])
+            cfg = ModelConfig(**{**data, "rope": RopeConfig(**data["rope"])})
+        except (TypeError, KeyError) as e:
+            raise QnpuError(
+                f"{args.run / 'model.json'}: its model config is unreadable ({e})"
+            ) from e
+        return plan, cfg, str(args.run)
+    from qnpu_jax.pipeline.config import load_config
+    from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits
+    from qnpu_jax.pipeline.recipes import build_plan
+
+    config = load_config(args.config, args.overrides)
+    cfg = architecture(args.model or config.model)
+    n = cfg.num_layers
+    ranked = [float(n - i) for i in range(n)]  # which layers is the scan's: only counts matter
+
+    def promoted(fraction: float) -> tuple[int, ...] | None:
+        return mixed_layer_bits(ranked, fraction) if fraction > 0 else None
+
+    down_in = promoted(config.mixed_precision) if config.down_in_bits == 8 else None
+    plan = build_plan(config, n, down_in, promoted(config.down_out_mixed_precision))
+    return plan, cfg, args.config or "the default config"
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from qnpu_jax.export.exporter import export_run, export_run_aimet
 
@@ -729,6 +828,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "export": cmd_export,
         "generate": cmd_generate,
         "plan-memory": cmd_plan_memory,
+        "cost": cmd_cost,
         "quantize": cmd_quantize,
         "report": cmd_report,
         "study": cmd_study,

@@ -1,0 +1,444 @@
+"""A cost model of a quantization plan on a mobile NPU: exact counts per op, and a latency
+estimate that is a MODEL, not a measurement.
+
+Counts (`plan_costs`), op by op of the integer graph (`export.graph.GRAPH`) at the plan's
+bit-widths, layer by layer (promoted layers included): MACs by operand precision pair ("A8W4":
+8-bit activations times 4-bit weights; "A16A8": 16-bit probabilities times 8-bit V; "F" for a
+tensor the plan keeps in float), bytes of weights, activations and KV cache moved, LUT
+lookups, requantizations, and the work that runs off the NPU (MACs on the CPU and the
+synchronizations they need).
+
+Latency (`latency`): a roofline per op, max(MACs × time per MAC of its pair, bytes × time per
+byte), summed, plus the CPU-NPU synchronization of ops that need one. The per-MAC and per-byte
+times and the 16-bit factor are fitted (`fit_device`) so that this same model reproduces
+MobileQuant's Table 6 (TinyLlama-1.1B on a Snapdragon 8 Gen 3 HTP, the SM8650 Quant.npu also
+measures on): full W8A8 prompt encoding of 256 tokens 89 ms, W8A16 510 ms, W8A8 generation at
+1024 tokens 42 ms per token. Quant.npu gives float against integer MACs (Table 3: integer
+2.0× float) and per-block weights against per-channel (W4A8 per-tensor about 1.2× faster than
+W4A16 per-block); mllm-NPU the synchronization (29.7% of end-to-end latency with shadow
+outliers in every layer). Every constant is in `DeviceModel` with its source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import GRAPH, Op, layer_widths
+from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.quant.plan import QuantPlan, TensorQuant, is_weight, uniform_plan
+
+FLOAT = "F"  # a tensor the plan keeps in float (fp16 on the device: 2 bytes)
+FLOAT_BYTES = 2.0
+SCALE_BYTES = 8  # a per-row requantization: int32 multiplier and shift
+BLOCK_SCALE_BYTES = 2  # a float (fp16) scale per block
+
+# MobileQuant Table 6 (TinyLlama-1.1B-Chat, Snapdragon 8 Gen 3 HTP), seconds
+ANCHOR_MODEL = "tinyllama-1.1b"
+ANCHOR_PROMPT = 256
+ANCHOR_W8A8_PREFILL_S = 0.089
+ANCHOR_W8A16_PREFILL_S = 0.510
+ANCHOR_DECODE_CONTEXT = 1024
+ANCHOR_W8A8_DECODE_S = 0.042
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """A pass of the model: `tokens` queries, `key_visits` the keys they attend to summed over
+    them (causal), `kv_reads` the cache positions read (once per chunk in prefill, per step in
+    decode), `weight_reads` how many times every weight is read (chunks, or decode steps),
+    `logit_tokens` the positions lm_head runs on (generation needs the prompt's last one)."""
+
+    name: str
+    tokens: int
+    key_visits: int
+    kv_reads: int
+    weight_reads: int
+    logit_tokens: int
+
+    def __post_init__(self) -> None:
+        counts = (self.tokens, self.key_visits, self.kv_reads, self.weight_reads)
+        if min(*counts, self.logit_tokens) < 1 or self.logit_tokens > self.tokens:
+            raise QnpuError(
+                f"phase {self.name}: every count must be at least 1 and lm_head runs on at "
+                "most every token"
+            )
+
+
+def _positive(name: str, value: int, least: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise QnpuError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+def prefill(
+    tokens: int, chunk: int | None = None, prefix: int = 0, *, all_logits: bool = False
+) -> Phase:
+    """Prompt encoding of `tokens` after `prefix` cached positions, in chunks of `chunk`
+    (None: one pass) as the artifact's engines run it; lm_head on the last position only, or
+    on every one with `all_logits` (scoring, perplexity)."""
+    _positive("prefill tokens", tokens)
+    _positive("prefix", prefix, 0)
+    step = tokens if chunk is None else chunk
+    _positive("chunk", step)
+    ends = [min(s + step, tokens) for s in range(0, tokens, step)]
+    visits = tokens * prefix + tokens * (tokens + 1) // 2
+    kv_reads = sum(prefix + e for e in ends)
+    return Phase("prefill", tokens, visits, kv_reads, len(ends), tokens if all_logits else 1)
+
+
+def decode(prompt: int, steps: int, prefix: int = 0) -> Phase:
+    """`steps` greedy steps after a `prompt`-token prefill: step j attends to prefix+prompt+j
+    keys and reads every weight once."""
+    _positive("prompt", prompt, 0)
+    _positive("decode steps", steps)
+    _positive("prefix", prefix, 0)
+    visits = steps * (prefix + prompt) + steps * (steps + 1) // 2
+    return Phase("decode", steps, visits, visits, steps, steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCost:
+    """One op's work in one phase (`layer` None: a model-level op)."""
+
+    layer: int | None
+    name: str
+    kind: str
+    macs: Mapping[str, int]
+    weight_bytes: float = 0.0
+    act_bytes: float = 0.0
+    kv_bytes: float = 0.0
+    lut_lookups: int = 0
+    requants: int = 0
+    per_block: bool = False
+    cpu_macs: int = 0  # MACs off the NPU (float, on the CPU)
+    syncs: int = 0  # CPU→NPU synchronizations (merging a CPU result into the NPU's)
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.act_bytes + self.kv_bytes
+
+
+def _bits(tq: TensorQuant | None, layer: int) -> int | None:
+    return None if tq is None else tq.bits_for_layer(layer)
+
+
+def _label(bits: int | None) -> str:
+    return FLOAT if bits is None else str(bits)
+
+
+def _size(bits: int | None) -> float:
+    return FLOAT_BYTES if bits is None else bits / 8
+
+
+def _check_plan(plan: QuantPlan, cfg: ModelConfig) -> None:
+    if plan.graph is not GRAPH:
+        raise QnpuError("the cost model counts the shipped graph's ops; this plan has another")
+    if plan.num_layers != cfg.num_layers:
+        raise QnpuError(f"the plan has {plan.num_layers} layers, the model config {cfg.num_layers}")
+
+
+def plan_costs(plan: QuantPlan, cfg: ModelConfig, phase: Phase) -> tuple[OpCost, ...]:
+    """Every op's counts in `phase`, layer ops first (layer by layer, graph order), then the
+    model's (embedding, final norm, lm_head)."""
+    _check_plan(plan, cfg)
+    widths = layer_widths(cfg.dims)
+    t = phase.tokens
+    layer_input = GRAPH.layer_input
+    embed_op, _, norm_op, head_op = GRAPH.model
+    assert embed_op.out is not None and norm_op.out is not None
+
+    def act_bits(name: str, layer: int) -> int | None:
+        if name == layer_input:  # the previous layer's output, or the embedding's
+            if layer == 0:
+                return _bits(plan.get(embed_op.out.name), 0)  # type: ignore[union-attr]
+            return act_bits(GRAPH.layer[-1].out_name, layer - 1)
+        return _bits(plan.get(f"layers/{name}"), layer)
+
+    out: list[OpCost] = []
+    for layer in range(cfg.num_layers):
+        for op in GRAPH.layer:
+            ins = [act_bits(n, layer) for n in op.ins]
+            o = act_bits(op.out_name, layer)
+            width = widths[op.out_name]
+            moved = t * (
+                sum(_size(b) * widths[n] for b, n in zip(ins, op.ins, strict=True))
+                + _size(o) * width
+            )
+            if op.kind == "linear":
+                wq = plan.get(f"layers/{op.weight_name}")
+                out.append(
+                    _linear_cost(
+                        layer, op, ins[0], o, wq, widths[op.ins[0]], width, t, phase.weight_reads
+                    )
+                )
+            elif op.kind == "attention":
+                out.append(_attention_cost(plan, cfg, layer, op, ins, o, phase))
+            else:
+                out.append(
+                    OpCost(
+                        layer,
+                        op.out_name,
+                        op.kind,
+                        {},
+                        act_bytes=moved,
+                        lut_lookups=t * width if op.kind == "lut" else 0,
+                        requants=t * width if o is not None else 0,
+                    )
+                )
+    # the model's ops: embedding rows gathered, the final norm, lm_head
+    d = cfg.hidden_size
+    table = plan.get(embed_op.weight_name)
+    e_out = _bits(plan.get(embed_op.out.name), 0)
+    out.append(
+        OpCost(
+            None,
+            embed_op.out.name,
+            "embed",
+            {},
+            weight_bytes=t * d * _size(_bits(table, 0))
+            + (t * SCALE_BYTES if table is not None else 0),
+            act_bytes=t * d * _size(e_out),
+            requants=t * d if e_out is not None else 0,
+        )
+    )
+    n = phase.logit_tokens  # the final norm and lm_head run where logits are needed
+    last = act_bits(GRAPH.layer[-1].out_name, cfg.num_layers - 1)
+    n_out = _bits(plan.get(norm_op.out.name), 0)
+    out.append(
+        OpCost(
+            None,
+            norm_op.out.name,
+            "rmsnorm",
+            {},
+            act_bytes=n * d * (_size(last) + _size(n_out)),
+            requants=n * d if n_out is not None else 0,
+        )
+    )
+    head = plan.get(head_op.weight_name)
+    reads = min(phase.weight_reads, n)  # lm_head's weights: once per chunk or step with logits
+    out.append(_linear_cost(None, head_op, n_out, 32, head, d, cfg.vocab_size, n, reads))
+    return tuple(out)
+
+
+def _linear_cost(
+    layer: int | None,
+    op: Op,
+    a: int | None,
+    o: int | None,
+    wq: TensorQuant | None,
+    n_in: int,
+    n_out: int,
+    tokens: int,
+    weight_reads: int,
+) -> OpCost:
+    w = _bits(wq, 0 if layer is None else layer)
+    rows_bytes = n_out * n_in * _size(w)
+    if wq is not None:
+        rows_bytes += n_out * SCALE_BYTES
+        if wq.block is not None:  # a scale per block: LPBQ's are k-bit integers
+            per = wq.block_scale_bits / 8 if wq.lpbq else BLOCK_SCALE_BYTES  # type: ignore[operator]
+            rows_bytes += n_out * (n_in // wq.block) * per
+    t = tokens
+    return OpCost(
+        layer,
+        op.out_name,
+        "linear",
+        {f"A{_label(a)}W{_label(w)}": t * n_in * n_out},
+        weight_bytes=weight_reads * rows_bytes,
+        act_bytes=t * (n_in * _size(a) + n_out * _size(o)),
+        requants=t * n_out if o is not None else 0,
+        per_block=wq is not None and wq.block is not None,
+    )
+
+
+def _attention_cost(
+    plan: QuantPlan,
+    cfg: ModelConfig,
+    layer: int,
+    op: Op,
+    ins: list[int | None],
+    o: int | None,
+    phase: Phase,
+) -> OpCost:
+    q, k, v = ins
+    scores_t, probs_t = op.inner
+    s = _bits(plan.get(f"layers/{scores_t.name}"), layer)
+    p = _bits(plan.get(f"layers/{probs_t.name}"), layer)
+    hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    visits = phase.key_visits * hq  # one score (and one probability) per head and key
+    macs = {f"A{_label(q)}A{_label(k)}": visits * hd}
+    pv = f"A{_label(p)}A{_label(v)}"
+    macs[pv] = macs.get(pv, 0) + visits * hd
+    t = phase.tokens
+    return OpCost(
+        layer,
+        op.out_name,
+        "attention",
+        macs,
+        act_bytes=t * hq * hd * (_size(q) + _size(o)) + visits * (_size(s) + _size(p)),
+        kv_bytes=phase.kv_reads * hkv * hd * (_size(k) + _size(v)),
+        lut_lookups=visits,  # the exp table
+        requants=visits * (s is not None) + t * hq * hd * (o is not None),
+    )
+
+
+def totals(costs: Iterable[OpCost]) -> dict[str, Any]:
+    """Sums over ops: MACs by pair, bytes by kind, LUT lookups, requantizations, off-NPU work."""
+    macs: dict[str, int] = {}
+    out: dict[str, Any] = {
+        "weight_bytes": 0.0,
+        "act_bytes": 0.0,
+        "kv_bytes": 0.0,
+        "lut_lookups": 0,
+        "requants": 0,
+        "per_block_macs": 0,
+        "cpu_macs": 0,
+        "syncs": 0,
+    }
+    for c in costs:
+        for pair, n in c.macs.items():
+            macs[pair] = macs.get(pair, 0) + n
+        for key in ("weight_bytes", "act_bytes", "kv_bytes", "lut_lookups", "requants"):
+            out[key] += getattr(c, key)
+        out["per_block_macs"] += sum(c.macs.values()) if c.per_block else 0
+        out["cpu_macs"] += c.cpu_macs
+        out["syncs"] += c.syncs
+    return {"macs": dict(sorted(macs.items())), "npu_macs": sum(macs.values()), **out}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceModel:
+    """The latency model's constants (see the module docstring for their sources).
+
+    `mac_s`: seconds per 8-bit × ≤8-bit MAC; `byte_s`: seconds per byte moved; `a16`: the MAC
+    time factor of one 16-bit operand (both 16-bit: `a16` squared, an assumption: the seeds
+    measure no 16 × 16 matmul); `float_mac`: float MACs against integer ones (Quant.npu Table
+    3); `per_block`: per-block weights against per-channel (Quant.npu §1); `cpu_mac_s`:
+    seconds per MAC run on the CPU; `sync_fraction`: the latency share that synchronizing a
+    CPU path into every linear of every layer adds (mllm-NPU §3.3: 29.7%)."""
+
+    mac_s: float
+    byte_s: float
+    a16: float
+    float_mac: float = 2.0
+    per_block: float = 1.2
+    cpu_mac_s: float = 0.0  # mllm-NPU: the shadow's CPU work hides behind the NPU's
+    sync_fraction: float = 0.297
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not (isinstance(v, float | int) and v >= 0 and v == v and v != float("inf")):
+                raise QnpuError(f"device model: {f.name} must be a finite number >= 0, got {v!r}")
+        if self.mac_s <= 0 or self.byte_s <= 0:
+            raise QnpuError("device model: mac_s and byte_s must be positive")
+
+    def pair_factor(self, pair: str) -> float:
+        """The time of one MAC of `pair` ("A8W4", "A16A8", "AFWF", ...) in 8-bit MACs."""
+        left, right = pair[1:].replace("W", "A").split("A")
+        if FLOAT in (left, right):
+            return self.float_mac
+        return self.a16 ** sum(int(b) > 8 for b in (left, right))
+
+
+def op_seconds(cost: OpCost, device: DeviceModel) -> float:
+    """One op's modelled time on the NPU: the slower of its MACs and its bytes."""
+    compute = sum(n * device.pair_factor(p) for p, n in cost.macs.items()) * device.mac_s
+    if cost.per_block:
+        compute *= device.per_block
+    return max(compute, cost.bytes * device.byte_s)
+
+
+def latency(costs: Iterable[OpCost], device: DeviceModel, num_linears: int) -> dict[str, float]:
+    """Modelled seconds of a phase: the NPU's roofline per op summed, the CPU's MACs, and the
+    synchronizations (`sync_fraction` of the NPU time, scaled by the share of the model's
+    `num_linears` linears that synchronize)."""
+    costs = tuple(costs)
+    npu = sum(op_seconds(c, device) for c in costs)
+    syncs = sum(c.syncs for c in costs)
+    sync = device.sync_fraction * npu * min(syncs / num_linears, 1.0) if num_linears else 0.0
+    cpu = sum(c.cpu_macs for c in costs) * device.cpu_mac_s
+    return {"npu_s": npu, "cpu_s": cpu, "sync_s": sync, "total_s": npu + cpu + sync}
+
+
+def num_linears(cfg: ModelConfig) -> int:
+    """The linears of the model (layers' and lm_head): what a shadow path could attach to."""
+    return cfg.num_layers * len(GRAPH.ops("linear")) + 1
+
+
+def _solve(f: Any, target: float, lo: float, hi: float) -> float:
+    """x in [lo, hi] with f(x) = target for f increasing (bisection on a log scale)."""
+    if not f(lo) <= target <= f(hi):
+        raise QnpuError(f"cost model fit: target {target} outside [{f(lo)}, {f(hi)}]")
+    for _ in range(200):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return (lo * hi) ** 0.5
+
+
+def anchor_plans(cfg: ModelConfig) -> dict[str, QuantPlan]:
+    """MobileQuant Table 6's settings on the anchor model: full W8A8 (every tensor 8-bit but
+    the softmax's probabilities, 16-bit in this graph) and W8A16 (weights 8-bit, every
+    activation 16-bit)."""
+    sixteen = uniform_plan(cfg.num_layers, 16)
+    w8a16 = sixteen.with_entries(
+        (p, dataclasses.replace(tq, bits=8) if is_weight(p) else tq) for p, tq in sixteen.entries
+    )
+    return {"w8a8": uniform_plan(cfg.num_layers, 8), "w8a16": w8a16}
+
+
+def fit_device(cfg: ModelConfig, **fixed: float) -> DeviceModel:
+    """The device model whose roofline reproduces MobileQuant Table 6 on `cfg` (the anchor
+    model, `ANCHOR_MODEL`): bytes/s from W8A8 generation at 1024 tokens, the 8-bit MAC time
+    from W8A8 prompt encoding and the 16-bit factor from W8A16 prompt encoding, fitted in turn
+    until all three hold. `fixed` sets the other fields."""
+    plans = anchor_plans(cfg)
+    n_lin = num_linears(cfg)
+    pre = prefill(ANCHOR_PROMPT)
+    dec = decode(ANCHOR_DECODE_CONTEXT - 1, 1)
+    w8a8_pre = plan_costs(plans["w8a8"], cfg, pre)
+    w8a8_dec = plan_costs(plans["w8a8"], cfg, dec)
+    w8a16_pre = plan_costs(plans["w8a16"], cfg, pre)
+    fit = {"mac_s": 1e-13, "byte_s": 1e-11, "a16": 1.0}
+
+    def run(costs: tuple[OpCost, ...], **kw: float) -> float:
+        return latency(costs, DeviceModel(**{**fixed, **fit, **kw}), n_lin)["total_s"]
+
+    for _ in range(50):
+        before = dict(fit)
+        fit["byte_s"] = _solve(lambda x: run(w8a8_dec, byte_s=x), ANCHOR_W8A8_DECODE_S, 1e-15, 1e-6)
+        fit["mac_s"] = _solve(lambda x: run(w8a8_pre, mac_s=x), ANCHOR_W8A8_PREFILL_S, 1e-18, 1e-9)
+        fit["a16"] = _solve(lambda x: run(w8a16_pre, a16=x), ANCHOR_W8A16_PREFILL_S, 1.0, 1e3)
+        if all(abs(fit[k] / before[k] - 1) < 1e-12 for k in fit):
+            return DeviceModel(**{**fixed, **fit})
+    raise QnpuError("cost model fit: the three anchors did not converge")
+
+
+def plan_report(
+    plan: QuantPlan, cfg: ModelConfig, phases: Iterable[Phase], device: DeviceModel
+) -> dict[str, Any]:
+    """{phase name: counts and modelled latency} of a plan (JSON-ready)."""
+    out: dict[str, Any] = {}
+    for phase in phases:
+        costs = plan_costs(plan, cfg, phase)
+        out[phase.name] = {
+            "phase": dataclasses.asdict(phase),
+            **totals(costs),
+            "latency_model": latency(costs, device, num_linears(cfg)),
+        }
+    return out
+
+
+def devices(anchor: ModelConfig) -> dict[str, DeviceModel]:
+    """The two readings of the seeds' 16-bit activation cost, both on `fit_device`'s times:
+    "mobilequant-table6" (`a16` fitted to W8A16 against W8A8 prompt encoding: one 16-bit
+    operand costs several 8-bit MACs; per-block weights 1.2× per Quant.npu) and
+    "quantnpu-table3" (Quant.npu Table 3: A16 per-block W4 at 1.67× float against A8
+    per-channel W4 at 2.0×, the whole 1.2× put on the 16-bit activations, per-block free)."""
+    fitted = fit_device(anchor)
+    return {
+        "mobilequant-table6": fitted,
+        "quantnpu-table3": dataclasses.replace(fitted, a16=2.0 / 1.67, per_block=1.0),
+    }

@@ -1,0 +1,164 @@
+"""The cost model: exact counts against hand counts, the fit against its anchors, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from qnpu_jax import cost
+from qnpu_jax.cli import main
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.memory_plan import model_architecture
+from qnpu_jax.quant.plan import QuantRule, default_plan
+
+SMOL = model_architecture("smollm2-135m")
+ANCHOR = model_architecture(cost.ANCHOR_MODEL)
+PROJS = "layers/(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+def _layer(costs: tuple[cost.OpCost, ...], layer: int) -> list[cost.OpCost]:
+    return [c for c in costs if c.layer == layer]
+
+
+def test_phases_count_causal_key_visits_and_reads():
+    p = cost.prefill(10, chunk=4, prefix=2)
+    assert p.key_visits == sum(2 + i for i in range(1, 11))
+    assert p.kv_reads == (2 + 4) + (2 + 8) + (2 + 10)  # the cache up to each chunk's end
+    assert p.weight_reads == 3
+    d = cost.decode(prompt=5, steps=3, prefix=1)
+    assert d.key_visits == d.kv_reads == (1 + 5 + 1) + (1 + 5 + 2) + (1 + 5 + 3)
+    assert d.weight_reads == d.tokens == d.logit_tokens == 3
+    assert p.logit_tokens == 1 and cost.prefill(10, all_logits=True).logit_tokens == 10
+    for bad in (lambda: cost.prefill(0), lambda: cost.decode(4, 0), lambda: cost.prefill(8, 0)):
+        with pytest.raises(QnpuError, match="must be an integer >= 1"):
+            bad()
+
+
+def test_w8a8_layer_macs_equal_a_hand_count():
+    t, d, q, kv, f = 16, 576, 576, 192, 1536
+    hq, hd = 9, 64
+    phase = cost.prefill(t)
+    costs = cost.plan_costs(default_plan(SMOL.num_layers), SMOL, phase)
+    layer = _layer(costs, 3)
+    macs: dict[str, int] = {}
+    for c in layer:
+        for pair, n in c.macs.items():
+            macs[pair] = macs.get(pair, 0) + n
+    linears = t * (d * q + 2 * d * kv + q * d + 2 * d * f + f * d)
+    visits = t * (t + 1) // 2  # causal: query i sees i keys
+    # q, k and v read 8-bit codes, gate/up 8-bit; down_proj's input is 8-bit here (W8A8)
+    assert macs == {"A8W8": linears, "A8A8": visits * hq * hd, "A16A8": visits * hq * hd}
+    by_name = {c.name: c for c in layer}
+    assert by_name["q_out"].weight_bytes == d * q + q * cost.SCALE_BYTES
+    assert by_name["q_out"].requants == t * q
+    assert by_name["silu_out"].lut_lookups == t * f
+    assert by_name["attn_out"].lut_lookups == visits * hq
+    # K and V of the 3 kv heads, 8-bit each, read once (one chunk)
+    assert by_name["attn_out"].kv_bytes == phase.kv_reads * kv * 2
+    head = costs[-1]  # generation: the prompt's last position only; scoring: every one
+    assert head.layer is None and head.macs == {"A16W8": d * SMOL.vocab_size}
+    scored = cost.plan_costs(default_plan(SMOL.num_layers), SMOL, cost.prefill(t, all_logits=True))
+    assert scored[-1].macs == {"A16W8": t * d * SMOL.vocab_size}
+    assert scored[-1].weight_bytes == head.weight_bytes  # one chunk: read once either way
+
+
+def test_promotion_and_blocks_move_exactly_their_macs():
+    n = SMOL.num_layers
+    base = default_plan(n, w_bits=4, a_bits=8, down_in_bits=8)
+    bits = tuple(16 if i in (0, 7, 29) else 8 for i in range(n))
+    promoted = base.apply([QuantRule(pattern="layers/down_in", layer_bits=bits)])
+    phase = cost.prefill(32)
+    a, b = (cost.totals(cost.plan_costs(p, SMOL, phase)) for p in (base, promoted))
+    down = 32 * SMOL.intermediate_size * SMOL.hidden_size
+    assert b["macs"]["A16W4"] == 3 * down
+    assert a["macs"]["A8W4"] - b["macs"]["A8W4"] == 3 * down
+    assert a["npu_macs"] == b["npu_macs"]
+    lpbq = base.apply([QuantRule(pattern=PROJS, block=64, block_scale_bits=4)])
+    c = cost.totals(cost.plan_costs(lpbq, SMOL, phase))
+    assert c["per_block_macs"] == a["macs"]["A8W4"]
+    blocks = sum(o * (i // 64) for o, i in _weight_shapes())  # a 4-bit scale each, per layer
+    assert c["weight_bytes"] - a["weight_bytes"] == pytest.approx(n * blocks * 4 / 8)
+
+
+def _weight_shapes() -> list[tuple[int, int]]:
+    d, q, kv, f = SMOL.hidden_size, SMOL.q_size, SMOL.kv_size, SMOL.intermediate_size
+    return [(q, d), (kv, d), (kv, d), (d, q), (f, d), (f, d), (d, f)]
+
+
+def test_float_tensors_count_as_float_pairs_and_fp16_bytes():
+    n = SMOL.num_layers
+    plan = default_plan(n).apply([QuantRule(pattern="layers/(attn_in|q_proj)", quantize=False)])
+    q = next(c for c in cost.plan_costs(plan, SMOL, cost.prefill(4)) if c.name == "q_out")
+    assert q.macs == {"AFWF": 4 * 576 * 576}
+    assert q.weight_bytes == 576 * 576 * cost.FLOAT_BYTES
+
+
+def test_device_fit_reproduces_its_anchors():
+    device = cost.fit_device(ANCHOR)
+    plans = cost.anchor_plans(ANCHOR)
+    n_lin = cost.num_linears(ANCHOR)
+
+    def run(plan: str, phase: cost.Phase) -> float:
+        return cost.latency(cost.plan_costs(plans[plan], ANCHOR, phase), device, n_lin)["total_s"]
+
+    assert run("w8a8", cost.prefill(256)) == pytest.approx(0.089, rel=1e-9)
+    assert run("w8a16", cost.prefill(256)) == pytest.approx(0.510, rel=1e-9)
+    assert run("w8a8", cost.decode(1023, 1)) == pytest.approx(0.042, rel=1e-9)
+    assert device.a16 > 1 and device.pair_factor("A16W8") == device.a16
+    assert device.pair_factor("A16A16") == pytest.approx(device.a16**2)
+    assert device.pair_factor("A8W4") == 1.0 and device.pair_factor("AFWF") == 2.0
+    readings = cost.devices(ANCHOR)
+    assert readings["quantnpu-table3"].a16 == pytest.approx(2.0 / 1.67)
+    assert readings["mobilequant-table6"] == device
+
+
+def test_latency_roofline_blocks_and_syncs():
+    device = cost.DeviceModel(mac_s=1e-12, byte_s=1e-9, a16=3.0)
+    compute = cost.OpCost(0, "y", "linear", {"A16W4": 1000}, weight_bytes=1)
+    assert cost.op_seconds(compute, device) == pytest.approx(3000e-12)
+    memory = cost.OpCost(0, "y", "linear", {"A8W4": 10}, act_bytes=100)
+    assert cost.op_seconds(memory, device) == pytest.approx(100e-9)
+    blocked = dataclasses.replace(compute, per_block=True)
+    assert cost.op_seconds(blocked, device) == pytest.approx(3000e-12 * 1.2)
+    shadowed = dataclasses.replace(compute, syncs=2, cpu_macs=50)
+    lat = cost.latency([shadowed], dataclasses.replace(device, cpu_mac_s=1e-10), num_linears=4)
+    assert lat["sync_s"] == pytest.approx(0.297 * 3000e-12 * 2 / 4)
+    assert lat["cpu_s"] == pytest.approx(50e-10)
+    assert lat["total_s"] == pytest.approx(lat["npu_s"] + lat["cpu_s"] + lat["sync_s"])
+    with pytest.raises(QnpuError, match="a16 must be a finite number"):
+        cost.DeviceModel(mac_s=1e-12, byte_s=1e-9, a16=float("nan"))
+
+
+def test_plan_for_another_model_is_refused():
+    with pytest.raises(QnpuError, match="the plan has 30 layers, the model config 22"):
+        cost.plan_costs(default_plan(30), ANCHOR, cost.prefill(4))
+
+
+def test_cli_cost_of_a_config_writes_its_report(tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    rc = main(
+        [
+            "cost",
+            "--config",
+            "smollm2-135m-quantnpu-w4a8",
+            "--prefill",
+            "64",
+            "--decode",
+            "8",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    report = json.loads(out.read_text())
+    pre = report["phases"]["prefill"]
+    down = 64 * SMOL.intermediate_size * SMOL.hidden_size
+    assert pre["macs"]["A16W4"] == 3 * down  # 10% of 30 layers promoted
+    assert set(pre["latency"]) == {"mobilequant-table6", "quantnpu-table3"}
+    assert "modelled latency" in capsys.readouterr().out
+    assert main(["cost", "--config", "quick", "--set", "bogus=1"]) == 2
+    assert "unknown config key" in capsys.readouterr().err
+    assert main(["cost", "--run", str(tmp_path / "none")]) == 2
+    assert "plan.json is missing" in capsys.readouterr().err
