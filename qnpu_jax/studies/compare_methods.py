@@ -740,10 +740,36 @@ def _task_state(scores: TaskScores | None) -> dict[str, Any]:
     return out
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def add_protocol_args(parser: argparse.ArgumentParser, *, eval_windows: int, prefix: str) -> None:
+    """The grid's protocol options (bits, data, sink prefix, seed) and stage 1's, shared by the
+    studies that add rows to it."""
     from qnpu_jax.pipeline.stage1 import Stage1Config
 
     s1 = Stage1Config()
+    parser.add_argument("--kv-bits", type=int, default=8)
+    parser.add_argument("--mixed-fraction", type=float, default=0.1, help="setting (b)")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--calib-windows", type=int, default=16)
+    parser.add_argument(
+        "--eval-windows", type=int, default=eval_windows, help="cap per evaluation set"
+    )
+    parser.add_argument(
+        "--wikitext",
+        default="../shared/data/wikitext-2-raw/wiki.test.raw",
+        help="WikiText-2 test file (relative paths: to the repository root)",
+    )
+    parser.add_argument("--prefix", choices=("none", "bos"), default=prefix)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=s1.steps, help="stage 1 steps")
+    parser.add_argument("--stage1-batch-size", type=int, default=s1.batch_size)
+    parser.add_argument("--grad-accum", type=int, default=s1.grad_accum)
+    parser.add_argument("--lr-rotation", type=float, default=s1.lr_rotation)
+    parser.add_argument("--lr-scale", type=float, default=s1.lr_scale)
+    parser.add_argument("--local-loss-fraction", type=float, default=s1.local_loss_fraction)
+    parser.add_argument("--checkpoint-every", type=int, default=s1.checkpoint_every)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = study_parser(__name__, __doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--methods", type=comma_choices(METHODS), default=METHODS)
@@ -758,25 +784,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=ABLATION_KEYS,
         help="ablation rows to run: " + ",".join(ABLATION_KEYS),
     )
-    parser.add_argument("--kv-bits", type=int, default=8)
-    parser.add_argument("--mixed-fraction", type=float, default=0.1, help="setting (b)")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--calib-windows", type=int, default=16)
-    parser.add_argument("--eval-windows", type=int, default=64, help="cap per evaluation set")
-    parser.add_argument(
-        "--wikitext",
-        default="../shared/data/wikitext-2-raw/wiki.test.raw",
-        help="WikiText-2 test file (relative paths: to the repository root)",
-    )
-    parser.add_argument("--prefix", choices=("none", "bos"), default="none")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=s1.steps, help="stage 1 steps")
-    parser.add_argument("--stage1-batch-size", type=int, default=s1.batch_size)
-    parser.add_argument("--grad-accum", type=int, default=s1.grad_accum)
-    parser.add_argument("--lr-rotation", type=float, default=s1.lr_rotation)
-    parser.add_argument("--lr-scale", type=float, default=s1.lr_scale)
-    parser.add_argument("--local-loss-fraction", type=float, default=s1.local_loss_fraction)
-    parser.add_argument("--checkpoint-every", type=int, default=s1.checkpoint_every)
+    add_protocol_args(parser, eval_windows=64, prefix="none")
     parser.add_argument(
         "--tasks",
         type=comma_choices(TASKS),

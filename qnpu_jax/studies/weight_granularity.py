@@ -174,9 +174,8 @@ def _weights_text(config: Any) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from qnpu_jax.pipeline.stage1 import Stage1Config
+    from qnpu_jax.studies.compare_methods import add_protocol_args
 
-    s1 = Stage1Config()
     parser = study_parser(__name__, __doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--block", type=int, default=64, help="inputs per weight block")
@@ -185,21 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--rows", type=lambda t: t.split(","), default=None, help="only these rows (keys)"
     )
-    parser.add_argument("--kv-bits", type=int, default=8)
-    parser.add_argument("--mixed-fraction", type=float, default=0.1)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--calib-windows", type=int, default=16)
-    parser.add_argument("--eval-windows", type=int, default=32)
-    parser.add_argument("--wikitext", default="../shared/data/wikitext-2-raw/wiki.test.raw")
-    parser.add_argument("--prefix", choices=("none", "bos"), default="bos")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=s1.steps, help="stage 1 steps")
-    parser.add_argument("--stage1-batch-size", type=int, default=s1.batch_size)
-    parser.add_argument("--grad-accum", type=int, default=s1.grad_accum)
-    parser.add_argument("--lr-rotation", type=float, default=s1.lr_rotation)
-    parser.add_argument("--lr-scale", type=float, default=s1.lr_scale)
-    parser.add_argument("--local-loss-fraction", type=float, default=s1.local_loss_fraction)
-    parser.add_argument("--checkpoint-every", type=int, default=s1.checkpoint_every)
+    add_protocol_args(parser, eval_windows=32, prefix="bos")
     parser.add_argument("--runs-dir", default="runs/weight_granularity")
     parser.add_argument("--json", default="reports/weight_granularity.json")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
