@@ -168,11 +168,14 @@ def plan_costs(plan: QuantPlan, cfg: ModelConfig, phase: Phase) -> tuple[OpCost,
             )
             if op.kind == "linear":
                 wq = plan.get(f"layers/{op.weight_name}")
-                out.append(
-                    _linear_cost(
-                        layer, op, ins[0], o, wq, widths[op.ins[0]], width, t, phase.weight_reads
-                    )
+                cost = _linear_cost(
+                    layer, op, ins[0], o, wq, widths[op.ins[0]], width, t, phase.weight_reads
                 )
+                source = plan.get(f"layers/{op.ins[0]}")
+                hot = source.shadow_channels[layer] if source and source.shadow_channels else ()
+                if hot:  # mllm-NPU: the overflow of the hot channels, on the CPU, merged back
+                    cost = dataclasses.replace(cost, cpu_macs=t * len(hot) * width, syncs=1)
+                out.append(cost)
             elif op.kind == "attention":
                 out.append(_attention_cost(plan, cfg, layer, op, ins, o, phase))
             else:

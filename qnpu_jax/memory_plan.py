@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import EMBED_TABLE, LM_HEAD
+from qnpu_jax.export.graph import EMBED_TABLE, LM_HEAD, layer_widths
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import MATMUL_DTYPES
 from qnpu_jax.quant.plan import QuantPlan
@@ -109,7 +109,8 @@ def abstract_state(plan: QuantPlan, cfg: ModelConfig) -> Any:
             raise QnpuError(f"{path}: the memory plan models per-tensor activation scales only")
         zeros = np.zeros(scale_shape, np.float32)
         group, name = state_key(path)
-        state[group][name] = state_entry(tq, zeros, zeros, layers=layers)
+        width = layer_widths(cfg.dims).get(name)
+        state[group][name] = state_entry(tq, zeros, zeros, layers=layers, width=width)
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), state)
 
 

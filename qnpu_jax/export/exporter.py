@@ -193,6 +193,12 @@ def _check_plan(
             f"these in float: {', '.join(missing)} (use scope 'full')"
         )
     for path, tq in plan.entries:
+        if tq.shadow_channels is not None:
+            raise QnpuError(
+                f"{path}: shadow outlier channels are evaluated in fake quantization only; "
+                "the integer graph, AIMET encodings and ONNX export do not carry the shadow "
+                "path yet"
+            )
         if is_weight(path, graph) and max(tq.layer_bits or (tq.bits,)) > 8:
             raise QnpuError(f"{path}: integer weights are at most 8 bits")
         if integer and tq.block is not None and tq.block_scale_bits is None:

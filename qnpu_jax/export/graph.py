@@ -20,6 +20,9 @@ ROPE_FRACTION_BITS = 14  # Q14 cos/sin
 # at a per-layer scale max|γ|·√hd / HEAD_NORM_MAX, the largest value a normalized head can
 # take: it never clips, and RoPE's products stay as small as for a 16-bit input.
 HEAD_NORM_MAX = (1 << 15) - 1
+# mllm-NPU's shadow outliers: a shadow channel's codes are signed SHADOW_BITS-bit (exact in
+# float32), so the overflow r = q − clamp(q) the shadow path adds back is never clipped in use.
+SHADOW_BITS = 24
 LOGITS_SCALE = 2.0**-16  # int32 logits: real logit = code · 2^-16
 LOGITS_RANGE = (-(2**31), 2**31 - 1)
 # How a fake-quant forward computes the ops between quantizers (`QuantPlan.simulation`):
@@ -308,6 +311,7 @@ LAYER_INPUT = GRAPH.layer_input
 LINEAR_IO = GRAPH.linear_io
 LINEARS = tuple(LINEAR_IO)  # the decoder layer's weights
 LINEAR_OUTPUTS = tuple(out for _, out in LINEAR_IO.values())
+LINEAR_INPUTS = tuple(dict.fromkeys(i for i, _ in LINEAR_IO.values()))
 # R1 rotates the norms' outputs (q/k/v and gate/up inputs), R2 the attention output (o_proj
 # input); the down_proj input, a product of two linear outputs, stays unrotated.
 ROTATED_INPUTS = tuple(op.out_name for op in GRAPH.layer if op.kind in ("rmsnorm", "attention"))

@@ -26,6 +26,7 @@ from qnpu_jax.export.graph import (
     GRAPH,
     KV_TENSORS,
     PROBS,
+    SHADOW_BITS,
     Graph,
     layer_widths,
 )
@@ -87,6 +88,9 @@ class FakeQuantTaps:
             raise QnpuError(f"matmul_dtype must be one of {MATMUL_DTYPES}")
         if self.lsq_grad_scaling and self.cfg is None:
             raise QnpuError("lsq_grad_scaling needs the model config")
+        shadowed = [p for p, tq in self.plan.entries if tq.shadow_channels is not None]
+        if self.mode == "dynamic" and shadowed:
+            raise QnpuError(f"dynamic fake quantization has no shadow channels ({shadowed})")
 
     @property
     def simulation(self) -> str:
@@ -186,9 +190,15 @@ def _elements_per_scale(name: str, tq: TensorQuant, cfg: ModelConfig, x: jax.Arr
 
 
 def state_entry(
-    tq: TensorQuant, scale: np.ndarray, zero_point: np.ndarray, layers: int | None
+    tq: TensorQuant,
+    scale: np.ndarray,
+    zero_point: np.ndarray,
+    layers: int | None,
+    width: int | None = None,
 ) -> Encoding:
-    """One tensor's state; `layers` set for a `layers/` tensor (qmin/qmax become [L])."""
+    """One tensor's state; `layers` set for a `layers/` tensor (qmin/qmax become [L]). With
+    shadow channels, qmin/qmax are per channel [L, width]: the shadow channels' bounds are
+    `SHADOW_BITS` wide (their overflow is added back, not clipped)."""
     bounds: tuple[Any, Any]
     if layers is None:
         qmin, qmax = tq.qrange(tq.bits)
@@ -199,12 +209,35 @@ def state_entry(
             np.array([r[0] for r in ranges], np.float32),
             np.array([r[1] for r in ranges], np.float32),
         )
+        if tq.shadow_channels is not None:
+            bounds = shadow_bounds(tq.shadow_channels, *bounds, width)
     return Encoding(
         scale=jnp.asarray(scale, jnp.float32),
         zero_point=jnp.asarray(zero_point, jnp.float32),
         qmin=jnp.asarray(bounds[0]),
         qmax=jnp.asarray(bounds[1]),
     )
+
+
+def shadow_bounds(
+    channels: tuple[tuple[int, ...], ...], qmin: np.ndarray, qmax: np.ndarray, width: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel bounds [L, width] from per-layer ones [L]: the listed channels get the
+    signed `SHADOW_BITS` range."""
+    if width is None:
+        raise QnpuError("a tensor with shadow channels needs its width for per-channel bounds")
+    if len(channels) != len(qmin):
+        raise QnpuError(f"shadow channels for {len(channels)} layers, bounds for {len(qmin)}")
+    lo = np.repeat(np.asarray(qmin, np.float32)[:, None], width, axis=1)
+    hi = np.repeat(np.asarray(qmax, np.float32)[:, None], width, axis=1)
+    wide_lo, wide_hi = -(1 << (SHADOW_BITS - 1)), (1 << (SHADOW_BITS - 1)) - 1
+    for layer, chans in enumerate(channels):
+        if chans and max(chans) >= width:
+            raise QnpuError(
+                f"shadow channel {max(chans)} (layer {layer}) is past the tensor's width {width}"
+            )
+        lo[layer, list(chans)], hi[layer, list(chans)] = wide_lo, wide_hi
+    return lo, hi
 
 
 # The sink prefix's K/V are the only prefix tensors the device holds: they sit in its cache.

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import ATTENTION_TENSORS, EMBED_TABLE, GRAPH, Graph
+from qnpu_jax.export.graph import ATTENTION_TENSORS, EMBED_TABLE, GRAPH, Graph, layer_widths
 from qnpu_jax.mesh import data_size, host_array, host_tree, local_value, put_batch
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, lm_head_weight
@@ -321,7 +321,8 @@ def build_state(
             raise QnpuError(f"no encoding for {path}")
         layers = cfg.num_layers if is_layer_path(path) else None
         group, name = state_key(path)
-        state[group][name] = state_entry(tq, *enc, layers=layers)
+        width = layer_widths(cfg.dims).get(name)
+        state[group][name] = state_entry(tq, *enc, layers=layers, width=width)
     check_scales(
         {g: {name: entry.scale for name, entry in state[g].items()} for g in state},
         "calibrated scale",

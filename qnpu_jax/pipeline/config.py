@@ -45,7 +45,10 @@ class QuantizeConfig:
     `down_out_mixed_precision: p` (any method; not in the paper) runs eq. (4)'s scan on the
     down_proj outputs of the final model (after stage 1, before stage 2) and moves the most
     sensitive p of them to 16 bits: the layers that write massive activations into the residual
-    stream.
+    stream. `shadow_outliers: P` (any method; mllm-NPU) clips the down_proj input at the P-th
+    percentile of its calibration values in the `shadow_keep` share of layers where outliers
+    matter most and carries the channels that overflow on a shadow path (after stage 2; fake
+    quantization only so far).
     """
 
     model: str = "smollm2-135m"
@@ -67,6 +70,8 @@ class QuantizeConfig:
     # weight_block_scale_bits the block scales in AIMET's LPBQ form (integer · per-channel)
     weight_block: int | None = None
     weight_block_scale_bits: int | None = None
+    shadow_outliers: float | None = None  # clip percentile of down_in's shadow path; None: off
+    shadow_keep: float = 0.15  # share of layers that keep a shadow path (mllm-NPU: 15%)
     prefix: str = "bos"  # sink prefix computed offline (PrefixQuant); "none": the paper
     # what the fake-quant forward computes between quantizers (stage 1, evaluation, GPTQ):
     # "device" the integer contract's softmax and RoPE tables; "fake" plain float32
@@ -102,6 +107,21 @@ class QuantizeConfig:
             or not 0 < self.smooth_mlp < 1
         ):
             raise QnpuError(f"smooth_mlp must be null or in (0, 1), got {self.smooth_mlp!r}")
+        if self.shadow_outliers is not None and (
+            isinstance(self.shadow_outliers, bool)
+            or not isinstance(self.shadow_outliers, int | float)
+            or not 0 < self.shadow_outliers <= 100
+        ):
+            raise QnpuError(
+                f"shadow_outliers must be null or a percentile in (0, 100], got "
+                f"{self.shadow_outliers!r}"
+            )
+        if (
+            isinstance(self.shadow_keep, bool)
+            or not isinstance(self.shadow_keep, int | float)
+            or not 0 < self.shadow_keep <= 1
+        ):
+            raise QnpuError(f"shadow_keep must be in (0, 1], got {self.shadow_keep!r}")
         for name in ("learn_down_in", "selective"):
             if not isinstance(getattr(self, name), bool):
                 raise QnpuError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -179,6 +199,8 @@ class QuantizeConfig:
             "smooth_mlp": self.smooth_mlp,
             "weight_block": self.weight_block,
             "weight_block_scale_bits": self.weight_block_scale_bits,
+            "shadow_outliers": self.shadow_outliers,
+            "shadow_keep": self.shadow_keep if self.shadow_outliers is not None else None,
         }
 
     @classmethod

@@ -36,6 +36,7 @@ from qnpu_jax.pipeline.steps import (
     hadamard_rotations,
     plan,
     promote,
+    shadow_outliers,
     smooth_mlp,
     stage1,
     stage1_plan,
@@ -150,6 +151,8 @@ def _after_stage1(config: QuantizeConfig) -> list[Step]:
     steps.append(calibrate())
     if config.weight_rounding == "gptq":
         steps.append(gptq(config.gptq_damp))
+    if config.shadow_outliers is not None:
+        steps.append(shadow_outliers(UNROTATED_INPUT, config.shadow_outliers, config.shadow_keep))
     return steps
 
 

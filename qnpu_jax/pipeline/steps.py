@@ -23,16 +23,19 @@ from jax.sharding import Mesh
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import (
     KV_TENSORS,
-    LINEAR_IO,
+    LINEAR_INPUTS,
     LINEAR_OUTPUTS,
     SMOOTHED_LINEARS,
     UNROTATED_INPUT,
+    layer_widths,
 )
 from qnpu_jax.mesh import place_params
+from qnpu_jax.models.quantized import state_entry
 from qnpu_jax.pipeline.calibrate import calibrate as calibrate_state
-from qnpu_jax.pipeline.calibrate import channel_absmax
+from qnpu_jax.pipeline.calibrate import channel_absmax, collect_activation_stats
 from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits, tensor_sensitivity
 from qnpu_jax.pipeline.model import QuantizedModel
+from qnpu_jax.pipeline.outliers import choose_shadows, shadow_summary
 from qnpu_jax.pipeline.stage1 import (
     Stage1Config,
     init_train_state,
@@ -41,15 +44,16 @@ from qnpu_jax.pipeline.stage1 import (
     run_stage1,
 )
 from qnpu_jax.pipeline.weight_rounding import gptq_round_weights
+from qnpu_jax.quant.init import scale_from_stats
 from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, QuantRule, default_plan
-from qnpu_jax.quant.state import by_path, from_paths
+from qnpu_jax.quant.state import by_path, from_paths, get_entry, with_entry
 from qnpu_jax.transforms import fuse_norms as fuse_norm_weights
 from qnpu_jax.transforms import randomized_hadamard_rotations, smoothing_scales
 
 # Stage1Config keys newer than the runs' records: {key: default}
 STAGE1_LATER_KEYS = {"compute_dtype": "float32"}
 # the linears' weights and inputs: the tensors stage 1 quantizes (and learns)
-STAGE1_TENSORS = (*WEIGHTS, *dict.fromkeys(i for i, _ in LINEAR_IO.values()))
+STAGE1_TENSORS = (*WEIGHTS, *LINEAR_INPUTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,6 +381,61 @@ def calibrate(paths: Sequence[str] | None = None) -> Step:
     args = {} if chosen is None else {"paths": list(chosen)}
     what = "every tensor of the plan" if chosen is None else ", ".join(chosen)
     return Step("calibrate", args, fn, f"stage 2: static calibration of {what}")
+
+
+def shadow_outliers(tensor: str = UNROTATED_INPUT, clip: float = 99.99, keep: float = 0.15) -> Step:
+    """mllm-NPU's shadow outlier execution on the linear input `tensor` (`pipeline.outliers`):
+    in the ceil(keep·L) most important layers, its scale is re-set to clip |x| at the
+    `clip`-th percentile of the calibration values and the channels that overflow that range
+    become shadow channels (codes not clamped: the device adds their overflow back on a
+    shadow path). The other layers keep their encodings. Run it after calibration (stage 2),
+    which would re-set those scales."""
+    if not 0.0 < clip <= 100.0:
+        raise QnpuError(f"shadow outliers: clip must be a percentile in (0, 100], got {clip}")
+    if not 0.0 < keep <= 1.0:
+        raise QnpuError(f"shadow outliers: keep must be in (0, 1], got {keep}")
+    path = f"layers/{tensor}"
+
+    def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
+        plan, state = m.require_plan(), m.require_state()
+        tq = plan.get(path)
+        if tensor not in LINEAR_INPUTS or tq is None:
+            raise QnpuError(
+                f"shadow outliers: {tensor!r} is not a quantized linear input of the plan "
+                f"({', '.join(LINEAR_INPUTS)})"
+            )
+        if tq.shadow_channels is not None:
+            raise QnpuError(f"shadow outliers: {path} has shadow channels already")
+        params = place_params(ctx.mesh, m.params())
+        n = m.cfg.num_layers
+        single = QuantPlan(((path, dataclasses.replace(tq, init="percentile")),), n)
+        stats = collect_activation_stats(
+            params, m.cfg, single, data.windows, prefix=m.prefix, mesh=ctx.mesh
+        )["layers"][tensor]
+        clipped = [
+            scale_from_stats(
+                jax.tree.map(lambda a, i=i: a[i], stats), "percentile", tq.spec(i), percentile=clip
+            )
+            for i in range(n)
+        ]
+        clip_scale = np.stack([np.asarray(s, np.float32).reshape(()) for s, _ in clipped])
+        clip_zero = np.stack([np.asarray(z, np.float32).reshape(()) for _, z in clipped])
+        absmax = channel_absmax(params, m.cfg, data.windows, (tensor,), prefix=m.prefix)[tensor]
+        choice = choose_shadows(absmax, clip_scale, clip_zero, tq, keep)
+        old = get_entry(state, path)
+        kept = np.isin(np.arange(n), choice.kept_layers)
+        scale = np.where(kept, clip_scale, np.asarray(old.scale, np.float32).reshape(n))
+        zero = np.where(kept, clip_zero, np.asarray(old.zero_point, np.float32).reshape(n))
+        shadowed = dataclasses.replace(tq, shadow_channels=choice.channels)
+        new_plan = plan.with_entries((p, shadowed if p == path else t) for p, t in plan.entries)
+        width = layer_widths(m.cfg.dims)[tensor]
+        entry = state_entry(shadowed, scale, zero, layers=n, width=width)
+        info = {"tensor": tensor, "clip": clip, "keep": keep, **shadow_summary(choice)}
+        return m.replace(plan=new_plan, state=with_entry(state, path, entry)), info
+
+    args = {"tensor": tensor, "clip": clip, "keep": keep}
+    describe = f"shadow outliers of {path} (clip at P{clip:g}, {keep:.0%} of layers)"
+    return Step("shadow_outliers", args, fn, describe)
 
 
 def gptq(damp: float = 0.01) -> Step:

@@ -22,6 +22,7 @@ from qnpu_jax.export.graph import (
     EMBED_TABLE,
     GRAPH,
     LAYER_ACTS,
+    LINEAR_INPUTS,
     LINEARS,
     LM_HEAD,
     PROBS,
@@ -69,6 +70,10 @@ class TensorQuant:
     inputs instead of one per row. `block_scale_bits` makes those block scales AIMET's LPBQ: a
     float scale per row times an integer per block in [1, 2^block_scale_bits]
     (`spec.lpbq_split`), which an integer engine folds into the codes (k·q, int8).
+    `shadow_channels` (a linear's input activation; mllm-NPU's shadow outlier execution): per
+    layer, the channels whose codes are not clamped to the tensor's range but carried at
+    `SHADOW_BITS` (the device clamps them and adds back the overflow r = q − clamp(q) on a
+    shadow path, `docs/pipeline.md`); an empty tuple: none in that layer.
     """
 
     bits: int
@@ -80,10 +85,13 @@ class TensorQuant:
     layer_bits: tuple[int, ...] | None = None
     block: int | None = None
     block_scale_bits: int | None = None
+    shadow_channels: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.layer_bits is not None:  # a list would make the plan unhashable under jit
             object.__setattr__(self, "layer_bits", tuple(self.layer_bits))
+        if self.shadow_channels is not None:
+            object.__setattr__(self, "shadow_channels", _channel_lists(self.shadow_channels))
         check_block_fields(self.block, self.block_scale_bits)
         if self.block is not None and self.axis != 0:
             raise QnpuError("per-block weights need per-channel scales (axis 0)")
@@ -266,6 +274,22 @@ class QuantPlan:
         return self.with_entries(sorted(table.items()))
 
 
+def _channel_lists(value: object) -> tuple[tuple[int, ...], ...]:
+    """Per-layer channel indices as sorted tuples of distinct non-negative integers."""
+    if not isinstance(value, (list, tuple)):
+        raise QnpuError(f"shadow_channels must be one list of channels per layer, got {value!r}")
+    out = []
+    for layer, chans in enumerate(value):
+        if not isinstance(chans, (list, tuple)) or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in chans
+        ):
+            raise QnpuError(f"shadow_channels (layer {layer}): channel indices are integers >= 0")
+        if list(chans) != sorted(set(chans)):
+            raise QnpuError(f"shadow_channels (layer {layer}): indices must be sorted and distinct")
+        out.append(tuple(chans))
+    return tuple(out)
+
+
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 MAX_LPBQ_BITS = 8  # k·q of an LPBQ weight must stay an int8 code
 
@@ -296,6 +320,17 @@ def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
                 f"{path}: LPBQ at {widest} bits with {tq.block_scale_bits}-bit block scales "
                 f"decompresses to {widest + tq.block_scale_bits} bits; at most "
                 f"{MAX_LPBQ_BITS} (int8 codes)"
+            )
+    if tq.shadow_channels is not None:
+        if not is_layer_path(path) or name not in LINEAR_INPUTS:
+            raise QnpuError(
+                f"{path}: shadow channels belong to a linear's input activation "
+                f"({', '.join(LINEAR_INPUTS)})"
+            )
+        if len(tq.shadow_channels) != num_layers:
+            raise QnpuError(
+                f"{path}: shadow_channels has {len(tq.shadow_channels)} entries for "
+                f"{num_layers} layers"
             )
     if tq.layer_bits is not None:
         if not is_layer_path(path):

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import LINEAR_IO, UNROTATED_INPUT
+from qnpu_jax.export.graph import LINEAR_INPUTS, UNROTATED_INPUT
 
 # lm-evaluation-harness headline metric per task, in the paper's Table 1 column order.
 HEADLINE: dict[str, str] = {
@@ -209,7 +209,7 @@ def _granularity(plan: Any) -> str:
         return "/".join(sorted(kinds)) if kinds else "float"
 
     weights = [plan.get(f"layers/{n}") for n in WEIGHTS]
-    inputs = [plan.get(f"layers/{n}") for n in dict.fromkeys(i for i, _ in LINEAR_IO.values())]
+    inputs = [plan.get(f"layers/{n}") for n in LINEAR_INPUTS]
     # Every activation encoding of a plan is static (that is the method); dynamic is a
     # stage-1-only baseline mode, never stored.
     w = axes_text([tq for tq in weights if tq is not None])

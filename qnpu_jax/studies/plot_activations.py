@@ -29,7 +29,7 @@ import numpy as np
 from qnpu_jax.argtypes import positive_int
 from qnpu_jax.environment import study_command
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import LINEAR_IO, UNROTATED_INPUT
+from qnpu_jax.export.graph import LINEAR_INPUTS, LINEAR_IO, UNROTATED_INPUT
 from qnpu_jax.files import write_bytes_atomic
 from qnpu_jax.models.quantized import effective_state
 from qnpu_jax.pipeline.calibrate import capture_activations
@@ -50,9 +50,8 @@ from qnpu_jax.studies.harness import write_study_json
 
 # (the first linear reading it, a distinct linear input activation) in graph order: the
 # figures' four panels (attention input, o_proj input, MLP input, down_proj input)
-LINEAR_INPUTS = tuple(
-    (next(lin for lin, (i, _) in LINEAR_IO.items() if i == name), name)
-    for name in dict.fromkeys(i for i, _ in LINEAR_IO.values())
+PANELS = tuple(
+    (next(lin for lin, (i, _) in LINEAR_IO.items() if i == name), name) for name in LINEAR_INPUTS
 )
 
 
@@ -106,7 +105,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     prefix = run.model.prefix  # the sink prefix the run was made with
     _, calib = calibration_data(config, model.tokenizer)
     windows = calib[: args.windows, : args.seq_len or calib.shape[1]]
-    names = tuple(name for _, name in LINEAR_INPUTS)
+    names = LINEAR_INPUTS
     captured = {
         "float (no rotation)": capture_activations(
             model.params, cfg, windows, names, layer=args.layer, prefix=prefix
@@ -120,7 +119,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     panels: list[ActivationPanel] = []
     summary: dict[str, Any] = {}
     for i, (model_name, acts) in enumerate(captured.items()):
-        for linear, name in LINEAR_INPUTS:
+        for linear, name in PANELS:
             values = acts[name].ravel()
             tq = plan.get(f"layers/{name}")
             ranges: list[ClipRange] = []

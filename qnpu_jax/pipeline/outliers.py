@@ -1,0 +1,101 @@
+"""Answers to activation outliers that keep per-tensor static activations (issue: the seeds'
+outlier mechanisms as steps).
+
+mllm-NPU's shadow outlier execution: a linear's input is quantized per tensor at a clipped
+scale (a percentile of its calibration values); the NPU runs the matmul on the clamped codes,
+and a shadow path adds back the overflow r = q − clamp(q) of the few "hot" channels that had
+any, with those channels' weight rows only, in the layers where outliers matter most
+(importance = the largest |x| over the scale; the top `keep` share of layers). The sum equals
+the matmul of the unclamped codes exactly; in the plan the hot channels' codes are simply
+not clamped (`TensorQuant.shadow_channels`, `SHADOW_BITS` wide).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.quant.plan import TensorQuant
+
+
+@dataclasses.dataclass(frozen=True)
+class ShadowChoice:
+    """Which layers keep a shadow path and which channels it carries, from calibration."""
+
+    kept_layers: tuple[int, ...]
+    channels: tuple[tuple[int, ...], ...]  # per layer; empty where no shadow
+    importance: tuple[float, ...]  # per layer: max |x| / clipped scale (0: not eligible)
+
+
+def choose_shadows(
+    absmax: np.ndarray,
+    clip_scale: np.ndarray,
+    clip_zero_point: np.ndarray,
+    tq: TensorQuant,
+    keep: float,
+) -> ShadowChoice:
+    """The layers and hot channels of a shadow path (pure).
+
+    `absmax` [L, C]: each channel's largest |x| over the calibration; `clip_scale`,
+    `clip_zero_point` [L]: the clipped encoding of each layer. A channel is hot when its
+    largest |x| would leave the code range at that encoding; the ceil(keep·L) layers of
+    largest importance (ties: lower layer first) keep a shadow path, among the layers at
+    8 bits or fewer (a promoted 16-bit layer needs none)."""
+    if not 0.0 < keep <= 1.0:
+        raise QnpuError(f"shadow outliers: keep must be in (0, 1], got {keep}")
+    absmax = np.asarray(absmax, np.float64)
+    n = absmax.shape[0]
+    scale = np.asarray(clip_scale, np.float64).reshape(n)
+    zero = np.asarray(clip_zero_point, np.float64).reshape(n)
+    if not (np.all(np.isfinite(absmax)) and np.all(scale > 0)):
+        raise QnpuError("shadow outliers: channel ranges must be finite and scales positive")
+    eligible = [i for i in range(n) if tq.bits_for_layer(i) <= 8]
+    importance = [float(absmax[i].max() / scale[i]) if i in eligible else 0.0 for i in range(n)]
+    order = sorted(eligible, key=lambda i: (-importance[i], i))
+    kept = tuple(sorted(order[: math.ceil(round(keep * n, 9))]))
+    channels: list[tuple[int, ...]] = []
+    for i in range(n):
+        if i not in kept:
+            channels.append(())
+            continue
+        qmin, qmax = tq.qrange(tq.bits_for_layer(i))
+        room = min(qmax - zero[i], zero[i] - qmin)  # the codes either sign of x may take
+        channels.append(tuple(int(c) for c in np.nonzero(np.rint(absmax[i] / scale[i]) > room)[0]))
+    return ShadowChoice(kept, tuple(channels), tuple(importance))
+
+
+def shadow_summary(choice: ShadowChoice) -> dict[str, Any]:
+    """What a run records of its shadow choice."""
+    return {
+        "kept_layers": list(choice.kept_layers),
+        "channels_per_layer": [len(c) for c in choice.channels],
+        "importance": list(choice.importance),
+    }
+
+
+def shadow_matmul(
+    codes: np.ndarray,
+    weight: np.ndarray,
+    qmin: np.ndarray,
+    qmax: np.ndarray,
+    channels: tuple[int, ...],
+) -> np.ndarray:
+    """Σ_c q_c·w_c as the device computes it with a shadow path, exactly (int64): the NPU's
+    matmul of the clamped codes, plus the overflow r = q − clamp(q) of the shadow `channels`
+    times their weight rows only. `codes` [..., C] centered integer codes, `weight` [C, out],
+    `qmin`/`qmax` [C] the clamp range; an overflow outside `channels` is an error (the
+    device would lose it)."""
+    q = np.asarray(codes, np.int64)
+    clamped = np.clip(q, np.asarray(qmin, np.int64), np.asarray(qmax, np.int64))
+    residual = q - clamped
+    outside = np.ones(q.shape[-1], bool)
+    outside[list(channels)] = False
+    if np.any(residual[..., outside]):
+        raise QnpuError("codes overflow outside the shadow channels")
+    w = np.asarray(weight, np.int64)
+    idx = list(channels)
+    return clamped @ w + residual[..., idx] @ w[idx]

@@ -1,0 +1,189 @@
+"""mllm-NPU's shadow outliers: the channel choice, the plan field, per-channel bounds, the
+identity the device relies on, and the step on the real two-layer model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.graph import SHADOW_BITS
+from qnpu_jax.models import load_model
+from qnpu_jax.models.quantized import FakeQuantTaps, shadow_bounds, state_entry
+from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
+from qnpu_jax.pipeline.outliers import choose_shadows, shadow_matmul
+from qnpu_jax.quant.fake_quant import fake_quant
+from qnpu_jax.quant.plan import QuantPlan, QuantRule, TensorQuant, default_plan
+
+WIDE = (-(2 ** (SHADOW_BITS - 1)), 2 ** (SHADOW_BITS - 1) - 1)
+
+
+def test_choose_shadows_keeps_the_most_important_layers_and_their_overflowing_channels():
+    absmax = np.array(
+        [
+            [1.0, 2.0, 30.0, 1.0],  # importance 30 / 0.1 = 300
+            [1.0, 1.0, 1.0, 1.0],  # 10: no channel overflows
+            [50.0, 1.0, 13.0, 1.0],  # 500, but promoted to 16 bits
+            [1.0, 20.0, 12.8, 20.0],  # 200
+        ]
+    )
+    scale = np.full(4, 0.1)
+    tq = TensorQuant(bits=8, layer_bits=(8, 8, 16, 8))
+    choice = choose_shadows(absmax, scale, np.zeros(4), tq, keep=0.5)
+    assert choice.kept_layers == (0, 3)  # layer 2 is not eligible at 16 bits
+    # 12.8 / 0.1 = 128 codes: past +127, so hot; 13.0 in layer 2 is not looked at
+    assert choice.channels == ((2,), (), (), (1, 2, 3))
+    assert choice.importance[2] == 0.0 and choice.importance[0] == pytest.approx(300)
+    assert choose_shadows(absmax, scale, np.zeros(4), tq, keep=1.0).kept_layers == (0, 1, 3)
+    for keep in (0.0, 1.5):
+        with pytest.raises(QnpuError, match="keep must be in"):
+            choose_shadows(absmax, scale, np.zeros(4), tq, keep=keep)
+
+
+def test_shadow_channels_in_the_plan_round_trip_and_are_checked():
+    plan = default_plan(2, rules=[QuantRule(pattern="layers/down_in", bits=8)])
+    tq = dataclasses.replace(plan.get("layers/down_in"), shadow_channels=[[3, 7], []])
+    assert tq.shadow_channels == ((3, 7), ())
+    shadowed = plan.with_entries((p, tq if p == "layers/down_in" else t) for p, t in plan.entries)
+    again = QuantPlan.from_dict(json.loads(json.dumps(shadowed.to_dict())))
+    assert again == shadowed
+    with pytest.raises(QnpuError, match="sorted and distinct"):
+        TensorQuant(bits=8, shadow_channels=((7, 3),))
+    with pytest.raises(QnpuError, match="integers >= 0"):
+        TensorQuant(bits=8, shadow_channels=((-1,),))
+    for path, match in (("layers/down_out", "linear's input"), ("layers/q_proj", "linear's input")):
+        bad = dataclasses.replace(plan.get(path), shadow_channels=((), ()))
+        with pytest.raises(QnpuError, match=match):
+            plan.with_entries((p, bad if p == path else t) for p, t in plan.entries)
+    short = dataclasses.replace(tq, shadow_channels=((1,),))
+    with pytest.raises(QnpuError, match="1 entries for 2 layers"):
+        plan.with_entries((p, short if p == "layers/down_in" else t) for p, t in plan.entries)
+
+
+def test_shadow_bounds_and_fake_quant_leave_shadow_channels_unclamped():
+    tq = TensorQuant(bits=8, shadow_channels=((1,), ()))
+    entry = state_entry(tq, np.full(2, 0.5), np.zeros(2), layers=2, width=3)
+    assert np.asarray(entry.qmin).shape == (2, 3)
+    np.testing.assert_array_equal(entry.qmax[0], [127, WIDE[1], 127])
+    np.testing.assert_array_equal(entry.qmin[1], [-128, -128, -128])
+    x = jnp.asarray([[400.0, 400.0, -400.0]])  # 800 codes at scale 0.5
+    y = fake_quant(x, 0.5, 0.0, entry.qmin[0], entry.qmax[0])
+    np.testing.assert_array_equal(np.asarray(y), [[63.5, 400.0, -64.0]])
+    with pytest.raises(QnpuError, match="needs its width"):
+        state_entry(tq, np.full(2, 0.5), np.zeros(2), layers=2)
+    with pytest.raises(QnpuError, match="past the tensor's width 1"):
+        shadow_bounds(tq.shadow_channels, np.zeros(2), np.ones(2), 1)
+    plan = default_plan(2).apply([QuantRule(pattern="layers/down_in", bits=8)])
+    shadowed = plan.with_entries(
+        (p, dataclasses.replace(t, shadow_channels=((1,), ())) if p == "layers/down_in" else t)
+        for p, t in plan.entries
+    )
+    with pytest.raises(QnpuError, match="dynamic fake quantization has no shadow"):
+        FakeQuantTaps(shadowed, mode="dynamic")
+
+
+def test_clamped_matmul_plus_shadow_equals_the_unclamped_matmul_bit_for_bit():
+    rng = np.random.default_rng(0)
+    q = rng.integers(-128, 128, size=(5, 16))
+    q[:, 3] = rng.integers(-5000, 5000, size=5)  # a hot channel far past int8
+    q[2, 9] = 300  # and one more
+    w = rng.integers(-8, 8, size=(16, 6))
+    lo, hi = np.full(16, -128), np.full(16, 127)
+    got = shadow_matmul(q, w, lo, hi, (3, 9))
+    np.testing.assert_array_equal(got, q @ w)
+    with pytest.raises(QnpuError, match="outside the shadow channels"):
+        shadow_matmul(q, w, lo, hi, (3,))  # channel 9 overflows and has no shadow
+
+
+def test_shadow_outliers_step_on_the_two_layer_model(two_layer_dir):
+    fp = load_model(str(two_layer_dir))
+    windows = (np.arange(4 * 48).reshape(4, 48) * 37 + 11) % fp.config.vocab_size
+    data = Calibration(np.arange(300), windows)
+    base = chain(
+        steps.fuse_norms(),
+        steps.plan(w_bits=8, a_bits=8, down_in_bits=8),
+        steps.calibrate(),
+    )(QuantizedModel.from_float(fp, prefix="bos"), data)
+    model = steps.shadow_outliers("down_in", clip=99.0, keep=0.5)(base, data)
+    info = model.steps[-1].info
+    assert len(info["kept_layers"]) == 1  # ceil(0.5 · 2)
+    (kept,) = info["kept_layers"]
+    tq = model.plan.get("layers/down_in")
+    assert tq.shadow_channels is not None and len(tq.shadow_channels[kept]) >= 1
+    assert tq.shadow_channels[1 - kept] == ()
+    entry = model.state["layers"]["down_in"]
+    old = base.state["layers"]["down_in"]
+    assert np.asarray(entry.qmax).shape == (2, fp.config.intermediate_size)
+    assert float(entry.scale[1 - kept]) == float(old.scale[1 - kept])  # not kept: as it was
+    assert float(entry.scale[kept]) < float(old.scale[kept])  # clipped at P99
+    for c in tq.shadow_channels[kept]:
+        assert float(entry.qmax[kept, c]) == WIDE[1]
+    # the clipped scale with shadows beats the clipped scale alone, and runs end to end
+    clipped_only = model.replace(
+        state={
+            **model.state,
+            "layers": {**model.state["layers"], "down_in": state_entry(
+                base.plan.get("layers/down_in"), np.asarray(entry.scale),
+                np.asarray(entry.zero_point), layers=2,
+            )},
+        },
+        plan=base.plan,
+    )  # fmt: skip
+    with_shadow = model.perplexity(windows)["ppl"]
+    assert with_shadow < clipped_only.perplexity(windows)["ppl"]
+    from qnpu_jax.export.exporter import export_model, run_encodings
+
+    with pytest.raises(QnpuError, match="shadow outlier channels"):
+        export_model(model.params(), model.cfg, model.plan, model.state, prefix=model.prefix)
+    with pytest.raises(QnpuError, match="shadow outlier channels"):  # AIMET and ONNX read these
+        run_encodings(model.plan, model.state, model.cfg)
+    with pytest.raises(QnpuError, match="has shadow channels already"):
+        steps.shadow_outliers("down_in")(model, data)
+    with pytest.raises(QnpuError, match="not a quantized linear input"):
+        steps.shadow_outliers("down_out")(base, data)
+    with pytest.raises(QnpuError, match="clip must be a percentile"):
+        steps.shadow_outliers(clip=0.0)
+
+
+def test_config_and_recipe_carry_the_shadow_step():
+    from qnpu_jax.pipeline.config import QuantizeConfig
+    from qnpu_jax.pipeline.recipes import describe, for_config
+
+    config = QuantizeConfig.from_dict(
+        {"method": "rtn", "shadow_outliers": 99.9, "shadow_keep": 0.3}
+    )
+    last = describe(for_config(config))[-1]
+    assert last == {
+        "name": "shadow_outliers",
+        "args": {"tensor": "down_in", "clip": 99.9, "keep": 0.3},
+    }
+    assert config.summary()["shadow_outliers"] == 99.9
+    assert "shadow_outliers" not in [s["name"] for s in describe(for_config(QuantizeConfig()))]
+    for bad, match in (
+        ({"shadow_outliers": 0}, "percentile in"),
+        ({"shadow_outliers": True}, "percentile in"),
+        ({"shadow_keep": 1.5}, "shadow_keep must be in"),
+    ):
+        with pytest.raises(QnpuError, match=match):
+            QuantizeConfig.from_dict(bad)
+
+
+def test_cost_model_counts_the_shadow_path():
+    from qnpu_jax import cost
+    from qnpu_jax.memory_plan import model_architecture
+
+    cfg = model_architecture("smollm2-135m")
+    plan = default_plan(cfg.num_layers, w_bits=4)
+    chans = tuple((1, 5, 9) if i == 4 else () for i in range(cfg.num_layers))
+    shadowed = plan.with_entries(
+        (p, dataclasses.replace(t, shadow_channels=chans) if p == "layers/down_in" else t)
+        for p, t in plan.entries
+    )
+    phase = cost.prefill(32)
+    a, b = (cost.totals(cost.plan_costs(p, cfg, phase)) for p in (plan, shadowed))
+    assert b["cpu_macs"] == 32 * 3 * cfg.hidden_size and b["syncs"] == 1
+    assert a["cpu_macs"] == a["syncs"] == 0 and a["npu_macs"] == b["npu_macs"]
