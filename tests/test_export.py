@@ -90,8 +90,12 @@ def test_graph_refusals_name_the_problem(int_artifacts, tmp_path):
         "op list differs": lambda m: m["graph"]["ops"]["layer"].pop(),
         "graph format": lambda m: m["graph"].update(format="other/9"),
         # an artifact of the previous graph format (other activation column order)
-        r"'qnpu-llama-int/1' is not supported \(this version runs qnpu-llama-int/2\); export "
-        "the run again": lambda m: m["graph"].update(format="qnpu-llama-int/1"),
+        r"'qnpu-llama-int/1' is not supported \(this version runs qnpu-llama-int/2 and "
+        r"qnpu-llama-int/3\); export the run again": lambda m: m["graph"].update(
+            format="qnpu-llama-int/1"
+        ),
+        # /3 is the format with shadow channels: a /3 artifact without them is refused
+        "the one with shadow channels": lambda m: m["graph"].update(format="qnpu-llama-int/3"),
         "has shape": lambda m: m["model"].update(hidden_size=512),
         "tensors missing": lambda m: m["tensors"].pop("layers.pv.M"),
         r"logits_scale is 3\.05.*fixes it at 1\.52": lambda m: m["graph"].update(

@@ -55,7 +55,8 @@ def test_shadow_channels_in_the_plan_round_trip_and_are_checked():
         TensorQuant(bits=8, shadow_channels=((7, 3),))
     with pytest.raises(QnpuError, match="integers >= 0"):
         TensorQuant(bits=8, shadow_channels=((-1,),))
-    for path, match in (("layers/down_out", "linear's input"), ("layers/q_proj", "linear's input")):
+    bad_paths = ("layers/down_out", "layers/q_proj", "layers/attn_out")
+    for path, match in ((p, "linear's input written channel by channel") for p in bad_paths):
         bad = dataclasses.replace(plan.get(path), shadow_channels=((), ()))
         with pytest.raises(QnpuError, match=match):
             plan.with_entries((p, bad if p == path else t) for p, t in plan.entries)
@@ -99,7 +100,10 @@ def test_clamped_matmul_plus_shadow_equals_the_unclamped_matmul_bit_for_bit():
         shadow_matmul(q, w, lo, hi, (3,))  # channel 9 overflows and has no shadow
 
 
-def test_shadow_outliers_step_on_the_two_layer_model(two_layer_dir):
+@pytest.fixture(scope="module")
+def shadowed(two_layer_dir):
+    """The real two-layer model at W8A8 (down_proj input 8-bit), calibrated, then shadow
+    outliers in one of its two layers at a P99 clip: (float model, base, shadowed, windows)."""
     fp = load_model(str(two_layer_dir))
     windows = (np.arange(4 * 48).reshape(4, 48) * 37 + 11) % fp.config.vocab_size
     data = Calibration(np.arange(300), windows)
@@ -109,6 +113,11 @@ def test_shadow_outliers_step_on_the_two_layer_model(two_layer_dir):
         steps.calibrate(),
     )(QuantizedModel.from_float(fp, prefix="bos"), data)
     model = steps.shadow_outliers("down_in", clip=99.0, keep=0.5)(base, data)
+    return fp, base, model, windows, data
+
+
+def test_shadow_outliers_step_on_the_two_layer_model(shadowed):
+    fp, base, model, windows, data = shadowed
     info = model.steps[-1].info
     assert len(info["kept_layers"]) == 1  # ceil(0.5 · 2)
     (kept,) = info["kept_layers"]
@@ -122,7 +131,7 @@ def test_shadow_outliers_step_on_the_two_layer_model(two_layer_dir):
     assert float(entry.scale[kept]) < float(old.scale[kept])  # clipped at P99
     for c in tq.shadow_channels[kept]:
         assert float(entry.qmax[kept, c]) == WIDE[1]
-    # the clipped scale with shadows beats the clipped scale alone, and runs end to end
+    # the clipped scale with shadows beats the clipped scale alone
     clipped_only = model.replace(
         state={
             **model.state,
@@ -135,11 +144,9 @@ def test_shadow_outliers_step_on_the_two_layer_model(two_layer_dir):
     )  # fmt: skip
     with_shadow = model.perplexity(windows)["ppl"]
     assert with_shadow < clipped_only.perplexity(windows)["ppl"]
-    from qnpu_jax.export.exporter import export_model, run_encodings
+    from qnpu_jax.export.exporter import run_encodings
 
-    with pytest.raises(QnpuError, match="shadow outlier channels"):
-        export_model(model.params(), model.cfg, model.plan, model.state, prefix=model.prefix)
-    with pytest.raises(QnpuError, match="shadow outlier channels"):  # AIMET and ONNX read these
+    with pytest.raises(QnpuError, match="no AIMET encoding or ONNX form"):  # AIMET, ONNX
         run_encodings(model.plan, model.state, model.cfg)
     with pytest.raises(QnpuError, match="has shadow channels already"):
         steps.shadow_outliers("down_in")(model, data)
@@ -147,6 +154,51 @@ def test_shadow_outliers_step_on_the_two_layer_model(two_layer_dir):
         steps.shadow_outliers("down_out")(base, data)
     with pytest.raises(QnpuError, match="clip must be a percentile"):
         steps.shadow_outliers(clip=0.0)
+
+
+def test_shadow_artifact_runs_bit_exact_on_both_engines(shadowed, tmp_path):
+    """The artifact lists the hot channels; the emulator runs the device's split (clamped
+    matmul + overflow on the shadow path), the JAX forward the unclamped matmul: same codes,
+    and the integer model scores as its fake-quant model does."""
+    from qnpu_jax.export.artifact import read_artifact
+    from qnpu_jax.export.exporter import export_quantized
+    from qnpu_jax.export.int_model import load_int_model, open_engine, validate_graph
+
+    fp, _, model, windows, _ = shadowed
+    out = export_quantized(model, tmp_path / "art", fp.tokenizer)
+    manifest = json.loads((out / "manifest.json").read_text())
+    (kept,) = model.steps[-1].info["kept_layers"]
+    hot = model.plan.get("layers/down_in").shadow_channels[kept]
+    assert manifest["graph"]["shadow"] == {"down_in": len(hot)}
+    assert manifest["graph"]["format"] == "qnpu-llama-int/3"  # a /2 reader would clamp them
+    int_model = load_int_model(out)
+    np.testing.assert_array_equal(int_model.shadow_channels("down_in", kept), hot)
+    assert len(int_model.shadow_channels("down_in", 1 - kept)) == 0
+    from qnpu_jax.emulator.engine import run_chunk
+
+    ids = np.asarray(windows[:1, :40])
+    emulator, jax_engine = open_engine("emulator", int_model), open_engine("jax", int_model)
+    trace: dict = {}
+    run_chunk(int_model, ids, emulator.new_cache(1), trace)
+    codes = trace["down_in"][kept]
+    assert np.abs(codes[..., list(hot)]).max() > 127  # the shadow path carries real overflow
+    le, ce = emulator.prefill(ids)
+    lj, cj = jax_engine.prefill(ids)
+    np.testing.assert_array_equal(np.asarray(le), np.asarray(lj))
+    np.testing.assert_array_equal(np.asarray(ce.k), np.asarray(cj.k))
+    nll_int = float(np.mean(emulator.token_nll(ids)))
+    fake = np.log(model.perplexity(ids)["ppl"])
+    assert abs(nll_int / fake - 1) < 0.02
+    # tampered channel lists are refused on load
+    art = read_artifact(out)
+    key = "layers.shadow.down_in.channels"
+    for bad in (np.flip(art.tensors[key], axis=1), art.tensors[key] + 10**6):
+        tensors = {**art.tensors, key: np.ascontiguousarray(bad)}
+        with pytest.raises(QnpuError, match="must list sorted distinct channels"):
+            validate_graph(art.manifest, tensors, "art")
+    old_format = {**art.manifest, "graph": {**art.manifest["graph"], "format": "qnpu-llama-int/2"}}
+    with pytest.raises(QnpuError, match="the one with shadow channels"):
+        validate_graph(old_format, dict(art.tensors), "art")
 
 
 def test_config_and_recipe_carry_the_shadow_step():
@@ -187,3 +239,34 @@ def test_cost_model_counts_the_shadow_path():
     a, b = (cost.totals(cost.plan_costs(p, cfg, phase)) for p in (plan, shadowed))
     assert b["cpu_macs"] == 32 * 3 * cfg.hidden_size and b["syncs"] == 1
     assert a["cpu_macs"] == a["syncs"] == 0 and a["npu_macs"] == b["npu_macs"]
+
+
+def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_path):
+    from qnpu_jax.studies import outliers
+
+    text = tmp_path / "wt2.raw"
+    text.write_text(
+        " = Heading = \n" + "The river flows past the old mill and on to the sea . " * 60
+    )
+    report = tmp_path / "outliers.json"
+    argv = [
+        "--model", str(two_layer_dir), "--steps", "1", "--stage1-batch-size", "1",
+        "--seq-len", "32", "--calib-windows", "2", "--eval-windows", "1",
+        "--wikitext", str(text), "--runs-dir", str(tmp_path / "runs"), "--json", str(report),
+        "--shadow-keep", "1.0", "--no-progress",
+    ]  # fmt: skip
+    assert outliers.main(argv) == 0
+    doc = json.loads(report.read_text())
+    base, shadow = doc["rows"]
+    assert base["status"] == "ran" and shadow["status"] == "ran"
+    # keep 1.0 of 2 layers, but ceil(0.1 · 2) = 1 is promoted to 16 bits: the other one
+    assert len(shadow["info"]["kept_layers"]) == 1
+    assert set(shadow["ppl"]) == {"wiki", "wikitext2"}
+    pre = shadow["cost"]["prefill"]
+    assert set(pre["latency_s"]) == {"mobilequant-table6", "quantnpu-table3"}
+    assert pre["syncs"] == sum(1 for n in shadow["info"]["channels_per_layer"] if n)
+    assert base["cost"]["prefill"]["cpu_macs"] == 0
+    assert report.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert "shadow outliers" in report.with_suffix(".md").read_text()
+    assert outliers.main(argv) == 0  # everything read back, nothing run again
+    assert [r["status"] for r in json.loads(report.read_text())["rows"]] == ["reused", "reused"]

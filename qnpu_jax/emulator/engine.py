@@ -153,6 +153,16 @@ def _act(model: IntModel, layer: int, name: str) -> tuple[int, int, int]:
     )
 
 
+def _bounds(model: IntModel, layer: int, name: str) -> tuple[int, Any, Any]:
+    """`_act`, with per-channel bounds [C] where `name` has shadow channels in `layer` (their
+    codes are not clamped to the tensor's range)."""
+    z, lo, hi = _act(model, layer, name)
+    bounds = model.shadow_bounds(name)
+    if bounds is None or not len(model.shadow_channels(name, layer)):
+        return z, lo, hi
+    return z, bounds[0][layer], bounds[1][layer]
+
+
 def _global_act(model: IntModel, name: str) -> tuple[int, int, int]:
     j = model.graph["global_activations"].index(name)
     return tuple(  # type: ignore[return-value]
@@ -174,10 +184,22 @@ def _linear(
     c: dict[str, np.ndarray],
     out: tuple[int, int, int],
     weight: tuple[np.ndarray, float],
+    shadow: tuple[np.ndarray, int, int] | None = None,
 ) -> np.ndarray:
+    """`shadow` (channels, qmin, qmax): the input carries shadow channels. Then the NPU's
+    matmul reads the codes clamped to [qmin, qmax], and the shadow path adds the overflow
+    q − clamp(q) of those channels times their weight columns only (mllm-NPU)."""
     codes, z = x
     w64, w_max = weight
-    acc = exact_matmul(codes.astype(I64) - z, w64, "...i,oi->...o", b_absmax=w_max)
+    if shadow is not None:
+        channels, lo, hi = shadow
+        q = codes.astype(I64)
+        clamped = np.clip(q, lo, hi)
+        acc = exact_matmul(clamped - z, w64, "...i,oi->...o", b_absmax=w_max)
+        overflow = (q - clamped)[..., channels]
+        acc = acc + exact_matmul(overflow, w64[:, channels], "...i,oi->...o", b_absmax=w_max)
+    else:
+        acc = exact_matmul(codes.astype(I64) - z, w64, "...i,oi->...o", b_absmax=w_max)
     if "bias" in c:
         acc = acc + c["bias"].astype(I64)
     return requantize(acc, c["M"], c["shift"], *out)
@@ -260,14 +282,18 @@ def _run_layer(
     f, k = model.graph["norm_fraction_bits"], model.graph["norm_unit_bits"]
     cos, sin = model.t("rope.cos")[positions], model.t("rope.sin")[positions]
     for op in model.graph["ops"]["layer"]:
-        out = _act(model, layer, op["out"])
+        out = _bounds(model, layer, op["out"])
         ins = [env[n] for n in op["in"]]
         kind = op["op"]
         c = _layer_slice(model, op["const"], layer) if kind != "attention" else {}
         if kind == "rmsnorm":
             y = rmsnorm(ins[0][0].astype(I64) - ins[0][1], c, out, f, k)
         elif kind == "linear":
-            y = _linear(ins[0], c, out, model.weight_operand(op["const"], layer))
+            hot = model.shadow_channels(op["in"][0], layer)
+            _, lo, hi = _act(model, layer, op["in"][0]) if len(hot) else (0, 0, 0)
+            shadow = (hot, lo, hi) if len(hot) else None
+            weight = model.weight_operand(op["const"], layer)
+            y = _linear(ins[0], c, out, weight, shadow)
         elif kind == "rope":
             hd = model.model["head_dim"]
             y = _rope(ins[0], c, out, cos.astype(I64), sin.astype(I64), hd, (f, k))

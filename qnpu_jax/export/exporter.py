@@ -23,6 +23,7 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.artifact import write_artifact
 from qnpu_jax.export.graph import (
     FORMAT_GRAPH,
+    FORMAT_GRAPH_SHADOW,
     GRAPH,
     HEAD_NORM_MAX,
     LOGITS_SCALE,
@@ -193,11 +194,10 @@ def _check_plan(
             f"these in float: {', '.join(missing)} (use scope 'full')"
         )
     for path, tq in plan.entries:
-        if tq.shadow_channels is not None:
+        if not integer and tq.shadow_channels is not None:
             raise QnpuError(
-                f"{path}: shadow outlier channels are evaluated in fake quantization only; "
-                "the integer graph, AIMET encodings and ONNX export do not carry the shadow "
-                "path yet"
+                f"{path}: shadow outlier channels have no AIMET encoding or ONNX form yet "
+                "(the integer artifact carries them)"
             )
         if is_weight(path, graph) and max(tq.layer_bits or (tq.bits,)) > 8:
             raise QnpuError(f"{path}: integer weights are at most 8 bits")
@@ -432,6 +432,19 @@ def export_model(
         )
         tensors[f"act.{field}"] = np.array([getattr(e, field) for e in outer.values()], np.int32)
 
+    # Shadow channels (mllm-NPU): per layer, the channels whose codes are not clamped, −1 padded.
+    shadow: dict[str, int] = {}
+    for act in layer_acts:
+        shadowed = plan.get(f"layers/{act}")
+        if shadowed is None or shadowed.shadow_channels is None:
+            continue
+        most = max(1, *(len(hot) for hot in shadowed.shadow_channels))
+        lists = np.full((n, most), -1, np.int32)
+        for i, hot in enumerate(shadowed.shadow_channels):
+            lists[i, : len(hot)] = hot
+        tensors[f"layers.shadow.{act}.channels"] = lists
+        shadow[act] = most
+
     # Embedding: per-row int8 codes, requantized row by row into embed_out.
     table = embed_op.weight_name
     tq = plan.get(table)
@@ -581,7 +594,7 @@ def export_model(
     manifest = {
         "model": dataclasses.asdict(cfg),
         "graph": {
-            "format": FORMAT_GRAPH,
+            "format": FORMAT_GRAPH_SHADOW if shadow else FORMAT_GRAPH,
             "ops": graph.ops_json(),
             "layer_activations": layer_acts,
             "global_activations": list(outer),
@@ -592,6 +605,7 @@ def export_model(
             "norm_unit_bits": NORM_UNIT_BITS,
             "rope_fraction_bits": ROPE_FRACTION_BITS,
             "logits_scale": LOGITS_SCALE,
+            **({"shadow": shadow} if shadow else {}),
         },
         "encodings": encodings_table(plan, state, cfg, acts, outer, graph),
         "tokenizer": dict(tokenizer_info or {}),

@@ -13,6 +13,9 @@ import numpy as np
 
 # /2: the activation columns follow the op order (/1 had silu_out before up_out)
 FORMAT_GRAPH = "qnpu-llama-int/2"
+# /3: /2 plus shadow channels (`graph.shadow`); written only when a plan has them, so a /2
+# reader refuses what it would run wrong, and this one reads both
+FORMAT_GRAPH_SHADOW = "qnpu-llama-int/3"
 NORM_FRACTION_BITS = 8  # F: the RMSNorm root carries F fractional bits
 NORM_UNIT_BITS = 16  # K: the normalized value carries K fractional bits before requantizing
 ROPE_FRACTION_BITS = 14  # Q14 cos/sin
@@ -312,6 +315,13 @@ LINEAR_IO = GRAPH.linear_io
 LINEARS = tuple(LINEAR_IO)  # the decoder layer's weights
 LINEAR_OUTPUTS = tuple(out for _, out in LINEAR_IO.values())
 LINEAR_INPUTS = tuple(dict.fromkeys(i for i, _ in LINEAR_IO.values()))
+# The linear inputs that may carry shadow channels: those a requantizing op writes channel by
+# channel (norm outputs, the down_proj input), not attention's head-major output.
+SHADOW_TENSORS = tuple(
+    op.out_name
+    for op in GRAPH.layer
+    if op.kind in ("rmsnorm", "mul") and op.out_name in LINEAR_INPUTS
+)
 # R1 rotates the norms' outputs (q/k/v and gate/up inputs), R2 the attention output (o_proj
 # input); the down_proj input, a product of two linear outputs, stays unrotated.
 ROTATED_INPUTS = tuple(op.out_name for op in GRAPH.layer if op.kind in ("rmsnorm", "attention"))
@@ -364,6 +374,17 @@ def layer_widths(dims: dict[str, int], graph: Graph = GRAPH) -> dict[str, int]:
     return out | {graph.layer_input: dims["hidden"]}
 
 
+def model_widths(model: dict[str, Any]) -> dict[str, int]:
+    """`layer_widths`'s dims from an artifact's model config (a manifest's "model")."""
+    hd = model["head_dim"]
+    return {
+        "hidden": model["hidden_size"],
+        "q": model["num_heads"] * hd,
+        "kv": model["num_kv_heads"] * hd,
+        "ffn": model["intermediate_size"],
+    }
+
+
 _I8_16_32 = ("int8", "int16", "int32")
 
 
@@ -375,10 +396,9 @@ def expected_tensors(model: dict[str, Any], graph: dict[str, Any]) -> dict[str, 
     graph says they exist.
     """
     n, d = model["num_layers"], model["hidden_size"]
-    hd, hq, hkv = model["head_dim"], model["num_heads"], model["num_kv_heads"]
+    hd, hkv = model["head_dim"], model["num_kv_heads"]
     v = model["vocab_size"]
-    widths = {"hidden": d, "q": hq * hd, "kv": hkv * hd, "ffn": model["intermediate_size"]}
-    width = layer_widths(widths)
+    width = layer_widths(model_widths(model))
     i32 = ("int32",)
     out: dict[str, Any] = {}
     for field in ("zero_point", "qmin", "qmax"):
@@ -432,6 +452,8 @@ def expected_tensors(model: dict[str, Any], graph: dict[str, Any]) -> dict[str, 
             out[f"{op.const}.weight"] = ((v, d), ("int8",))
             out[f"{op.const}.M"] = ((v,), i32)
             out[f"{op.const}.shift"] = ((v,), i32)
+    for name, k in (graph.get("shadow") or {}).items():  # hot channels per layer, −1 padded
+        out[f"layers.shadow.{name}.channels"] = ((n, k), i32)
     out["rope.cos"] = ((graph["max_context"], hd), ("int16",))
     out["rope.sin"] = ((graph["max_context"], hd), ("int16",))
     return out

@@ -19,6 +19,7 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.artifact import Artifact, read_artifact
 from qnpu_jax.export.graph import (
     FORMAT_GRAPH,
+    FORMAT_GRAPH_SHADOW,
     GLOBAL_ACTS,
     GRAPH,
     LAYER_ACTS,
@@ -27,10 +28,14 @@ from qnpu_jax.export.graph import (
     NORM_UNIT_BITS,
     OPS,
     ROPE_FRACTION_BITS,
+    SHADOW_BITS,
+    SHADOW_TENSORS,
     check_generation_room,
     check_room,
     expected_tensors,
     graph_ops,
+    layer_widths,
+    model_widths,
     nll_from_logit_codes,
 )
 
@@ -49,6 +54,9 @@ class IntModel:
     _operands: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(
         default_factory=dict, repr=False, compare=False
     )
+    _shadow: dict[str, tuple[np.ndarray, np.ndarray] | None] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @property
     def num_layers(self) -> int:
@@ -56,6 +64,17 @@ class IntModel:
 
     def t(self, name: str) -> np.ndarray:
         return self.tensors[name]
+
+    def shadow_channels(self, name: str, layer: int) -> np.ndarray:
+        """The shadow channels of activation `name` in `layer` (empty: none)."""
+        lists = self.tensors.get(f"layers.shadow.{name}.channels")
+        return np.zeros(0, np.int64) if lists is None else lists[layer][lists[layer] >= 0]
+
+    def shadow_bounds(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """`shadow_bounds(self, name)`, computed once per model."""
+        if name not in self._shadow:
+            self._shadow[name] = shadow_bounds(self, name)
+        return self._shadow[name]
 
     def weight_operand(self, prefix: str, layer: int | None) -> tuple[np.ndarray, float]:
         """`prefix.weight` (of one layer) as float32 integers (exact: |w| < 2^24) and its
@@ -78,10 +97,16 @@ def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], whe
     model = manifest.get("model")
     if not isinstance(graph, dict) or not isinstance(model, dict):
         raise QnpuError(f"{where}: manifest lacks the 'graph' or 'model' section")
-    if graph.get("format") != FORMAT_GRAPH:
+    if graph.get("format") not in (FORMAT_GRAPH, FORMAT_GRAPH_SHADOW):
         raise QnpuError(
             f"{where}: graph format {graph.get('format')!r} is not supported (this version "
-            f"runs {FORMAT_GRAPH}); export the run again with this version"
+            f"runs {FORMAT_GRAPH} and {FORMAT_GRAPH_SHADOW}); export the run again with this "
+            "version"
+        )
+    if (graph.get("format") == FORMAT_GRAPH_SHADOW) != bool(graph.get("shadow")):
+        raise QnpuError(
+            f"{where}: graph format {FORMAT_GRAPH_SHADOW} is the one with shadow channels "
+            "(graph.shadow), and only it"
         )
     ops = graph.get("ops")
     if not isinstance(ops, dict):
@@ -114,6 +139,7 @@ def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], whe
             raise QnpuError(f"{where}: tensor {name} has shape {a.shape}, expected {shape}")
         if a.dtype.name not in dtypes:
             raise QnpuError(f"{where}: tensor {name} has dtype {a.dtype}, expected {dtypes}")
+    _check_shadow(model, graph, tensors, where)
     for op in GRAPH.ops("lut"):
         j = LAYER_ACTS.index(op.ins[0])
         span = tensors["layers.act.qmax"][:, j] - tensors["layers.act.qmin"][:, j] + 1
@@ -121,6 +147,49 @@ def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], whe
             raise QnpuError(
                 f"{where}: {op.const}.lut's length does not match the {op.ins[0]} range"
             )
+
+
+def _check_shadow(
+    model: dict[str, Any], graph: dict[str, Any], tensors: dict[str, np.ndarray], where: str
+) -> None:
+    """The shadow channel lists: known tensors, per layer sorted distinct channels of the
+    tensor's width, −1 padding after them."""
+    shadow = graph.get("shadow") or {}
+    if not isinstance(shadow, dict):
+        raise QnpuError(f"{where}: graph shadow must map tensors to channel counts")
+    widths = layer_widths(model_widths(model))
+    for name in shadow:
+        if name not in SHADOW_TENSORS:
+            raise QnpuError(f"{where}: {name!r} cannot carry shadow channels ({SHADOW_TENSORS})")
+        width = widths[name]
+        for layer, row in enumerate(tensors[f"layers.shadow.{name}.channels"]):
+            used = row[row >= 0]
+            if (
+                (row[len(used) :] != -1).any()
+                or (np.diff(used) <= 0).any()
+                or (used >= width).any()
+            ):
+                raise QnpuError(
+                    f"{where}: layers.shadow.{name}.channels (layer {layer}) must list sorted "
+                    f"distinct channels below {width}, then -1"
+                )
+
+
+def shadow_bounds(model: IntModel, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per-channel code bounds [L, C] of activation `name` when it has shadow channels (theirs
+    `SHADOW_BITS` wide, the others the tensor's range), else None."""
+    key = f"layers.shadow.{name}.channels"
+    if key not in model.tensors:
+        return None
+    j = LAYER_ACTS.index(name)
+    chans = model.tensors[key]
+    width = layer_widths(model_widths(model.model))[name]
+    lo = np.repeat(model.tensors["layers.act.qmin"][:, j : j + 1].astype(np.int64), width, 1)
+    hi = np.repeat(model.tensors["layers.act.qmax"][:, j : j + 1].astype(np.int64), width, 1)
+    for layer, row in enumerate(chans):
+        used = row[row >= 0]
+        lo[layer, used], hi[layer, used] = -(1 << (SHADOW_BITS - 1)), (1 << (SHADOW_BITS - 1)) - 1
+    return lo, hi
 
 
 # The fixed-point constants of graph FORMAT_GRAPH: part of the contract, not of an export.

@@ -197,6 +197,9 @@ def _centered_max(model: IntModel, spec: IntSpec, name: str, layer: int | None) 
         z, lo, hi = (
             int(model.tensors[prefix + f][layer, j]) for f in ("zero_point", "qmin", "qmax")
         )
+        bounds = model.shadow_bounds(name)
+        if bounds is not None:  # shadow channels: their codes span SHADOW_BITS
+            lo, hi = int(bounds[0][layer].min()), int(bounds[1][layer].max())
     return max(hi - z, z - lo, 0)
 
 
@@ -279,6 +282,11 @@ def int_consts(model: IntModel, matmul: str = "f32") -> IntConsts:
                 layers[name.removeprefix("layers.")] = arr
             else:
                 glob[name] = arr
+        for name in spec.layer_acts:  # per-channel code bounds of shadow tensors [L, C]
+            bounds = model.shadow_bounds(name)
+            if bounds is not None:
+                layers[f"shadow.{name}.qmin"] = jnp.asarray(bounds[0], jnp.int32)
+                layers[f"shadow.{name}.qmax"] = jnp.asarray(bounds[1], jnp.int32)
         for key, _ in spec.bounds:
             plans, index = spec.plans(key, _contraction(model, spec, key))
             if len(plans) > 1:
@@ -510,6 +518,8 @@ def _layer(
 
     def act(name: str) -> Act:
         j = spec.layer_acts.index(name)
+        if f"shadow.{name}.qmin" in lc:  # per channel: shadow channels are not clamped
+            return zp[j], lc[f"shadow.{name}.qmin"], lc[f"shadow.{name}.qmax"]
         return zp[j], qmin[j], qmax[j]
 
     env: dict[str, Value] = {LAYER_INPUT: x}

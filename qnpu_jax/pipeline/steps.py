@@ -25,6 +25,7 @@ from qnpu_jax.export.graph import (
     KV_TENSORS,
     LINEAR_INPUTS,
     LINEAR_OUTPUTS,
+    SHADOW_TENSORS,
     SMOOTHED_LINEARS,
     UNROTATED_INPUT,
     layer_widths,
@@ -399,10 +400,10 @@ def shadow_outliers(tensor: str = UNROTATED_INPUT, clip: float = 99.99, keep: fl
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
         plan, state = m.require_plan(), m.require_state()
         tq = plan.get(path)
-        if tensor not in LINEAR_INPUTS or tq is None:
+        if tensor not in SHADOW_TENSORS or tq is None:
             raise QnpuError(
                 f"shadow outliers: {tensor!r} is not a quantized linear input of the plan "
-                f"({', '.join(LINEAR_INPUTS)})"
+                f"written channel by channel ({', '.join(SHADOW_TENSORS)})"
             )
         if tq.shadow_channels is not None:
             raise QnpuError(f"shadow outliers: {path} has shadow channels already")

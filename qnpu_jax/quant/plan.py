@@ -22,10 +22,10 @@ from qnpu_jax.export.graph import (
     EMBED_TABLE,
     GRAPH,
     LAYER_ACTS,
-    LINEAR_INPUTS,
     LINEARS,
     LM_HEAD,
     PROBS,
+    SHADOW_TENSORS,
     SIMULATIONS,
     SOFTMAX_ROLE,
     UNROTATED_INPUT,
@@ -322,10 +322,10 @@ def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
                 f"{MAX_LPBQ_BITS} (int8 codes)"
             )
     if tq.shadow_channels is not None:
-        if not is_layer_path(path) or name not in LINEAR_INPUTS:
+        if not is_layer_path(path) or name not in SHADOW_TENSORS:
             raise QnpuError(
-                f"{path}: shadow channels belong to a linear's input activation "
-                f"({', '.join(LINEAR_INPUTS)})"
+                f"{path}: shadow channels belong to a linear's input written channel by "
+                f"channel ({', '.join(SHADOW_TENSORS)})"
             )
         if len(tq.shadow_channels) != num_layers:
             raise QnpuError(

@@ -24,6 +24,7 @@ STUDIES = (
     "init_study",
     "mixed_precision_sweep",
     "op_gap",
+    "outliers",
     "plot_activations",
     "quant_baselines",
     "restage2",

@@ -1,0 +1,226 @@
+"""Answers to activation outliers side by side, each with the cost model's figures (issue 21).
+
+Rows, for each bit-width of `--bits` (W8A8, W4A8, W4A4): Quant.npu in setting (b) (down_proj
+inputs 8-bit, `--mixed-fraction` of them promoted to 16 bits), run as the compare grid runs
+it (`qnpu quantize`, reused when RUNS/quantnpu-w?a?kv?-ours[-prefix-bos] holds it); then each
+post-training mechanism applied to that run's model, without a new stage 1:
+
+    shadow-pP-kK   mllm-NPU's shadow outliers on the down_proj input (`steps.shadow_outliers`):
+                   clip at the P-th percentile in the K share of layers where outliers
+                   matter most, overflowing channels on a shadow path (`--shadow-clip`,
+                   `--shadow-keep`, every pair)
+
+Every row: perplexity on the `wiki` eval split and WikiText-2 (the grid's protocol: the first
+`--eval-windows` windows at seq_len 512; FP32 measured once), and `qnpu_jax.cost`'s counts
+and modelled latency of its plan (a 512-token prompt in chunks of 64, then 128 tokens; both
+readings of the 16-bit cost). A mechanism's rows are cached in RUNS/post/. Writes `--json`
+(default reports/outliers.json), a markdown table and a perplexity-against-latency plot
+beside it.
+
+    qnpu study outliers --prefix bos --eval-windows 32 --bits W4A8,W8A8,W4A4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from qnpu_jax.studies import study_parser
+
+PROMPT, CHUNK, GENERATED = 512, 64, 128
+LATENCY_READING = "quantnpu-table3"  # the plot's x axis: the reading Table 12 supports
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from qnpu_jax.argtypes import comma_choices
+    from qnpu_jax.studies.compare_methods import BITS, add_protocol_args
+
+    parser = study_parser(__name__, __doc__)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--bits", type=comma_choices(BITS), default=("W4A8",))
+    parser.add_argument(
+        "--shadow-clip", type=float, nargs="+", default=[99.99], help="clip percentiles"
+    )
+    parser.add_argument(
+        "--shadow-keep", type=float, nargs="+", default=[0.15], help="shares of layers kept"
+    )
+    add_protocol_args(parser, eval_windows=32, prefix="bos")
+    parser.add_argument("--runs-dir", default="runs/outliers")
+    parser.add_argument("--json", default="reports/outliers.json")
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    return parser.parse_args(argv)
+
+
+def plan_cost(plan: Any, cfg: Any, devices: dict[str, Any]) -> dict[str, Any]:
+    """A row's cost-model figures: counts of both phases, modelled seconds per reading."""
+    from qnpu_jax import cost
+
+    out: dict[str, Any] = {}
+    for phase in (cost.prefill(PROMPT, CHUNK), cost.decode(PROMPT, GENERATED)):
+        costs = cost.plan_costs(plan, cfg, phase)
+        sums = cost.totals(costs)
+        out[phase.name] = {
+            "macs": sums["macs"],
+            "cpu_macs": sums["cpu_macs"],
+            "syncs": sums["syncs"],
+            "bytes": sums["weight_bytes"] + sums["act_bytes"] + sums["kv_bytes"],
+            "latency_s": {
+                k: cost.latency(costs, d, cost.num_linears(cfg))["total_s"]
+                for k, d in devices.items()
+            },
+        }
+    return out
+
+
+def _post_rows(
+    run_dir: Path, config: Any, args: argparse.Namespace, loaded: Any, floats: dict[str, float]
+) -> list[dict[str, Any]]:
+    """The mechanisms applied to the finished run in `run_dir` (cached in RUNS/post/)."""
+    from qnpu_jax.files import write_json_atomic
+    from qnpu_jax.pipeline import Calibration, QuantizedModel, steps
+    from qnpu_jax.pipeline.run import calibration_data, evaluation_sets
+    from qnpu_jax.studies import compare_methods as cm
+
+    specs = cm.eval_specs(args)
+    cache = Path(args.runs_dir) / "post"
+    model = data = windows = None
+    rows = []
+    for clip in args.shadow_clip:
+        for keep in args.shadow_keep:
+            key = f"{run_dir.name}-shadow-p{clip:g}-k{keep:g}"
+            path = cache / f"{key}.json"
+            if path.is_file():
+                rows.append({**json.loads(path.read_text()), "status": "reused"})
+                continue
+            if model is None:
+                model = QuantizedModel.load(run_dir, loaded)
+                data = Calibration(*calibration_data(config, loaded.tokenizer))
+                limit = loaded.config.max_position_embeddings - len(model.prefix)
+                windows = evaluation_sets(config, loaded.tokenizer, limit)
+            assert data is not None and windows is not None
+            t0 = time.perf_counter()
+            step = steps.shadow_outliers(clip=clip, keep=keep)
+            shadowed = step(model, data)
+            ppl = {n: shadowed.perplexity(windows[s])["ppl"] for n, s in specs.items()}
+            row = {
+                "key": key,
+                "base": run_dir.name,
+                "label": f"+ shadow outliers (P{clip:g}, {keep:.0%} of layers)",
+                "mechanism": "shadow_outliers",
+                "args": {"clip": clip, "keep": keep},
+                "info": shadowed.steps[-1].info,
+                "plan": shadowed.require_plan().to_dict(),
+                "ppl": ppl,
+                "ratio": {n: ppl[n] / floats[n] for n in ppl},
+                "seconds": time.perf_counter() - t0,
+            }
+            write_json_atomic(path, row)
+            rows.append({**row, "status": "ran"})
+            print(f"{row['label']} on {run_dir.name}: {ppl}", flush=True)
+    return rows
+
+
+def _table(rows: list[dict[str, Any]], floats: dict[str, float]) -> list[str]:
+    r = LATENCY_READING
+    lines = [
+        "| Row | PPL wiki | PPL WikiText-2 | × float (wiki / WT2) | prefill ms "
+        f"({r} / mobilequant-table6) | decode ms | NPU GMACs with a 16-bit operand | "
+        "CPU MACs (M) | syncs |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| FP32 | {floats['wiki']:.2f} | {floats['wikitext2']:.2f} | 1.000 / 1.000 ||||||",
+    ]
+    for row in rows:
+        if "ppl" not in row:
+            lines.append(f"| {row['label']} | {row['status']} ||||||||")
+            continue
+        c = row["cost"]
+        pre, dec = c["prefill"], c["decode"]
+        wide = sum(n for p, n in pre["macs"].items() if "16" in p) / 1e9
+        lines.append(
+            f"| {row['label']} | {row['ppl']['wiki']:.2f} | {row['ppl']['wikitext2']:.2f} | "
+            f"{row['ratio']['wiki']:.3f} / {row['ratio']['wikitext2']:.3f} | "
+            f"{pre['latency_s'][r] * 1e3:.1f} / "
+            f"{pre['latency_s']['mobilequant-table6'] * 1e3:.1f} | "
+            f"{dec['latency_s'][r] * 1e3:.1f} | {wide:.2f} | {pre['cpu_macs'] / 1e6:.1f} | "
+            f"{pre['syncs']} |"
+        )
+    return lines
+
+
+def pareto_plot(rows: list[dict[str, Any]], floats: dict[str, float]) -> bytes:
+    """Perplexity (wiki) against modelled prefill latency, one point per row."""
+    from qnpu_jax.report.plots import _figure, _png
+
+    fig = _figure(7.0, 4.5)
+    ax = fig.add_subplot(1, 1, 1)
+    done = [r for r in rows if "ppl" in r]
+    xs = [r["cost"]["prefill"]["latency_s"][LATENCY_READING] * 1e3 for r in done]
+    ys = [r["ppl"]["wiki"] for r in done]
+    ax.scatter(xs, ys)
+    for x, y, r in zip(xs, ys, done, strict=True):
+        ax.annotate(r["key"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(floats["wiki"], color="grey", linestyle=":", label="FP32")
+    ax.set_xlabel(f"modelled prefill latency, ms ({LATENCY_READING} reading; a model)")
+    ax.set_ylabel("perplexity, wiki eval")
+    ax.legend()
+    return _png(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from qnpu_jax import cost
+    from qnpu_jax.files import write_bytes_atomic
+    from qnpu_jax.memory_plan import model_architecture
+    from qnpu_jax.models import load_model
+    from qnpu_jax.pipeline.model import read_plan
+    from qnpu_jax.quant.plan import QuantPlan
+    from qnpu_jax.studies import compare_methods as cm
+    from qnpu_jax.studies.harness import write_study_json
+
+    args = parse_args(argv)
+    command = "qnpu study outliers " + " ".join(argv or sys.argv[1:])
+    specs = cm.eval_specs(args)
+    t0 = time.perf_counter()
+    loaded = load_model(args.model)
+    float_report = cm.float_cell(args, specs, command, loaded)
+    floats = {n: float_report["perplexity"][n]["ppl"] for n in specs}
+    devices = cost.devices(model_architecture(cost.ANCHOR_MODEL))
+    base = cm.base_config(args)
+    rows: list[dict[str, Any]] = []
+    for bits in args.bits:
+        w, a = cm.parse_bits(bits)
+        config = dataclasses.replace(
+            base, w_bits=w, a_bits=a, down_in_bits=8, mixed_precision=args.mixed_fraction
+        )
+        run_dir = cm._run_dir(args, "quantnpu", w, a, args.kv_bits, "ours")
+        cell = cm._cell("quantnpu", "ours", config, run_dir, f"Quant.npu {bits}, setting (b)")
+        status, payload = cm.run_cell(cell, args, command, cm.float_reference(float_report, specs))
+        entry = cm.grid_entry(cell, status, payload, specs)
+        entry["key"] = run_dir.name
+        rows.append(entry)
+        print(f"{entry['label']}: {status} {entry.get('ppl', '')}", flush=True)
+        if status not in cm.FINISHED:
+            continue
+        entry["cost"] = plan_cost(read_plan(run_dir / "plan.json"), loaded.config, devices)
+        for post in _post_rows(run_dir, config, args, loaded, floats):
+            plan = QuantPlan.from_dict(post["plan"])
+            post["cost"] = plan_cost(plan, loaded.config, devices)
+            post["label"] = f"{entry['label']} {post['label']}"
+            rows.append({k: v for k, v in post.items() if k != "plan"})
+    doc = {
+        "float": floats,
+        "rows": rows,
+        "cost_note": "latencies are qnpu_jax.cost's model (docs/cost.md), not measurements",
+        "devices": {k: dataclasses.asdict(v) for k, v in devices.items()},
+    }
+    out = Path(args.json)
+    write_study_json(out, doc, command=command, started=t0)
+    md = [f"Command: `{command}`", "", *_table(rows, floats), ""]
+    write_bytes_atomic(out.with_suffix(".md"), "\n".join(md).encode())
+    write_bytes_atomic(out.with_suffix(".png"), pareto_plot(rows, floats))
+    print(f"-> {out}")
+    return 0 if all(r["status"] in cm.FINISHED for r in rows) else 1
