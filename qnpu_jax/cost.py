@@ -175,6 +175,10 @@ def plan_costs(plan: QuantPlan, cfg: ModelConfig, phase: Phase) -> tuple[OpCost,
                 hot = source.shadow_channels[layer] if source and source.shadow_channels else ()
                 if hot:  # mllm-NPU: the overflow of the hot channels, on the CPU, merged back
                     cost = dataclasses.replace(cost, cpu_macs=t * len(hot) * width, syncs=1)
+                aux = source.muxq_channels[layer] if source and source.muxq_channels else ()
+                if aux:  # MUXQ: the Aux matmul of the outlier channels, on the NPU
+                    macs = {p: n + t * len(aux) * width for p, n in cost.macs.items()}
+                    cost = dataclasses.replace(cost, macs=macs)
                 out.append(cost)
             elif op.kind == "attention":
                 out.append(_attention_cost(plan, cfg, layer, op, ins, o, phase))

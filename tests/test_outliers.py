@@ -215,10 +215,18 @@ def test_config_and_recipe_carry_the_shadow_step():
     }
     assert config.summary()["shadow_outliers"] == 99.9
     assert "shadow_outliers" not in [s["name"] for s in describe(for_config(QuantizeConfig()))]
+    muxq = QuantizeConfig.from_dict({"muxq_exp": 3, "muxq_threshold": 20})
+    assert describe(for_config(muxq))[-1] == {
+        "name": "muxq",
+        "args": {"tensor": "down_in", "exp": 3, "threshold": 20},
+    }
     for bad, match in (
         ({"shadow_outliers": 0}, "percentile in"),
         ({"shadow_outliers": True}, "percentile in"),
         ({"shadow_keep": 1.5}, "shadow_keep must be in"),
+        ({"muxq_exp": 9}, "muxq_exp must be null or in"),
+        ({"muxq_exp": 2, "muxq_threshold": -1}, "muxq_threshold must be positive"),
+        ({"muxq_exp": 2, "shadow_outliers": 99.9}, "choose one"),
     ):
         with pytest.raises(QnpuError, match=match):
             QuantizeConfig.from_dict(bad)
@@ -253,12 +261,16 @@ def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_pat
         "--model", str(two_layer_dir), "--steps", "1", "--stage1-batch-size", "1",
         "--seq-len", "32", "--calib-windows", "2", "--eval-windows", "1",
         "--wikitext", str(text), "--runs-dir", str(tmp_path / "runs"), "--json", str(report),
-        "--shadow-keep", "1.0", "--no-progress",
+        "--shadow-keep", "1.0", "--muxq-exp", "3", "--muxq-threshold", "0.5", "--no-progress",
     ]  # fmt: skip
     assert outliers.main(argv) == 0
     doc = json.loads(report.read_text())
-    base, shadow = doc["rows"]
-    assert base["status"] == "ran" and shadow["status"] == "ran"
+    base, shadow, muxq = doc["rows"]
+    assert base["status"] == shadow["status"] == muxq["status"] == "ran"
+    assert muxq["args"] == {"exp": 3, "threshold": 0.5} and sum(muxq["info"]["channels_per_layer"])
+    # the Aux matmul: more NPU MACs than the run itself, at the same pairs
+    base_macs, muxq_macs = (r["cost"]["prefill"]["macs"] for r in (base, muxq))
+    assert set(base_macs) == set(muxq_macs) and sum(muxq_macs.values()) > sum(base_macs.values())
     # keep 1.0 of 2 layers, but ceil(0.1 · 2) = 1 is promoted to 16 bits: the other one
     assert len(shadow["info"]["kept_layers"]) == 1
     assert set(shadow["ppl"]) == {"wiki", "wikitext2"}
@@ -269,4 +281,83 @@ def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_pat
     assert report.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "shadow outliers" in report.with_suffix(".md").read_text()
     assert outliers.main(argv) == 0  # everything read back, nothing run again
-    assert [r["status"] for r in json.loads(report.read_text())["rows"]] == ["reused", "reused"]
+    assert [r["status"] for r in json.loads(report.read_text())["rows"]] == ["reused"] * 3
+
+
+def test_muxq_body_plus_aux_equals_the_input_exactly():
+    from qnpu_jax.pipeline.outliers import choose_muxq, muxq_split
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(3, 7, 12)).astype(np.float32)
+    x[..., 4] *= 300.0
+    x[..., 9] *= 41.0
+    for exp in (1, 2, 5):
+        body, aux = muxq_split(x, (4, 9), exp)
+        rebuilt = body.copy()
+        rebuilt[..., [4, 9]] = body[..., [4, 9]] + ((1 << exp) - 1) * aux
+        np.testing.assert_array_equal(rebuilt, x)  # powers of two: exact in float32
+        np.testing.assert_array_equal(np.delete(body, [4, 9], -1), np.delete(x, [4, 9], -1))
+    absmax = np.abs(x).max(axis=(0, 1))[None]
+    choice = choose_muxq(absmax, 2, threshold=6.0)
+    assert choice.channels == ((4, 9),)
+    assert choice.body_absmax[0] == pytest.approx(max(absmax[0, 4] / 4, absmax[0, 9] / 4))
+    with pytest.raises(QnpuError, match="threshold must be positive"):
+        choose_muxq(absmax, 2, threshold=0.0)
+
+
+def test_muxq_fields_in_the_plan_are_checked():
+    tq = TensorQuant(bits=8, muxq_channels=[[1, 3], []], muxq_exp=3)
+    assert tq.muxq_channels == ((1, 3), ())
+    np.testing.assert_array_equal(tq.muxq_multipliers(4), [[1, 8, 1, 8], [1, 1, 1, 1]])
+    with pytest.raises(QnpuError, match="come together"):
+        TensorQuant(bits=8, muxq_exp=2)
+    with pytest.raises(QnpuError, match=r"muxq_exp must be an integer in 1\.\.8"):
+        TensorQuant(bits=8, muxq_channels=((),), muxq_exp=9)
+    with pytest.raises(QnpuError, match="not both"):
+        TensorQuant(bits=8, muxq_channels=((),), muxq_exp=2, shadow_channels=((),))
+    with pytest.raises(QnpuError, match="past width 2"):
+        tq.muxq_multipliers(2)
+
+
+def test_muxq_step_artifact_and_engines_on_the_two_layer_model(shadowed, tmp_path):
+    """MUXQ on the down_proj input: per-channel scales s·2^exp, the integer artifact lists
+    the channels, the emulator runs Body·W + (2^exp − 1)·Aux·W, the JAX forward the one
+    matmul of the codes times 2^exp: the same logits; the integer model scores as the fake
+    one does, and better than the same model without MUXQ."""
+    from qnpu_jax.export.exporter import export_quantized, run_encodings
+    from qnpu_jax.export.int_model import load_int_model, open_engine
+    from qnpu_jax.pipeline.calibrate import channel_absmax
+
+    fp, base, _, windows, data = shadowed
+    absmax = channel_absmax(base.params(), base.cfg, data.windows, ("down_in",), prefix=base.prefix)
+    threshold = float(np.sort(absmax["down_in"][0])[-5])  # a few channels of layer 0
+    model = steps.muxq("down_in", exp=3, threshold=threshold)(base, data)
+    tq = model.plan.get("layers/down_in")
+    assert tq.muxq_exp == 3 and len(tq.muxq_channels[0]) >= 4
+    scale = np.asarray(model.state["layers"]["down_in"].scale)
+    assert scale.shape == (2, fp.config.intermediate_size)
+    hot = list(tq.muxq_channels[0])
+    cold = np.setdiff1d(np.arange(scale.shape[1]), hot)
+    np.testing.assert_array_equal(scale[0, hot], 8 * scale[0, cold[0]])
+    assert len(set(scale[0, cold].tolist())) == 1
+    fake = model.perplexity(windows)["ppl"]
+    assert fake < base.perplexity(windows)["ppl"]
+    with pytest.raises(QnpuError, match="no AIMET encoding or ONNX form"):
+        run_encodings(model.plan, model.state, model.cfg)
+    out = export_quantized(model, tmp_path / "art", fp.tokenizer)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["graph"]["muxq"]["down_in"]["exp"] == 3
+    int_model = load_int_model(out)
+    np.testing.assert_array_equal(int_model.muxq_channels("down_in", 0), hot)
+    ids = np.asarray(windows[:1, :40])
+    emulator, jax_engine = open_engine("emulator", int_model), open_engine("jax", int_model)
+    le, ce = emulator.prefill(ids)
+    lj, cj = jax_engine.prefill(ids)
+    np.testing.assert_array_equal(np.asarray(le), np.asarray(lj))
+    np.testing.assert_array_equal(np.asarray(ce.v), np.asarray(cj.v))
+    nll_int = float(np.mean(emulator.token_nll(ids)))
+    assert abs(nll_int / np.log(model.perplexity(ids)["ppl"]) - 1) < 0.02
+    with pytest.raises(QnpuError, match="has outlier channels already"):
+        steps.muxq("down_in", exp=2, threshold=threshold)(model, data)
+    with pytest.raises(QnpuError, match="exp must be an integer"):
+        steps.muxq(exp=0)

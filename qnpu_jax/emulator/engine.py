@@ -185,10 +185,13 @@ def _linear(
     out: tuple[int, int, int],
     weight: tuple[np.ndarray, float],
     shadow: tuple[np.ndarray, int, int] | None = None,
+    muxq: tuple[np.ndarray, int] | None = None,
 ) -> np.ndarray:
     """`shadow` (channels, qmin, qmax): the input carries shadow channels. Then the NPU's
     matmul reads the codes clamped to [qmin, qmax], and the shadow path adds the overflow
-    q − clamp(q) of those channels times their weight columns only (mllm-NPU)."""
+    q − clamp(q) of those channels times their weight columns only (mllm-NPU).
+    `muxq` (channels, exp): the input is MUXQ's Body; the Aux matmul of those channels,
+    times 2^exp − 1, is added to the Body matmul."""
     codes, z = x
     w64, w_max = weight
     if shadow is not None:
@@ -200,6 +203,11 @@ def _linear(
         acc = acc + exact_matmul(overflow, w64[:, channels], "...i,oi->...o", b_absmax=w_max)
     else:
         acc = exact_matmul(codes.astype(I64) - z, w64, "...i,oi->...o", b_absmax=w_max)
+    if muxq is not None:
+        channels, exp = muxq
+        aux = codes[..., channels].astype(I64) - z
+        aux_acc = exact_matmul(aux, w64[:, channels], "...i,oi->...o", b_absmax=w_max)
+        acc = acc + ((1 << exp) - 1) * aux_acc
     if "bias" in c:
         acc = acc + c["bias"].astype(I64)
     return requantize(acc, c["M"], c["shift"], *out)
@@ -286,14 +294,19 @@ def _run_layer(
         ins = [env[n] for n in op["in"]]
         kind = op["op"]
         c = _layer_slice(model, op["const"], layer) if kind != "attention" else {}
+        shifts = model.muxq_shifts(op["out"])
+        if shifts is not None:  # MUXQ's Body: its outlier channels shifted exp bits further
+            c = {**c, "shift": c["shift"] + shifts[layer]}
         if kind == "rmsnorm":
             y = rmsnorm(ins[0][0].astype(I64) - ins[0][1], c, out, f, k)
         elif kind == "linear":
             hot = model.shadow_channels(op["in"][0], layer)
             _, lo, hi = _act(model, layer, op["in"][0]) if len(hot) else (0, 0, 0)
             shadow = (hot, lo, hi) if len(hot) else None
+            outliers = model.muxq_channels(op["in"][0], layer)
+            muxq = (outliers, model.muxq_exp(op["in"][0])) if len(outliers) else None
             weight = model.weight_operand(op["const"], layer)
-            y = _linear(ins[0], c, out, weight, shadow)
+            y = _linear(ins[0], c, out, weight, shadow, muxq)
         elif kind == "rope":
             hd = model.model["head_dim"]
             y = _rope(ins[0], c, out, cos.astype(I64), sin.astype(I64), hd, (f, k))

@@ -23,7 +23,7 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.artifact import write_artifact
 from qnpu_jax.export.graph import (
     FORMAT_GRAPH,
-    FORMAT_GRAPH_SHADOW,
+    FORMAT_GRAPH_CHANNELS,
     GRAPH,
     HEAD_NORM_MAX,
     LOGITS_SCALE,
@@ -125,6 +125,18 @@ def _narrow(a: np.ndarray) -> np.ndarray:
     raise QnpuError("integer constant does not fit int32")
 
 
+def _layer_scales(tq: TensorQuant, scale: np.ndarray, name: str) -> np.ndarray:
+    """A layer activation's per-tensor scales [L]; for a MUXQ tensor, its Body scales (the
+    state's per-channel scale divided by the outlier channels' 2^exp, equal on every one)."""
+    n = scale.shape[0]
+    if tq.muxq_channels is None:
+        return scale.reshape(n)
+    body = scale / tq.muxq_multipliers(scale.shape[-1]).astype(np.float32)
+    if (body != body[:, :1]).any():
+        raise QnpuError(f"layers/{name}: the MUXQ scales are not one Body scale times 2^exp")
+    return body[:, 0]
+
+
 def _activation_encodings(
     plan: QuantPlan, state: QuantState, num_layers: int, graph: Graph = GRAPH
 ) -> tuple[dict[str, list[IntEncoding]], dict[str, IntEncoding]]:
@@ -137,7 +149,7 @@ def _activation_encodings(
             qmin, qmax = qrange(16, False)
             layers[name] = [IntEncoding(1.0 / PROBS_SCALE_DENOMINATOR, 0, qmin, qmax)] * num_layers
             continue
-        s = np.asarray(state["layers"][name].scale, np.float32).reshape(num_layers)
+        s = _layer_scales(tq, np.asarray(state["layers"][name].scale, np.float32), name)
         z = np.rint(np.asarray(state["layers"][name].zero_point, np.float32)).reshape(num_layers)
         encs = []
         for i in range(num_layers):
@@ -194,9 +206,9 @@ def _check_plan(
             f"these in float: {', '.join(missing)} (use scope 'full')"
         )
     for path, tq in plan.entries:
-        if not integer and tq.shadow_channels is not None:
+        if not integer and (tq.shadow_channels is not None or tq.muxq_channels is not None):
             raise QnpuError(
-                f"{path}: shadow outlier channels have no AIMET encoding or ONNX form yet "
+                f"{path}: shadow or MUXQ channels have no AIMET encoding or ONNX form yet "
                 "(the integer artifact carries them)"
             )
         if is_weight(path, graph) and max(tq.layer_bits or (tq.bits,)) > 8:
@@ -444,6 +456,17 @@ def export_model(
             lists[i, : len(hot)] = hot
         tensors[f"layers.shadow.{act}.channels"] = lists
         shadow[act] = most
+    muxq: dict[str, dict[str, int]] = {}
+    for act in layer_acts:
+        shifted = plan.get(f"layers/{act}")
+        if shifted is None or shifted.muxq_channels is None or shifted.muxq_exp is None:
+            continue
+        most = max(1, *(len(hot) for hot in shifted.muxq_channels))
+        lists = np.full((n, most), -1, np.int32)
+        for i, hot in enumerate(shifted.muxq_channels):
+            lists[i, : len(hot)] = hot
+        tensors[f"layers.muxq.{act}.channels"] = lists
+        muxq[act] = {"exp": shifted.muxq_exp, "channels": most}
 
     # Embedding: per-row int8 codes, requantized row by row into embed_out.
     table = embed_op.weight_name
@@ -591,10 +614,14 @@ def export_model(
     )
 
     _check_multipliers(tensors)
+    for act, entry in muxq.items():  # the producer shifts MUXQ channels exp bits further
+        producer = next(op for op in graph.layer if op.out_name == act)
+        if int(tensors[f"{producer.const}.shift"].max()) + entry["exp"] > SHIFT_MAX:
+            raise QnpuError(f"layers/{act}: MUXQ's exp takes the requantization shift past 62")
     manifest = {
         "model": dataclasses.asdict(cfg),
         "graph": {
-            "format": FORMAT_GRAPH_SHADOW if shadow else FORMAT_GRAPH,
+            "format": FORMAT_GRAPH_CHANNELS if shadow or muxq else FORMAT_GRAPH,
             "ops": graph.ops_json(),
             "layer_activations": layer_acts,
             "global_activations": list(outer),
@@ -606,6 +633,7 @@ def export_model(
             "rope_fraction_bits": ROPE_FRACTION_BITS,
             "logits_scale": LOGITS_SCALE,
             **({"shadow": shadow} if shadow else {}),
+            **({"muxq": muxq} if muxq else {}),
         },
         "encodings": encodings_table(plan, state, cfg, acts, outer, graph),
         "tokenizer": dict(tokenizer_info or {}),

@@ -13,9 +13,10 @@ import numpy as np
 
 # /2: the activation columns follow the op order (/1 had silu_out before up_out)
 FORMAT_GRAPH = "qnpu-llama-int/2"
-# /3: /2 plus shadow channels (`graph.shadow`); written only when a plan has them, so a /2
-# reader refuses what it would run wrong, and this one reads both
-FORMAT_GRAPH_SHADOW = "qnpu-llama-int/3"
+# /3: /2 plus channel lists of linear inputs (shadow channels `graph.shadow`, MUXQ channels
+# `graph.muxq`); written only when a plan has them, so a /2 reader refuses what it would run
+# wrong, and this one reads both
+FORMAT_GRAPH_CHANNELS = "qnpu-llama-int/3"
 NORM_FRACTION_BITS = 8  # F: the RMSNorm root carries F fractional bits
 NORM_UNIT_BITS = 16  # K: the normalized value carries K fractional bits before requantizing
 ROPE_FRACTION_BITS = 14  # Q14 cos/sin
@@ -26,6 +27,8 @@ HEAD_NORM_MAX = (1 << 15) - 1
 # mllm-NPU's shadow outliers: a shadow channel's codes are signed SHADOW_BITS-bit (exact in
 # float32), so the overflow r = q − clamp(q) the shadow path adds back is never clipped in use.
 SHADOW_BITS = 24
+# MUXQ: an outlier channel's codes are its value >> exp (at most this) in the Body tensor
+MUXQ_MAX_EXP = 8
 LOGITS_SCALE = 2.0**-16  # int32 logits: real logit = code · 2^-16
 LOGITS_RANGE = (-(2**31), 2**31 - 1)
 # How a fake-quant forward computes the ops between quantizers (`QuantPlan.simulation`):
@@ -315,9 +318,9 @@ LINEAR_IO = GRAPH.linear_io
 LINEARS = tuple(LINEAR_IO)  # the decoder layer's weights
 LINEAR_OUTPUTS = tuple(out for _, out in LINEAR_IO.values())
 LINEAR_INPUTS = tuple(dict.fromkeys(i for i, _ in LINEAR_IO.values()))
-# The linear inputs that may carry shadow channels: those a requantizing op writes channel by
-# channel (norm outputs, the down_proj input), not attention's head-major output.
-SHADOW_TENSORS = tuple(
+# The linear inputs that may carry shadow or MUXQ channels: those a requantizing op writes
+# channel by channel (norm outputs, the down_proj input), not attention's head-major output.
+CHANNEL_INPUTS = tuple(
     op.out_name
     for op in GRAPH.layer
     if op.kind in ("rmsnorm", "mul") and op.out_name in LINEAR_INPUTS
@@ -454,6 +457,8 @@ def expected_tensors(model: dict[str, Any], graph: dict[str, Any]) -> dict[str, 
             out[f"{op.const}.shift"] = ((v,), i32)
     for name, k in (graph.get("shadow") or {}).items():  # hot channels per layer, −1 padded
         out[f"layers.shadow.{name}.channels"] = ((n, k), i32)
+    for name, entry in (graph.get("muxq") or {}).items():  # outlier channels, −1 padded
+        out[f"layers.muxq.{name}.channels"] = ((n, entry["channels"]), i32)
     out["rope.cos"] = ((graph["max_context"], hd), ("int16",))
     out["rope.sin"] = ((graph["max_context"], hd), ("int16",))
     return out

@@ -18,18 +18,19 @@ import numpy as np
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.artifact import Artifact, read_artifact
 from qnpu_jax.export.graph import (
+    CHANNEL_INPUTS,
     FORMAT_GRAPH,
-    FORMAT_GRAPH_SHADOW,
+    FORMAT_GRAPH_CHANNELS,
     GLOBAL_ACTS,
     GRAPH,
     LAYER_ACTS,
     LOGITS_SCALE,
+    MUXQ_MAX_EXP,
     NORM_FRACTION_BITS,
     NORM_UNIT_BITS,
     OPS,
     ROPE_FRACTION_BITS,
     SHADOW_BITS,
-    SHADOW_TENSORS,
     check_generation_room,
     check_room,
     expected_tensors,
@@ -54,7 +55,7 @@ class IntModel:
     _operands: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(
         default_factory=dict, repr=False, compare=False
     )
-    _shadow: dict[str, tuple[np.ndarray, np.ndarray] | None] = dataclasses.field(
+    _derived: dict[str, Any] = dataclasses.field(  # per-channel tables, built once
         default_factory=dict, repr=False, compare=False
     )
 
@@ -72,9 +73,34 @@ class IntModel:
 
     def shadow_bounds(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
         """`shadow_bounds(self, name)`, computed once per model."""
-        if name not in self._shadow:
-            self._shadow[name] = shadow_bounds(self, name)
-        return self._shadow[name]
+        key = f"shadow:{name}"
+        if key not in self._derived:
+            self._derived[key] = shadow_bounds(self, name)
+        return self._derived[key]  # type: ignore[no-any-return]
+
+    def muxq_channels(self, name: str, layer: int) -> np.ndarray:
+        """The MUXQ outlier channels of activation `name` in `layer` (empty: none)."""
+        lists = self.tensors.get(f"layers.muxq.{name}.channels")
+        return np.zeros(0, np.int64) if lists is None else lists[layer][lists[layer] >= 0]
+
+    def muxq_exp(self, name: str) -> int:
+        """MUXQ's shift of activation `name` (0: none)."""
+        return int(((self.graph.get("muxq") or {}).get(name) or {}).get("exp", 0))
+
+    def muxq_shifts(self, name: str) -> np.ndarray | None:
+        """[L, C] int64: `muxq_exp` on the MUXQ channels of `name`, 0 elsewhere (the extra
+        right shift of the producer), or None without MUXQ channels."""
+        key = f"muxq:{name}"
+        if key not in self._derived:
+            lists = self.tensors.get(f"layers.muxq.{name}.channels")
+            value = None
+            if lists is not None:
+                width = layer_widths(model_widths(self.model))[name]
+                value = np.zeros((len(lists), width), np.int64)
+                for layer, row in enumerate(lists):
+                    value[layer, row[row >= 0]] = self.muxq_exp(name)
+            self._derived[key] = value
+        return self._derived[key]  # type: ignore[no-any-return]
 
     def weight_operand(self, prefix: str, layer: int | None) -> tuple[np.ndarray, float]:
         """`prefix.weight` (of one layer) as float32 integers (exact: |w| < 2^24) and its
@@ -97,17 +123,19 @@ def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], whe
     model = manifest.get("model")
     if not isinstance(graph, dict) or not isinstance(model, dict):
         raise QnpuError(f"{where}: manifest lacks the 'graph' or 'model' section")
-    if graph.get("format") not in (FORMAT_GRAPH, FORMAT_GRAPH_SHADOW):
+    if graph.get("format") not in (FORMAT_GRAPH, FORMAT_GRAPH_CHANNELS):
         raise QnpuError(
             f"{where}: graph format {graph.get('format')!r} is not supported (this version "
-            f"runs {FORMAT_GRAPH} and {FORMAT_GRAPH_SHADOW}); export the run again with this "
+            f"runs {FORMAT_GRAPH} and {FORMAT_GRAPH_CHANNELS}); export the run again with this "
             "version"
         )
-    if (graph.get("format") == FORMAT_GRAPH_SHADOW) != bool(graph.get("shadow")):
+    lists = bool(graph.get("shadow")) or bool(graph.get("muxq"))
+    if (graph.get("format") == FORMAT_GRAPH_CHANNELS) != lists:
         raise QnpuError(
-            f"{where}: graph format {FORMAT_GRAPH_SHADOW} is the one with shadow channels "
-            "(graph.shadow), and only it"
+            f"{where}: graph format {FORMAT_GRAPH_CHANNELS} is the one with shadow or MUXQ "
+            "channels (graph.shadow, graph.muxq), and only it"
         )
+    _check_channel_entries(graph, where)
     ops = graph.get("ops")
     if not isinstance(ops, dict):
         raise QnpuError(f"{where}: graph has no op list")
@@ -139,7 +167,7 @@ def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], whe
             raise QnpuError(f"{where}: tensor {name} has shape {a.shape}, expected {shape}")
         if a.dtype.name not in dtypes:
             raise QnpuError(f"{where}: tensor {name} has dtype {a.dtype}, expected {dtypes}")
-    _check_shadow(model, graph, tensors, where)
+    _check_channel_lists(model, graph, tensors, where)
     for op in GRAPH.ops("lut"):
         j = LAYER_ACTS.index(op.ins[0])
         span = tensors["layers.act.qmax"][:, j] - tensors["layers.act.qmin"][:, j] + 1
@@ -149,20 +177,36 @@ def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], whe
             )
 
 
-def _check_shadow(
+def _check_channel_entries(graph: dict[str, Any], where: str) -> None:
+    """graph.shadow {tensor: K} and graph.muxq {tensor: {exp, channels: K}}: known tensors,
+    counts and shifts in range, no tensor in both (before the tensors are looked up)."""
+    shadow, muxq = graph.get("shadow") or {}, graph.get("muxq") or {}
+    if not isinstance(shadow, dict) or not isinstance(muxq, dict):
+        raise QnpuError(f"{where}: graph shadow / muxq must map tensors to their channel lists")
+    for name, k in shadow.items():
+        if name not in CHANNEL_INPUTS or not _is_int(k) or k < 1:
+            raise QnpuError(f"{where}: graph shadow {name!r}: {k!r} ({CHANNEL_INPUTS})")
+    for name, entry in muxq.items():
+        ok = isinstance(entry, dict) and set(entry) == {"exp", "channels"}
+        if not ok or name not in CHANNEL_INPUTS or name in shadow:
+            raise QnpuError(f"{where}: graph muxq {name!r}: {entry!r} ({CHANNEL_INPUTS})")
+        exp, k = entry["exp"], entry["channels"]
+        if not (_is_int(exp) and 1 <= exp <= MUXQ_MAX_EXP and _is_int(k) and k >= 1):
+            raise QnpuError(f"{where}: graph muxq {name!r}: exp 1..{MUXQ_MAX_EXP}, channels >= 1")
+
+
+def _check_channel_lists(
     model: dict[str, Any], graph: dict[str, Any], tensors: dict[str, np.ndarray], where: str
 ) -> None:
-    """The shadow channel lists: known tensors, per layer sorted distinct channels of the
-    tensor's width, −1 padding after them."""
-    shadow = graph.get("shadow") or {}
-    if not isinstance(shadow, dict):
-        raise QnpuError(f"{where}: graph shadow must map tensors to channel counts")
+    """The shadow and MUXQ channel lists: per layer sorted distinct channels of the tensor's
+    width, −1 padding after them."""
     widths = layer_widths(model_widths(model))
-    for name in shadow:
-        if name not in SHADOW_TENSORS:
-            raise QnpuError(f"{where}: {name!r} cannot carry shadow channels ({SHADOW_TENSORS})")
+    keys = [f"layers.shadow.{n}.channels" for n in graph.get("shadow") or {}]
+    keys += [f"layers.muxq.{n}.channels" for n in graph.get("muxq") or {}]
+    for key in keys:
+        name = key.split(".")[2]
         width = widths[name]
-        for layer, row in enumerate(tensors[f"layers.shadow.{name}.channels"]):
+        for layer, row in enumerate(tensors[key]):
             used = row[row >= 0]
             if (
                 (row[len(used) :] != -1).any()
@@ -170,8 +214,8 @@ def _check_shadow(
                 or (used >= width).any()
             ):
                 raise QnpuError(
-                    f"{where}: layers.shadow.{name}.channels (layer {layer}) must list sorted "
-                    f"distinct channels below {width}, then -1"
+                    f"{where}: {key} (layer {layer}) must list sorted distinct channels below "
+                    f"{width}, then -1"
                 )
 
 

@@ -200,6 +200,8 @@ def _centered_max(model: IntModel, spec: IntSpec, name: str, layer: int | None) 
         bounds = model.shadow_bounds(name)
         if bounds is not None:  # shadow channels: their codes span SHADOW_BITS
             lo, hi = int(bounds[0][layer].min()), int(bounds[1][layer].max())
+        if len(model.muxq_channels(name, layer)):  # the linear reads MUXQ codes times 2^exp
+            return max(hi - z, z - lo, 0) << model.muxq_exp(name)
     return max(hi - z, z - lo, 0)
 
 
@@ -282,11 +284,14 @@ def int_consts(model: IntModel, matmul: str = "f32") -> IntConsts:
                 layers[name.removeprefix("layers.")] = arr
             else:
                 glob[name] = arr
-        for name in spec.layer_acts:  # per-channel code bounds of shadow tensors [L, C]
+        for name in spec.layer_acts:  # per-channel tables of shadow and MUXQ tensors [L, C]
             bounds = model.shadow_bounds(name)
             if bounds is not None:
                 layers[f"shadow.{name}.qmin"] = jnp.asarray(bounds[0], jnp.int32)
                 layers[f"shadow.{name}.qmax"] = jnp.asarray(bounds[1], jnp.int32)
+            shifts = model.muxq_shifts(name)
+            if shifts is not None:
+                layers[f"muxq.{name}.shift"] = jnp.asarray(shifts, jnp.int32)
         for key, _ in spec.bounds:
             plans, index = spec.plans(key, _contraction(model, spec, key))
             if len(plans) > 1:
@@ -388,8 +393,12 @@ def _linear(
     c: Mapping[str, jax.Array],
     out: Act,
     index: jax.Array | None = None,
+    channel_scale: jax.Array | None = None,
 ) -> jax.Array:
-    acc = _dot(spec, key, "...i,oi->...o", _center(x), c["weight"], index)
+    """`channel_scale` [C]: integers the centered input codes are multiplied by (MUXQ's 2^exp
+    on its outlier channels: the Body and Aux matmuls in one)."""
+    a = _center(x) if channel_scale is None else _center(x) * channel_scale.astype(I64)
+    acc = _dot(spec, key, "...i,oi->...o", a, c["weight"], index)
     if "bias" in c:
         acc = acc + c["bias"].astype(I64)
     return requantize_jax(acc, c["M"], c["shift"], *out)
@@ -527,10 +536,15 @@ def _layer(
         out = act(op.out)
         ins = [env[n] for n in op.ins]
         c = _sub(lc, op.const.removeprefix("layers").removeprefix("."))
+        if f"muxq.{op.out}.shift" in lc:  # MUXQ's Body: outlier channels exp bits further
+            c = {**c, "shift": c["shift"] + lc[f"muxq.{op.out}.shift"]}
         if op.op == "rmsnorm":
             y = _rmsnorm(spec, ins[0], c, out)
         elif op.op == "linear":
-            y = _linear(spec, op.const, ins[0], c, out, lc.get(f"dot_plan.{op.const}"))
+            shift = lc.get(f"muxq.{op.ins[0]}.shift")  # Body·W + (2^e − 1)·Aux·W, as one
+            scale = None if shift is None else jnp.left_shift(jnp.ones_like(shift), shift)
+            plan = lc.get(f"dot_plan.{op.const}")
+            y = _linear(spec, op.const, ins[0], c, out, plan, scale)
         elif op.op == "rope":
             y = _rope(spec, ins[0], c, out, cos, sin)
         elif op.op == "attention":

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import SIMULATIONS
+from qnpu_jax.export.graph import MUXQ_MAX_EXP, SIMULATIONS
 from qnpu_jax.mesh import MeshConfig
 from qnpu_jax.pipeline.stage1 import Stage1Config
 from qnpu_jax.quant.plan import QuantRule, check_block_fields
@@ -47,8 +47,10 @@ class QuantizeConfig:
     sensitive p of them to 16 bits: the layers that write massive activations into the residual
     stream. `shadow_outliers: P` (any method; mllm-NPU) clips the down_proj input at the P-th
     percentile of its calibration values in the `shadow_keep` share of layers where outliers
-    matter most and carries the channels that overflow on a shadow path (after stage 2; fake
-    quantization only so far).
+    matter most and carries the channels that overflow on a shadow path (after stage 2).
+    `muxq_exp: e` (any method; MUXQ) shifts the down_proj input's channels whose calibration
+    |x| exceeds `muxq_threshold` right by e bits into the Body tensor and adds (2^e − 1)·Aux·W
+    back (after stage 2).
     """
 
     model: str = "smollm2-135m"
@@ -72,6 +74,8 @@ class QuantizeConfig:
     weight_block_scale_bits: int | None = None
     shadow_outliers: float | None = None  # clip percentile of down_in's shadow path; None: off
     shadow_keep: float = 0.15  # share of layers that keep a shadow path (mllm-NPU: 15%)
+    muxq_exp: int | None = None  # MUXQ's shift of down_in's outlier channels; None: off
+    muxq_threshold: float = 6.0  # |x| above which a channel is an outlier (LLM.int8's 6)
     prefix: str = "bos"  # sink prefix computed offline (PrefixQuant); "none": the paper
     # what the fake-quant forward computes between quantizers (stage 1, evaluation, GPTQ):
     # "device" the integer contract's softmax and RoPE tables; "fake" plain float32
@@ -122,6 +126,20 @@ class QuantizeConfig:
             or not 0 < self.shadow_keep <= 1
         ):
             raise QnpuError(f"shadow_keep must be in (0, 1], got {self.shadow_keep!r}")
+        if self.muxq_exp is not None and (
+            isinstance(self.muxq_exp, bool)
+            or not isinstance(self.muxq_exp, int)
+            or not 1 <= self.muxq_exp <= MUXQ_MAX_EXP
+        ):
+            raise QnpuError(f"muxq_exp must be null or in 1..{MUXQ_MAX_EXP}, got {self.muxq_exp!r}")
+        if (
+            isinstance(self.muxq_threshold, bool)
+            or not isinstance(self.muxq_threshold, int | float)
+            or not self.muxq_threshold > 0
+        ):
+            raise QnpuError(f"muxq_threshold must be positive, got {self.muxq_threshold!r}")
+        if self.muxq_exp is not None and self.shadow_outliers is not None:
+            raise QnpuError("shadow_outliers and muxq_exp both change down_in: choose one")
         for name in ("learn_down_in", "selective"):
             if not isinstance(getattr(self, name), bool):
                 raise QnpuError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -201,6 +219,8 @@ class QuantizeConfig:
             "weight_block_scale_bits": self.weight_block_scale_bits,
             "shadow_outliers": self.shadow_outliers,
             "shadow_keep": self.shadow_keep if self.shadow_outliers is not None else None,
+            "muxq_exp": self.muxq_exp,
+            "muxq_threshold": self.muxq_threshold if self.muxq_exp is not None else None,
         }
 
     @classmethod

@@ -8,6 +8,13 @@ any, with those channels' weight rows only, in the layers where outliers matter 
 (importance = the largest |x| over the scale; the top `keep` share of layers). The sum equals
 the matmul of the unclamped codes exactly; in the plan the hot channels' codes are simply
 not clamped (`TensorQuant.shadow_channels`, `SHADOW_BITS` wide).
+
+MUXQ: the outlier channels of a linear's input (largest |x| over the calibration above a
+threshold; the paper's |x| > 6 of LLM.int8(), fixed offline for a static NPU) are shifted
+right by `exp` bits into the Body tensor, which is quantized per tensor; an auxiliary
+matrix Aux = Body's outlier columns restores them: X = Body + (2^exp − 1)·Aux, and
+Y = Body·W + (2^exp − 1)·Aux·W, all in integers. In the plan the Body's per-tensor scale s
+becomes a per-channel scale s·2^exp on the outlier channels (`TensorQuant.muxq_channels`).
 """
 
 from __future__ import annotations
@@ -99,3 +106,34 @@ def shadow_matmul(
     w = np.asarray(weight, np.int64)
     idx = list(channels)
     return clamped @ w + residual[..., idx] @ w[idx]
+
+
+@dataclasses.dataclass(frozen=True)
+class MuxqChoice:
+    """MUXQ's outlier channels per layer and the largest |Body| of each layer."""
+
+    channels: tuple[tuple[int, ...], ...]
+    body_absmax: tuple[float, ...]
+
+
+def choose_muxq(absmax: np.ndarray, exp: int, threshold: float) -> MuxqChoice:
+    """The channels whose largest |x| exceeds `threshold` (pure), and each layer's largest
+    |Body| once they are shifted right by `exp` bits."""
+    if not threshold > 0:
+        raise QnpuError(f"MUXQ: the outlier threshold must be positive, got {threshold}")
+    absmax = np.asarray(absmax, np.float64)
+    if not np.all(np.isfinite(absmax)):
+        raise QnpuError("MUXQ: channel ranges must be finite")
+    hot = absmax > threshold
+    body = np.where(hot, absmax / float(1 << exp), absmax)
+    channels = tuple(tuple(int(c) for c in np.nonzero(row)[0]) for row in hot)
+    return MuxqChoice(channels, tuple(float(b) for b in body.max(axis=1)))
+
+
+def muxq_split(x: np.ndarray, channels: tuple[int, ...], exp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(Body, Aux) of `x` [..., C]: Body has the outlier `channels` divided by 2^exp, Aux is
+    Body's outlier columns; x = Body + (2^exp − 1)·Aux on them, exactly (powers of two)."""
+    body = np.array(x, copy=True)
+    idx = list(channels)
+    body[..., idx] = body[..., idx] / float(1 << exp)
+    return body, body[..., idx]

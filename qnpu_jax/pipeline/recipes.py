@@ -34,6 +34,7 @@ from qnpu_jax.pipeline.steps import (
     fuse_norms,
     gptq,
     hadamard_rotations,
+    muxq,
     plan,
     promote,
     shadow_outliers,
@@ -153,6 +154,8 @@ def _after_stage1(config: QuantizeConfig) -> list[Step]:
         steps.append(gptq(config.gptq_damp))
     if config.shadow_outliers is not None:
         steps.append(shadow_outliers(UNROTATED_INPUT, config.shadow_outliers, config.shadow_keep))
+    if config.muxq_exp is not None:
+        steps.append(muxq(UNROTATED_INPUT, config.muxq_exp, config.muxq_threshold))
     return steps
 
 

@@ -17,15 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import (
+    CHANNEL_INPUTS,
     KV_TENSORS,
     LINEAR_INPUTS,
     LINEAR_OUTPUTS,
-    SHADOW_TENSORS,
+    MUXQ_MAX_EXP,
     SMOOTHED_LINEARS,
     UNROTATED_INPUT,
     layer_widths,
@@ -36,7 +38,7 @@ from qnpu_jax.pipeline.calibrate import calibrate as calibrate_state
 from qnpu_jax.pipeline.calibrate import channel_absmax, collect_activation_stats
 from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits, tensor_sensitivity
 from qnpu_jax.pipeline.model import QuantizedModel
-from qnpu_jax.pipeline.outliers import choose_shadows, shadow_summary
+from qnpu_jax.pipeline.outliers import choose_muxq, choose_shadows, shadow_summary
 from qnpu_jax.pipeline.stage1 import (
     Stage1Config,
     init_train_state,
@@ -400,10 +402,10 @@ def shadow_outliers(tensor: str = UNROTATED_INPUT, clip: float = 99.99, keep: fl
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
         plan, state = m.require_plan(), m.require_state()
         tq = plan.get(path)
-        if tensor not in SHADOW_TENSORS or tq is None:
+        if tensor not in CHANNEL_INPUTS or tq is None:
             raise QnpuError(
                 f"shadow outliers: {tensor!r} is not a quantized linear input of the plan "
-                f"written channel by channel ({', '.join(SHADOW_TENSORS)})"
+                f"written channel by channel ({', '.join(CHANNEL_INPUTS)})"
             )
         if tq.shadow_channels is not None:
             raise QnpuError(f"shadow outliers: {path} has shadow channels already")
@@ -437,6 +439,57 @@ def shadow_outliers(tensor: str = UNROTATED_INPUT, clip: float = 99.99, keep: fl
     args = {"tensor": tensor, "clip": clip, "keep": keep}
     describe = f"shadow outliers of {path} (clip at P{clip:g}, {keep:.0%} of layers)"
     return Step("shadow_outliers", args, fn, describe)
+
+
+def muxq(tensor: str = UNROTATED_INPUT, exp: int = 2, threshold: float = 6.0) -> Step:
+    """MUXQ on the linear input `tensor` (`pipeline.outliers`): its channels whose largest
+    |x| over the calibration exceeds `threshold` are shifted right by `exp` bits into the
+    Body tensor, whose per-tensor scale is re-set to Body's range (Max-Min, symmetric) in the
+    layers that have such channels; the device adds (2^exp − 1)·Aux·W. Run it after
+    calibration (stage 2), which would re-set those scales."""
+    if isinstance(exp, bool) or not isinstance(exp, int) or not 1 <= exp <= MUXQ_MAX_EXP:
+        raise QnpuError(f"MUXQ: exp must be an integer in 1..{MUXQ_MAX_EXP}, got {exp!r}")
+    if not threshold > 0:
+        raise QnpuError(f"MUXQ: the outlier threshold must be positive, got {threshold}")
+    path = f"layers/{tensor}"
+
+    def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
+        plan, state = m.require_plan(), m.require_state()
+        tq = plan.get(path)
+        if tensor not in CHANNEL_INPUTS or tq is None:
+            raise QnpuError(
+                f"MUXQ: {tensor!r} is not a quantized linear input of the plan written channel "
+                f"by channel ({', '.join(CHANNEL_INPUTS)})"
+            )
+        if tq.muxq_channels is not None or tq.shadow_channels is not None:
+            raise QnpuError(f"MUXQ: {path} has outlier channels already")
+        if not tq.symmetric:
+            raise QnpuError(f"MUXQ: {path} must be symmetric (Body's range from |x|)")
+        params = place_params(ctx.mesh, m.params())
+        n = m.cfg.num_layers
+        absmax = channel_absmax(params, m.cfg, data.windows, (tensor,), prefix=m.prefix)[tensor]
+        choice = choose_muxq(absmax, exp, threshold)
+        old = np.asarray(get_entry(state, path).scale, np.float32).reshape(n)
+        qmax = np.array([tq.qrange(tq.bits_for_layer(i))[1] for i in range(n)], np.float64)
+        body_scale = np.asarray(choice.body_absmax, np.float64) / qmax
+        has = np.array([bool(c) for c in choice.channels])
+        base = np.where(has, np.maximum(body_scale, 1e-12), old).astype(np.float32)
+        shifted = dataclasses.replace(tq, muxq_channels=choice.channels, muxq_exp=exp)
+        width = layer_widths(m.cfg.dims)[tensor]
+        scale = base[:, None] * shifted.muxq_multipliers(width).astype(np.float32)
+        entry = get_entry(state, path).replace(scale=jnp.asarray(scale))
+        new_plan = plan.with_entries((p, shifted if p == path else t) for p, t in plan.entries)
+        info = {
+            "tensor": tensor,
+            "exp": exp,
+            "threshold": threshold,
+            "channels_per_layer": [len(c) for c in choice.channels],
+        }
+        return m.replace(plan=new_plan, state=with_entry(state, path, entry)), info
+
+    args = {"tensor": tensor, "exp": exp, "threshold": threshold}
+    describe = f"MUXQ of {path} (channels above {threshold:g} shifted by {exp} bits)"
+    return Step("muxq", args, fn, describe)
 
 
 def gptq(damp: float = 0.01) -> Step:

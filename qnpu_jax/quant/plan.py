@@ -17,15 +17,18 @@ import dataclasses
 import re
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import (
+    CHANNEL_INPUTS,
     EMBED_TABLE,
     GRAPH,
     LAYER_ACTS,
     LINEARS,
     LM_HEAD,
+    MUXQ_MAX_EXP,
     PROBS,
-    SHADOW_TENSORS,
     SIMULATIONS,
     SOFTMAX_ROLE,
     UNROTATED_INPUT,
@@ -74,6 +77,9 @@ class TensorQuant:
     layer, the channels whose codes are not clamped to the tensor's range but carried at
     `SHADOW_BITS` (the device clamps them and adds back the overflow r = q − clamp(q) on a
     shadow path, `docs/pipeline.md`); an empty tuple: none in that layer.
+    `muxq_channels` with `muxq_exp` (MUXQ): per layer, the outlier channels whose codes hold
+    x >> muxq_exp (the tensor's state scale is then per channel, s·2^exp on them); the device
+    adds (2^exp − 1) times their matmul (the Aux term) to the Body matmul.
     """
 
     bits: int
@@ -86,12 +92,27 @@ class TensorQuant:
     block: int | None = None
     block_scale_bits: int | None = None
     shadow_channels: tuple[tuple[int, ...], ...] | None = None
+    muxq_channels: tuple[tuple[int, ...], ...] | None = None
+    muxq_exp: int | None = None
 
     def __post_init__(self) -> None:
         if self.layer_bits is not None:  # a list would make the plan unhashable under jit
             object.__setattr__(self, "layer_bits", tuple(self.layer_bits))
-        if self.shadow_channels is not None:
-            object.__setattr__(self, "shadow_channels", _channel_lists(self.shadow_channels))
+        for field in ("shadow_channels", "muxq_channels"):
+            if getattr(self, field) is not None:
+                object.__setattr__(self, field, _channel_lists(getattr(self, field), field))
+        if (self.muxq_channels is None) != (self.muxq_exp is None):
+            raise QnpuError("muxq_channels and muxq_exp come together")
+        if self.muxq_exp is not None and (
+            isinstance(self.muxq_exp, bool)
+            or not isinstance(self.muxq_exp, int)
+            or not 1 <= self.muxq_exp <= MUXQ_MAX_EXP
+        ):
+            raise QnpuError(
+                f"muxq_exp must be an integer in 1..{MUXQ_MAX_EXP}, got {self.muxq_exp!r}"
+            )
+        if self.muxq_channels is not None and self.shadow_channels is not None:
+            raise QnpuError("a tensor takes shadow channels or MUXQ channels, not both")
         check_block_fields(self.block, self.block_scale_bits)
         if self.block is not None and self.axis != 0:
             raise QnpuError("per-block weights need per-channel scales (axis 0)")
@@ -108,6 +129,18 @@ class TensorQuant:
     @property
     def lpbq(self) -> bool:
         return self.block_scale_bits is not None
+
+    def muxq_multipliers(self, width: int) -> np.ndarray:
+        """Per layer and channel [L, width] int64: 2^muxq_exp on the MUXQ channels, else 1
+        (the tensor's per-channel scale is its Body scale times these)."""
+        if self.muxq_channels is None or self.muxq_exp is None:
+            raise QnpuError("this tensor has no MUXQ channels")
+        out = np.ones((len(self.muxq_channels), width), np.int64)
+        for layer, chans in enumerate(self.muxq_channels):
+            if chans and max(chans) >= width:
+                raise QnpuError(f"MUXQ channel {max(chans)} (layer {layer}) is past width {width}")
+            out[layer, list(chans)] = 1 << self.muxq_exp
+        return out
 
     def bits_for_layer(self, layer: int) -> int:
         return self.layer_bits[layer] if self.layer_bits is not None else self.bits
@@ -274,18 +307,18 @@ class QuantPlan:
         return self.with_entries(sorted(table.items()))
 
 
-def _channel_lists(value: object) -> tuple[tuple[int, ...], ...]:
+def _channel_lists(value: object, field: str) -> tuple[tuple[int, ...], ...]:
     """Per-layer channel indices as sorted tuples of distinct non-negative integers."""
     if not isinstance(value, (list, tuple)):
-        raise QnpuError(f"shadow_channels must be one list of channels per layer, got {value!r}")
+        raise QnpuError(f"{field} must be one list of channels per layer, got {value!r}")
     out = []
     for layer, chans in enumerate(value):
         if not isinstance(chans, (list, tuple)) or any(
             isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in chans
         ):
-            raise QnpuError(f"shadow_channels (layer {layer}): channel indices are integers >= 0")
+            raise QnpuError(f"{field} (layer {layer}): channel indices are integers >= 0")
         if list(chans) != sorted(set(chans)):
-            raise QnpuError(f"shadow_channels (layer {layer}): indices must be sorted and distinct")
+            raise QnpuError(f"{field} (layer {layer}): indices must be sorted and distinct")
         out.append(tuple(chans))
     return tuple(out)
 
@@ -321,17 +354,17 @@ def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
                 f"decompresses to {widest + tq.block_scale_bits} bits; at most "
                 f"{MAX_LPBQ_BITS} (int8 codes)"
             )
-    if tq.shadow_channels is not None:
-        if not is_layer_path(path) or name not in SHADOW_TENSORS:
+    for field in ("shadow_channels", "muxq_channels"):
+        lists = getattr(tq, field)
+        if lists is None:
+            continue
+        if not is_layer_path(path) or name not in CHANNEL_INPUTS:
             raise QnpuError(
-                f"{path}: shadow channels belong to a linear's input written channel by "
-                f"channel ({', '.join(SHADOW_TENSORS)})"
+                f"{path}: {field} belong to a linear's input written channel by channel "
+                f"({', '.join(CHANNEL_INPUTS)})"
             )
-        if len(tq.shadow_channels) != num_layers:
-            raise QnpuError(
-                f"{path}: shadow_channels has {len(tq.shadow_channels)} entries for "
-                f"{num_layers} layers"
-            )
+        if len(lists) != num_layers:
+            raise QnpuError(f"{path}: {field} has {len(lists)} entries for {num_layers} layers")
     if tq.layer_bits is not None:
         if not is_layer_path(path):
             raise QnpuError(f"{path}: per-layer bits apply to layers/ tensors only")

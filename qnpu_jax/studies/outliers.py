@@ -9,6 +9,9 @@ post-training mechanism applied to that run's model, without a new stage 1:
                    clip at the P-th percentile in the K share of layers where outliers
                    matter most, overflowing channels on a shadow path (`--shadow-clip`,
                    `--shadow-keep`, every pair)
+    muxq-eE-tT     MUXQ on the down_proj input (`steps.muxq`): channels whose calibration |x|
+                   exceeds T shifted right by E bits into the Body tensor, (2^E − 1)·Aux·W
+                   added back (`--muxq-exp`, `--muxq-threshold`, every pair)
 
 Every row: perplexity on the `wiki` eval split and WikiText-2 (the grid's protocol: the first
 `--eval-windows` windows at seq_len 512; FP32 measured once), and `qnpu_jax.cost`'s counts
@@ -49,6 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--shadow-keep", type=float, nargs="+", default=[0.15], help="shares of layers kept"
     )
+    parser.add_argument("--muxq-exp", type=int, nargs="*", default=[2], help="MUXQ shifts")
+    parser.add_argument(
+        "--muxq-threshold", type=float, nargs="+", default=[6.0], help="MUXQ's outlier |x|"
+    )
     add_protocol_args(parser, eval_windows=32, prefix="bos")
     parser.add_argument("--runs-dir", default="runs/outliers")
     parser.add_argument("--json", default="reports/outliers.json")
@@ -77,12 +84,42 @@ def plan_cost(plan: Any, cfg: Any, devices: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _variants(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, Any], Any]]:
+    """(key suffix, label, mechanism, arguments, step) of every post-training row."""
+    from qnpu_jax.pipeline import steps
+
+    out: list[tuple[str, str, str, dict[str, Any], Any]] = []
+    for clip in args.shadow_clip:
+        for keep in args.shadow_keep:
+            out.append(
+                (
+                    f"shadow-p{clip:g}-k{keep:g}",
+                    f"+ shadow outliers (P{clip:g}, {keep:.0%} of layers)",
+                    "shadow_outliers",
+                    {"clip": clip, "keep": keep},
+                    steps.shadow_outliers(clip=clip, keep=keep),
+                )
+            )
+    for exp in args.muxq_exp:
+        for threshold in args.muxq_threshold:
+            out.append(
+                (
+                    f"muxq-e{exp}-t{threshold:g}",
+                    f"+ MUXQ (exp {exp}, channels with |x| > {threshold:g})",
+                    "muxq",
+                    {"exp": exp, "threshold": threshold},
+                    steps.muxq(exp=exp, threshold=threshold),
+                )
+            )
+    return out
+
+
 def _post_rows(
     run_dir: Path, config: Any, args: argparse.Namespace, loaded: Any, floats: dict[str, float]
 ) -> list[dict[str, Any]]:
     """The mechanisms applied to the finished run in `run_dir` (cached in RUNS/post/)."""
     from qnpu_jax.files import write_json_atomic
-    from qnpu_jax.pipeline import Calibration, QuantizedModel, steps
+    from qnpu_jax.pipeline import Calibration, QuantizedModel
     from qnpu_jax.pipeline.run import calibration_data, evaluation_sets
     from qnpu_jax.studies import compare_methods as cm
 
@@ -90,38 +127,36 @@ def _post_rows(
     cache = Path(args.runs_dir) / "post"
     model = data = windows = None
     rows = []
-    for clip in args.shadow_clip:
-        for keep in args.shadow_keep:
-            key = f"{run_dir.name}-shadow-p{clip:g}-k{keep:g}"
-            path = cache / f"{key}.json"
-            if path.is_file():
-                rows.append({**json.loads(path.read_text()), "status": "reused"})
-                continue
-            if model is None:
-                model = QuantizedModel.load(run_dir, loaded)
-                data = Calibration(*calibration_data(config, loaded.tokenizer))
-                limit = loaded.config.max_position_embeddings - len(model.prefix)
-                windows = evaluation_sets(config, loaded.tokenizer, limit)
-            assert data is not None and windows is not None
-            t0 = time.perf_counter()
-            step = steps.shadow_outliers(clip=clip, keep=keep)
-            shadowed = step(model, data)
-            ppl = {n: shadowed.perplexity(windows[s])["ppl"] for n, s in specs.items()}
-            row = {
-                "key": key,
-                "base": run_dir.name,
-                "label": f"+ shadow outliers (P{clip:g}, {keep:.0%} of layers)",
-                "mechanism": "shadow_outliers",
-                "args": {"clip": clip, "keep": keep},
-                "info": shadowed.steps[-1].info,
-                "plan": shadowed.require_plan().to_dict(),
-                "ppl": ppl,
-                "ratio": {n: ppl[n] / floats[n] for n in ppl},
-                "seconds": time.perf_counter() - t0,
-            }
-            write_json_atomic(path, row)
-            rows.append({**row, "status": "ran"})
-            print(f"{row['label']} on {run_dir.name}: {ppl}", flush=True)
+    for suffix, label, mechanism, step_args, step in _variants(args):
+        key = f"{run_dir.name}-{suffix}"
+        path = cache / f"{key}.json"
+        if path.is_file():
+            rows.append({**json.loads(path.read_text()), "status": "reused"})
+            continue
+        if model is None:
+            model = QuantizedModel.load(run_dir, loaded)
+            data = Calibration(*calibration_data(config, loaded.tokenizer))
+            limit = loaded.config.max_position_embeddings - len(model.prefix)
+            windows = evaluation_sets(config, loaded.tokenizer, limit)
+        assert data is not None and windows is not None
+        t0 = time.perf_counter()
+        changed = step(model, data)
+        ppl = {n: changed.perplexity(windows[s])["ppl"] for n, s in specs.items()}
+        row = {
+            "key": key,
+            "base": run_dir.name,
+            "label": label,
+            "mechanism": mechanism,
+            "args": step_args,
+            "info": changed.steps[-1].info,
+            "plan": changed.require_plan().to_dict(),
+            "ppl": ppl,
+            "ratio": {n: ppl[n] / floats[n] for n in ppl},
+            "seconds": time.perf_counter() - t0,
+        }
+        write_json_atomic(path, row)
+        rows.append({**row, "status": "ran"})
+        print(f"{label} on {run_dir.name}: {ppl}", flush=True)
     return rows
 
 
