@@ -148,7 +148,7 @@ def test_shadow_outliers_step_on_the_two_layer_model(shadowed):
 
     with pytest.raises(QnpuError, match="no AIMET encoding or ONNX form"):  # AIMET, ONNX
         run_encodings(model.plan, model.state, model.cfg)
-    with pytest.raises(QnpuError, match="has shadow channels already"):
+    with pytest.raises(QnpuError, match="has outlier channels already"):
         steps.shadow_outliers("down_in")(model, data)
     with pytest.raises(QnpuError, match="not a quantized linear input"):
         steps.shadow_outliers("down_out")(base, data)
@@ -197,7 +197,7 @@ def test_shadow_artifact_runs_bit_exact_on_both_engines(shadowed, tmp_path):
         with pytest.raises(QnpuError, match="must list sorted distinct channels"):
             validate_graph(art.manifest, tensors, "art")
     old_format = {**art.manifest, "graph": {**art.manifest["graph"], "format": "qnpu-llama-int/2"}}
-    with pytest.raises(QnpuError, match="the one with shadow channels"):
+    with pytest.raises(QnpuError, match="the one with shadow or MUXQ channels"):
         validate_graph(old_format, dict(art.tensors), "art")
 
 

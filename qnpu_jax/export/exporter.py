@@ -125,6 +125,14 @@ def _narrow(a: np.ndarray) -> np.ndarray:
     raise QnpuError("integer constant does not fit int32")
 
 
+def _padded_channels(lists: tuple[tuple[int, ...], ...]) -> np.ndarray:
+    """Per-layer channel lists as int32 [L, K] (K the longest, at least 1), −1 padded."""
+    out = np.full((len(lists), max(1, *(len(c) for c in lists))), -1, np.int32)
+    for i, chans in enumerate(lists):
+        out[i, : len(chans)] = chans
+    return out
+
+
 def _layer_scales(tq: TensorQuant, scale: np.ndarray, name: str) -> np.ndarray:
     """A layer activation's per-tensor scales [L]; for a MUXQ tensor, its Body scales (the
     state's per-channel scale divided by the outlier channels' 2^exp, equal on every one)."""
@@ -444,29 +452,18 @@ def export_model(
         )
         tensors[f"act.{field}"] = np.array([getattr(e, field) for e in outer.values()], np.int32)
 
-    # Shadow channels (mllm-NPU): per layer, the channels whose codes are not clamped, −1 padded.
+    # Channel lists of linear inputs: shadow channels (mllm-NPU) and MUXQ's outlier channels.
     shadow: dict[str, int] = {}
-    for act in layer_acts:
-        shadowed = plan.get(f"layers/{act}")
-        if shadowed is None or shadowed.shadow_channels is None:
-            continue
-        most = max(1, *(len(hot) for hot in shadowed.shadow_channels))
-        lists = np.full((n, most), -1, np.int32)
-        for i, hot in enumerate(shadowed.shadow_channels):
-            lists[i, : len(hot)] = hot
-        tensors[f"layers.shadow.{act}.channels"] = lists
-        shadow[act] = most
     muxq: dict[str, dict[str, int]] = {}
     for act in layer_acts:
-        shifted = plan.get(f"layers/{act}")
-        if shifted is None or shifted.muxq_channels is None or shifted.muxq_exp is None:
-            continue
-        most = max(1, *(len(hot) for hot in shifted.muxq_channels))
-        lists = np.full((n, most), -1, np.int32)
-        for i, hot in enumerate(shifted.muxq_channels):
-            lists[i, : len(hot)] = hot
-        tensors[f"layers.muxq.{act}.channels"] = lists
-        muxq[act] = {"exp": shifted.muxq_exp, "channels": most}
+        tq = plan.get(f"layers/{act}")
+        if tq is not None and tq.shadow_channels is not None:
+            tensors[f"layers.shadow.{act}.channels"] = _padded_channels(tq.shadow_channels)
+            shadow[act] = tensors[f"layers.shadow.{act}.channels"].shape[1]
+        if tq is not None and tq.muxq_channels is not None and tq.muxq_exp is not None:
+            tensors[f"layers.muxq.{act}.channels"] = _padded_channels(tq.muxq_channels)
+            k = tensors[f"layers.muxq.{act}.channels"].shape[1]
+            muxq[act] = {"exp": tq.muxq_exp, "channels": k}
 
     # Embedding: per-row int8 codes, requantized row by row into embed_out.
     table = embed_op.weight_name

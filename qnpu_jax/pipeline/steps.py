@@ -48,7 +48,7 @@ from qnpu_jax.pipeline.stage1 import (
 )
 from qnpu_jax.pipeline.weight_rounding import gptq_round_weights
 from qnpu_jax.quant.init import scale_from_stats
-from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, QuantRule, default_plan
+from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, QuantRule, TensorQuant, default_plan
 from qnpu_jax.quant.state import by_path, from_paths, get_entry, with_entry
 from qnpu_jax.transforms import fuse_norms as fuse_norm_weights
 from qnpu_jax.transforms import randomized_hadamard_rotations, smoothing_scales
@@ -386,6 +386,19 @@ def calibrate(paths: Sequence[str] | None = None) -> Step:
     return Step("calibrate", args, fn, f"stage 2: static calibration of {what}")
 
 
+def _channel_input(plan: QuantPlan, tensor: str, what: str) -> TensorQuant:
+    """The plan entry of a channel-wise linear input an outlier step may change."""
+    tq = plan.get(f"layers/{tensor}")
+    if tensor not in CHANNEL_INPUTS or tq is None:
+        raise QnpuError(
+            f"{what}: {tensor!r} is not a quantized linear input of the plan written channel "
+            f"by channel ({', '.join(CHANNEL_INPUTS)})"
+        )
+    if tq.shadow_channels is not None or tq.muxq_channels is not None:
+        raise QnpuError(f"{what}: layers/{tensor} has outlier channels already")
+    return tq
+
+
 def shadow_outliers(tensor: str = UNROTATED_INPUT, clip: float = 99.99, keep: float = 0.15) -> Step:
     """mllm-NPU's shadow outlier execution on the linear input `tensor` (`pipeline.outliers`):
     in the ceil(keep·L) most important layers, its scale is re-set to clip |x| at the
@@ -401,14 +414,7 @@ def shadow_outliers(tensor: str = UNROTATED_INPUT, clip: float = 99.99, keep: fl
 
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
         plan, state = m.require_plan(), m.require_state()
-        tq = plan.get(path)
-        if tensor not in CHANNEL_INPUTS or tq is None:
-            raise QnpuError(
-                f"shadow outliers: {tensor!r} is not a quantized linear input of the plan "
-                f"written channel by channel ({', '.join(CHANNEL_INPUTS)})"
-            )
-        if tq.shadow_channels is not None:
-            raise QnpuError(f"shadow outliers: {path} has shadow channels already")
+        tq = _channel_input(plan, tensor, "shadow outliers")
         params = place_params(ctx.mesh, m.params())
         n = m.cfg.num_layers
         single = QuantPlan(((path, dataclasses.replace(tq, init="percentile")),), n)
@@ -455,14 +461,7 @@ def muxq(tensor: str = UNROTATED_INPUT, exp: int = 2, threshold: float = 6.0) ->
 
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
         plan, state = m.require_plan(), m.require_state()
-        tq = plan.get(path)
-        if tensor not in CHANNEL_INPUTS or tq is None:
-            raise QnpuError(
-                f"MUXQ: {tensor!r} is not a quantized linear input of the plan written channel "
-                f"by channel ({', '.join(CHANNEL_INPUTS)})"
-            )
-        if tq.muxq_channels is not None or tq.shadow_channels is not None:
-            raise QnpuError(f"MUXQ: {path} has outlier channels already")
+        tq = _channel_input(plan, tensor, "MUXQ")
         if not tq.symmetric:
             raise QnpuError(f"MUXQ: {path} must be symmetric (Body's range from |x|)")
         params = place_params(ctx.mesh, m.params())
