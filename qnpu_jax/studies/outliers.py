@@ -164,7 +164,7 @@ def _table(rows: list[dict[str, Any]], floats: dict[str, float]) -> list[str]:
     r = LATENCY_READING
     lines = [
         "| Row | PPL wiki | PPL WikiText-2 | × float (wiki / WT2) | prefill ms "
-        f"({r} / mobilequant-table6) | decode ms | NPU GMACs with a 16-bit operand | "
+        f"({r} / mobilequant-table6) | decode ms | NPU GMACs (with a 16-bit operand) | "
         "CPU MACs (M) | syncs |",
         "|---|---|---|---|---|---|---|---|---|",
         f"| FP32 | {floats['wiki']:.2f} | {floats['wikitext2']:.2f} | 1.000 / 1.000 ||||||",
@@ -176,12 +176,14 @@ def _table(rows: list[dict[str, Any]], floats: dict[str, float]) -> list[str]:
         c = row["cost"]
         pre, dec = c["prefill"], c["decode"]
         wide = sum(n for p, n in pre["macs"].items() if "16" in p) / 1e9
+        total = sum(pre["macs"].values()) / 1e9
         lines.append(
             f"| {row['label']} | {row['ppl']['wiki']:.2f} | {row['ppl']['wikitext2']:.2f} | "
             f"{row['ratio']['wiki']:.3f} / {row['ratio']['wikitext2']:.3f} | "
             f"{pre['latency_s'][r] * 1e3:.1f} / "
             f"{pre['latency_s']['mobilequant-table6'] * 1e3:.1f} | "
-            f"{dec['latency_s'][r] * 1e3:.1f} | {wide:.2f} | {pre['cpu_macs'] / 1e6:.1f} | "
+            f"{dec['latency_s'][r] * 1e3:.1f} | {total:.2f} ({wide:.2f}) | "
+            f"{pre['cpu_macs'] / 1e6:.1f} | "
             f"{pre['syncs']} |"
         )
     return lines
