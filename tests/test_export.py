@@ -94,8 +94,10 @@ def test_graph_refusals_name_the_problem(int_artifacts, tmp_path):
         r"qnpu-llama-int/3\); export the run again": lambda m: m["graph"].update(
             format="qnpu-llama-int/1"
         ),
-        # /3 is the format with shadow channels: a /3 artifact without them is refused
-        "the one with shadow or MUXQ channels": lambda m: m["graph"].update(format="qnpu-llama-int/3"),
+        # /3 is the format with channel lists: a /3 artifact without them is refused
+        "the one with shadow or MUXQ channels": lambda m: m["graph"].update(
+            format="qnpu-llama-int/3"
+        ),
         "has shape": lambda m: m["model"].update(hidden_size=512),
         "tensors missing": lambda m: m["tensors"].pop("layers.pv.M"),
         r"logits_scale is 3\.05.*fixes it at 1\.52": lambda m: m["graph"].update(

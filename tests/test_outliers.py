@@ -303,6 +303,9 @@ def test_muxq_body_plus_aux_equals_the_input_exactly():
     assert choice.body_absmax[0] == pytest.approx(max(absmax[0, 4] / 4, absmax[0, 9] / 4))
     with pytest.raises(QnpuError, match="threshold must be positive"):
         choose_muxq(absmax, 2, threshold=0.0)
+    two = np.concatenate([absmax, absmax])  # the second layer promoted to 16 bits: no Body
+    promoted = TensorQuant(bits=8, layer_bits=(8, 16))
+    assert choose_muxq(two, 2, 6.0, promoted).channels == ((4, 9), ())
 
 
 def test_muxq_fields_in_the_plan_are_checked():

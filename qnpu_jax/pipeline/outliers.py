@@ -116,15 +116,21 @@ class MuxqChoice:
     body_absmax: tuple[float, ...]
 
 
-def choose_muxq(absmax: np.ndarray, exp: int, threshold: float) -> MuxqChoice:
+def choose_muxq(
+    absmax: np.ndarray, exp: int, threshold: float, tq: TensorQuant | None = None
+) -> MuxqChoice:
     """The channels whose largest |x| exceeds `threshold` (pure), and each layer's largest
-    |Body| once they are shifted right by `exp` bits."""
+    |Body| once they are shifted right by `exp` bits; with `tq`, only in the layers at 8 bits
+    or fewer (a promoted 16-bit layer needs no Body)."""
     if not threshold > 0:
         raise QnpuError(f"MUXQ: the outlier threshold must be positive, got {threshold}")
     absmax = np.asarray(absmax, np.float64)
     if not np.all(np.isfinite(absmax)):
         raise QnpuError("MUXQ: channel ranges must be finite")
     hot = absmax > threshold
+    if tq is not None:
+        narrow = np.array([tq.bits_for_layer(i) <= 8 for i in range(len(absmax))])
+        hot &= narrow[:, None]
     body = np.where(hot, absmax / float(1 << exp), absmax)
     channels = tuple(tuple(int(c) for c in np.nonzero(row)[0]) for row in hot)
     return MuxqChoice(channels, tuple(float(b) for b in body.max(axis=1)))

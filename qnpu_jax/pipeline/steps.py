@@ -451,8 +451,8 @@ def muxq(tensor: str = UNROTATED_INPUT, exp: int = 2, threshold: float = 6.0) ->
     """MUXQ on the linear input `tensor` (`pipeline.outliers`): its channels whose largest
     |x| over the calibration exceeds `threshold` are shifted right by `exp` bits into the
     Body tensor, whose per-tensor scale is re-set to Body's range (Max-Min, symmetric) in the
-    layers that have such channels; the device adds (2^exp − 1)·Aux·W. Run it after
-    calibration (stage 2), which would re-set those scales."""
+    layers at 8 bits or fewer that have such channels; the device adds (2^exp − 1)·Aux·W.
+    Run it after calibration (stage 2), which would re-set those scales."""
     if isinstance(exp, bool) or not isinstance(exp, int) or not 1 <= exp <= MUXQ_MAX_EXP:
         raise QnpuError(f"MUXQ: exp must be an integer in 1..{MUXQ_MAX_EXP}, got {exp!r}")
     if not threshold > 0:
@@ -467,7 +467,7 @@ def muxq(tensor: str = UNROTATED_INPUT, exp: int = 2, threshold: float = 6.0) ->
         params = place_params(ctx.mesh, m.params())
         n = m.cfg.num_layers
         absmax = channel_absmax(params, m.cfg, data.windows, (tensor,), prefix=m.prefix)[tensor]
-        choice = choose_muxq(absmax, exp, threshold)
+        choice = choose_muxq(absmax, exp, threshold, tq)
         old = np.asarray(get_entry(state, path).scale, np.float32).reshape(n)
         qmax = np.array([tq.qrange(tq.bits_for_layer(i))[1] for i in range(n)], np.float64)
         body_scale = np.asarray(choice.body_absmax, np.float64) / qmax
