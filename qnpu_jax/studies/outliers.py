@@ -234,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
             base, w_bits=w, a_bits=a, down_in_bits=8, mixed_precision=args.mixed_fraction
         )
         run_dir = cm._run_dir(args, "quantnpu", w, a, args.kv_bits, "ours")
-        cell = cm._cell("quantnpu", "ours", config, run_dir, f"Quant.npu {bits}, setting (b)")
+        promoted = f"{args.mixed_fraction:.0%} of down_proj inputs at 16 bits"
+        label = f"Quant.npu {bits}, setting (b), {promoted}"
+        cell = cm._cell("quantnpu", "ours", config, run_dir, label)
         status, payload = cm.run_cell(cell, args, command, cm.float_reference(float_report, specs))
         entry = cm.grid_entry(cell, status, payload, specs)
         entry["key"] = run_dir.name
