@@ -162,10 +162,6 @@ def plan_costs(plan: QuantPlan, cfg: ModelConfig, phase: Phase) -> tuple[OpCost,
             ins = [act_bits(n, layer) for n in op.ins]
             o = act_bits(op.out_name, layer)
             width = widths[op.out_name]
-            moved = t * (
-                sum(_size(b) * widths[n] for b, n in zip(ins, op.ins, strict=True))
-                + _size(o) * width
-            )
             if op.kind == "linear":
                 wq = plan.get(f"layers/{op.weight_name}")
                 cost = _linear_cost(
@@ -182,14 +178,15 @@ def plan_costs(plan: QuantPlan, cfg: ModelConfig, phase: Phase) -> tuple[OpCost,
                 out.append(cost)
             elif op.kind == "attention":
                 out.append(_attention_cost(plan, cfg, layer, op, ins, o, phase))
-            else:
+            else:  # element-wise: its input and output codes move
+                moved = sum(_size(b) * widths[n] for b, n in zip(ins, op.ins, strict=True))
                 out.append(
                     OpCost(
                         layer,
                         op.out_name,
                         op.kind,
                         {},
-                        act_bytes=moved,
+                        act_bytes=t * (moved + _size(o) * width),
                         lut_lookups=t * width if op.kind == "lut" else 0,
                         requants=t * width if o is not None else 0,
                     )

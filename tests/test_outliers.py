@@ -318,7 +318,7 @@ def test_muxq_fields_in_the_plan_are_checked():
         TensorQuant(bits=8, muxq_channels=((),), muxq_exp=9)
     with pytest.raises(QnpuError, match="not both"):
         TensorQuant(bits=8, muxq_channels=((),), muxq_exp=2, shadow_channels=((),))
-    with pytest.raises(QnpuError, match="past width 2"):
+    with pytest.raises(QnpuError, match="past the tensor's width 2"):
         tq.muxq_multipliers(2)
 
 

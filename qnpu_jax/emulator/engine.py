@@ -300,11 +300,11 @@ def _run_layer(
         if kind == "rmsnorm":
             y = rmsnorm(ins[0][0].astype(I64) - ins[0][1], c, out, f, k)
         elif kind == "linear":
-            hot = model.shadow_channels(op["in"][0], layer)
-            _, lo, hi = _act(model, layer, op["in"][0]) if len(hot) else (0, 0, 0)
-            shadow = (hot, lo, hi) if len(hot) else None
-            outliers = model.muxq_channels(op["in"][0], layer)
-            muxq = (outliers, model.muxq_exp(op["in"][0])) if len(outliers) else None
+            src = op["in"][0]
+            hot = model.shadow_channels(src, layer)
+            shadow = (hot, *_act(model, layer, src)[1:]) if len(hot) else None
+            outliers = model.muxq_channels(src, layer)
+            muxq = (outliers, model.muxq_exp(src)) if len(outliers) else None
             weight = model.weight_operand(op["const"], layer)
             y = _linear(ins[0], c, out, weight, shadow, muxq)
         elif kind == "rope":

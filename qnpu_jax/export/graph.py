@@ -27,6 +27,7 @@ HEAD_NORM_MAX = (1 << 15) - 1
 # mllm-NPU's shadow outliers: a shadow channel's codes are signed SHADOW_BITS-bit (exact in
 # float32), so the overflow r = q − clamp(q) the shadow path adds back is never clipped in use.
 SHADOW_BITS = 24
+SHADOW_RANGE = (-(1 << (SHADOW_BITS - 1)), (1 << (SHADOW_BITS - 1)) - 1)
 # MUXQ: an outlier channel's codes are its value >> exp (at most this) in the Body tensor
 MUXQ_MAX_EXP = 8
 LOGITS_SCALE = 2.0**-16  # int32 logits: real logit = code · 2^-16
@@ -386,6 +387,22 @@ def model_widths(model: dict[str, Any]) -> dict[str, int]:
         "kv": model["num_kv_heads"] * hd,
         "ffn": model["intermediate_size"],
     }
+
+
+def channel_mask(lists: Any, width: int) -> np.ndarray:
+    """bool [L, width]: True on each layer's listed channels (a plan's shadow or MUXQ lists,
+    or an artifact's −1 padded rows: negative entries are skipped)."""
+    from qnpu_jax.errors import QnpuError
+
+    mask = np.zeros((len(lists), width), bool)
+    for layer, chans in enumerate(lists):
+        used = [int(c) for c in chans if c >= 0]
+        if used and max(used) >= width:
+            raise QnpuError(
+                f"channel {max(used)} (layer {layer}) is past the tensor's width {width}"
+            )
+        mask[layer, used] = True
+    return mask
 
 
 _I8_16_32 = ("int8", "int16", "int32")

@@ -30,7 +30,8 @@ from qnpu_jax.export.graph import (
     NORM_UNIT_BITS,
     OPS,
     ROPE_FRACTION_BITS,
-    SHADOW_BITS,
+    SHADOW_RANGE,
+    channel_mask,
     check_generation_room,
     check_room,
     expected_tensors,
@@ -66,10 +67,20 @@ class IntModel:
     def t(self, name: str) -> np.ndarray:
         return self.tensors[name]
 
+    def _channels(self, kind: str, name: str, layer: int) -> np.ndarray:
+        lists = self.tensors.get(f"layers.{kind}.{name}.channels")
+        return np.zeros(0, np.int64) if lists is None else lists[layer][lists[layer] >= 0]
+
+    def _mask(self, kind: str, name: str) -> np.ndarray | None:
+        """bool [L, C]: the `kind` ("shadow", "muxq") channels of `name`, None without any."""
+        lists = self.tensors.get(f"layers.{kind}.{name}.channels")
+        if lists is None:
+            return None
+        return channel_mask(lists, layer_widths(model_widths(self.model))[name])
+
     def shadow_channels(self, name: str, layer: int) -> np.ndarray:
         """The shadow channels of activation `name` in `layer` (empty: none)."""
-        lists = self.tensors.get(f"layers.shadow.{name}.channels")
-        return np.zeros(0, np.int64) if lists is None else lists[layer][lists[layer] >= 0]
+        return self._channels("shadow", name, layer)
 
     def shadow_bounds(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
         """`shadow_bounds(self, name)`, computed once per model."""
@@ -80,8 +91,7 @@ class IntModel:
 
     def muxq_channels(self, name: str, layer: int) -> np.ndarray:
         """The MUXQ outlier channels of activation `name` in `layer` (empty: none)."""
-        lists = self.tensors.get(f"layers.muxq.{name}.channels")
-        return np.zeros(0, np.int64) if lists is None else lists[layer][lists[layer] >= 0]
+        return self._channels("muxq", name, layer)
 
     def muxq_exp(self, name: str) -> int:
         """MUXQ's shift of activation `name` (0: none)."""
@@ -92,14 +102,8 @@ class IntModel:
         right shift of the producer), or None without MUXQ channels."""
         key = f"muxq:{name}"
         if key not in self._derived:
-            lists = self.tensors.get(f"layers.muxq.{name}.channels")
-            value = None
-            if lists is not None:
-                width = layer_widths(model_widths(self.model))[name]
-                value = np.zeros((len(lists), width), np.int64)
-                for layer, row in enumerate(lists):
-                    value[layer, row[row >= 0]] = self.muxq_exp(name)
-            self._derived[key] = value
+            mask = self._mask("muxq", name)
+            self._derived[key] = None if mask is None else mask * np.int64(self.muxq_exp(name))
         return self._derived[key]  # type: ignore[no-any-return]
 
     def weight_operand(self, prefix: str, layer: int | None) -> tuple[np.ndarray, float]:
@@ -222,18 +226,13 @@ def _check_channel_lists(
 def shadow_bounds(model: IntModel, name: str) -> tuple[np.ndarray, np.ndarray] | None:
     """Per-channel code bounds [L, C] of activation `name` when it has shadow channels (theirs
     `SHADOW_BITS` wide, the others the tensor's range), else None."""
-    key = f"layers.shadow.{name}.channels"
-    if key not in model.tensors:
+    mask = model._mask("shadow", name)
+    if mask is None:
         return None
     j = LAYER_ACTS.index(name)
-    chans = model.tensors[key]
-    width = layer_widths(model_widths(model.model))[name]
-    lo = np.repeat(model.tensors["layers.act.qmin"][:, j : j + 1].astype(np.int64), width, 1)
-    hi = np.repeat(model.tensors["layers.act.qmax"][:, j : j + 1].astype(np.int64), width, 1)
-    for layer, row in enumerate(chans):
-        used = row[row >= 0]
-        lo[layer, used], hi[layer, used] = -(1 << (SHADOW_BITS - 1)), (1 << (SHADOW_BITS - 1)) - 1
-    return lo, hi
+    lo = model.tensors["layers.act.qmin"][:, j : j + 1].astype(np.int64)
+    hi = model.tensors["layers.act.qmax"][:, j : j + 1].astype(np.int64)
+    return np.where(mask, SHADOW_RANGE[0], lo), np.where(mask, SHADOW_RANGE[1], hi)
 
 
 # The fixed-point constants of graph FORMAT_GRAPH: part of the contract, not of an export.

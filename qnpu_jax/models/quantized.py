@@ -26,8 +26,9 @@ from qnpu_jax.export.graph import (
     GRAPH,
     KV_TENSORS,
     PROBS,
-    SHADOW_BITS,
+    SHADOW_RANGE,
     Graph,
+    channel_mask,
     layer_widths,
 )
 from qnpu_jax.models.config import ModelConfig
@@ -228,16 +229,10 @@ def shadow_bounds(
         raise QnpuError("a tensor with shadow channels needs its width for per-channel bounds")
     if len(channels) != len(qmin):
         raise QnpuError(f"shadow channels for {len(channels)} layers, bounds for {len(qmin)}")
-    lo = np.repeat(np.asarray(qmin, np.float32)[:, None], width, axis=1)
-    hi = np.repeat(np.asarray(qmax, np.float32)[:, None], width, axis=1)
-    wide_lo, wide_hi = -(1 << (SHADOW_BITS - 1)), (1 << (SHADOW_BITS - 1)) - 1
-    for layer, chans in enumerate(channels):
-        if chans and max(chans) >= width:
-            raise QnpuError(
-                f"shadow channel {max(chans)} (layer {layer}) is past the tensor's width {width}"
-            )
-        lo[layer, list(chans)], hi[layer, list(chans)] = wide_lo, wide_hi
-    return lo, hi
+    mask = channel_mask(channels, width)
+    lo = np.where(mask, SHADOW_RANGE[0], np.asarray(qmin, np.float32)[:, None])
+    hi = np.where(mask, SHADOW_RANGE[1], np.asarray(qmax, np.float32)[:, None])
+    return lo.astype(np.float32), hi.astype(np.float32)
 
 
 # The sink prefix's K/V are the only prefix tensors the device holds: they sit in its cache.

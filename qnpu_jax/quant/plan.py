@@ -35,6 +35,7 @@ from qnpu_jax.export.graph import (
     UNROTATED_ROLE,
     Graph,
     Tensor,
+    channel_mask,
 )
 from qnpu_jax.quant.spec import QuantSpec, qrange
 from qnpu_jax.quant.state import is_layer_path
@@ -135,12 +136,7 @@ class TensorQuant:
         (the tensor's per-channel scale is its Body scale times these)."""
         if self.muxq_channels is None or self.muxq_exp is None:
             raise QnpuError("this tensor has no MUXQ channels")
-        out = np.ones((len(self.muxq_channels), width), np.int64)
-        for layer, chans in enumerate(self.muxq_channels):
-            if chans and max(chans) >= width:
-                raise QnpuError(f"MUXQ channel {max(chans)} (layer {layer}) is past width {width}")
-            out[layer, list(chans)] = 1 << self.muxq_exp
-        return out
+        return np.where(channel_mask(self.muxq_channels, width), 1 << self.muxq_exp, 1)
 
     def bits_for_layer(self, layer: int) -> int:
         return self.layer_bits[layer] if self.layer_bits is not None else self.bits
