@@ -85,33 +85,30 @@ def plan_cost(plan: Any, cfg: Any, devices: dict[str, Any]) -> dict[str, Any]:
 
 
 def _variants(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, Any], Any]]:
-    """(key suffix, label, mechanism, arguments, step) of every post-training row."""
+    """(key suffix, label, mechanism, arguments, step) of every post-training row; the
+    mechanism names its step in `pipeline.steps`, called with the arguments."""
     from qnpu_jax.pipeline import steps
 
-    out: list[tuple[str, str, str, dict[str, Any], Any]] = []
-    for clip in args.shadow_clip:
-        for keep in args.shadow_keep:
-            out.append(
-                (
-                    f"shadow-p{clip:g}-k{keep:g}",
-                    f"+ shadow outliers (P{clip:g}, {keep:.0%} of layers)",
-                    "shadow_outliers",
-                    {"clip": clip, "keep": keep},
-                    steps.shadow_outliers(clip=clip, keep=keep),
-                )
-            )
-    for exp in args.muxq_exp:
-        for threshold in args.muxq_threshold:
-            out.append(
-                (
-                    f"muxq-e{exp}-t{threshold:g}",
-                    f"+ MUXQ (exp {exp}, channels with |x| > {threshold:g})",
-                    "muxq",
-                    {"exp": exp, "threshold": threshold},
-                    steps.muxq(exp=exp, threshold=threshold),
-                )
-            )
-    return out
+    rows = [
+        (
+            f"shadow-p{clip:g}-k{keep:g}",
+            f"+ shadow outliers (P{clip:g}, {keep:.0%} of layers)",
+            "shadow_outliers",
+            {"clip": clip, "keep": keep},
+        )
+        for clip in args.shadow_clip
+        for keep in args.shadow_keep
+    ] + [
+        (
+            f"muxq-e{exp}-t{threshold:g}",
+            f"+ MUXQ (exp {exp}, channels with |x| > {threshold:g})",
+            "muxq",
+            {"exp": exp, "threshold": threshold},
+        )
+        for exp in args.muxq_exp
+        for threshold in args.muxq_threshold
+    ]
+    return [(*row, getattr(steps, row[2])(**row[3])) for row in rows]
 
 
 def _post_rows(
