@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     qz.add_argument("--model", default=None, help="overrides the config's model")
     qz.add_argument(
-        "--method", default=None, help="rtn, quarot, spinquant or quantnpu (overrides the config's)"
+        "--method",
+        default=None,
+        help="rtn, quarot, spinquant, quantnpu or mobilequant (overrides the config's)",
     )
     qz.add_argument("--bits", default=None, help="w4a8, w8a8, w4a4kv8, ... (overrides)")
     qz.add_argument(

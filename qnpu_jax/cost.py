@@ -175,6 +175,10 @@ def plan_costs(plan: QuantPlan, cfg: ModelConfig, phase: Phase) -> tuple[OpCost,
                 if aux:  # MUXQ: the Aux matmul of the outlier channels, on the NPU
                     macs = {p: n + t * len(aux) * width for p, n in cost.macs.items()}
                     cost = dataclasses.replace(cost, macs=macs)
+                if wq is not None and not wq.symmetric:  # z_w·Σx: a row sum and a product
+                    extra = t * (widths[op.ins[0]] + width)  # per output, on the NPU
+                    macs = {p: n + extra for p, n in cost.macs.items()}
+                    cost = dataclasses.replace(cost, macs=macs)
                 out.append(cost)
             elif op.kind == "attention":
                 out.append(_attention_cost(plan, cfg, layer, op, ins, o, phase))

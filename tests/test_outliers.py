@@ -146,8 +146,13 @@ def test_shadow_outliers_step_on_the_two_layer_model(shadowed):
     assert with_shadow < clipped_only.perplexity(windows)["ppl"]
     from qnpu_jax.export.exporter import run_encodings
 
-    with pytest.raises(QnpuError, match="no AIMET encoding or ONNX form"):  # AIMET, ONNX
-        run_encodings(model.plan, model.state, model.cfg)
+    from qnpu_jax.export.aimet import aimet_encodings
+
+    table = run_encodings(model.plan, model.state, model.cfg)
+    assert table[f"layers.{kept}.down_in"]["shadow_channels"] == list(tq.shadow_channels[kept])
+    assert "shadow_channels" not in table[f"layers.{1 - kept}.down_in"]
+    with pytest.raises(QnpuError, match="shadow_channels has no AIMET encoding"):
+        aimet_encodings(table)
     with pytest.raises(QnpuError, match="has outlier channels already"):
         steps.shadow_outliers("down_in")(model, data)
     with pytest.raises(QnpuError, match="not a quantized linear input"):
@@ -262,11 +267,17 @@ def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_pat
         "--seq-len", "32", "--calib-windows", "2", "--eval-windows", "1",
         "--wikitext", str(text), "--runs-dir", str(tmp_path / "runs"), "--json", str(report),
         "--shadow-keep", "1.0", "--muxq-exp", "3", "--muxq-threshold", "0.5", "--no-progress",
+        "--recipes", "mobilequant",
     ]  # fmt: skip
     assert outliers.main(argv) == 0
     doc = json.loads(report.read_text())
-    base, shadow, muxq = doc["rows"]
-    assert base["status"] == shadow["status"] == muxq["status"] == "ran"
+    base, shadow, muxq, mobilequant = doc["rows"]
+    assert base["status"] == shadow["status"] == muxq["status"] == mobilequant["status"] == "ran"
+    assert mobilequant["key"] == "mobilequant-w4a8kv8-ours-prefix-bos"
+    assert "MobileQuant" in mobilequant["label"] and set(mobilequant["ppl"]) == set(base["ppl"])
+    # its asymmetric weights' z_w·Σx term: more NPU MACs than Quant.npu's symmetric plan
+    mq_macs = sum(mobilequant["cost"]["prefill"]["macs"].values())
+    assert mq_macs > sum(base["cost"]["prefill"]["macs"].values())
     assert muxq["args"] == {"exp": 3, "threshold": 0.5} and sum(muxq["info"]["channels_per_layer"])
     # the Aux matmul: more NPU MACs than the run itself, at the same pairs
     base_macs, muxq_macs = (r["cost"]["prefill"]["macs"] for r in (base, muxq))
@@ -281,7 +292,7 @@ def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_pat
     assert report.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "shadow outliers" in report.with_suffix(".md").read_text()
     assert outliers.main(argv) == 0  # everything read back, nothing run again
-    assert [r["status"] for r in json.loads(report.read_text())["rows"]] == ["reused"] * 3
+    assert [r["status"] for r in json.loads(report.read_text())["rows"]] == ["reused"] * 4
 
 
 def test_muxq_body_plus_aux_equals_the_input_exactly():
@@ -345,8 +356,8 @@ def test_muxq_step_artifact_and_engines_on_the_two_layer_model(shadowed, tmp_pat
     assert len(set(scale[0, cold].tolist())) == 1
     fake = model.perplexity(windows)["ppl"]
     assert fake < base.perplexity(windows)["ppl"]
-    with pytest.raises(QnpuError, match="no AIMET encoding or ONNX form"):
-        run_encodings(model.plan, model.state, model.cfg)
+    table = run_encodings(model.plan, model.state, model.cfg)
+    assert table["layers.0.down_in"]["muxq"] == {"exp": 3, "channels": hot}
     out = export_quantized(model, tmp_path / "art", fp.tokenizer)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["graph"]["muxq"]["down_in"]["exp"] == 3
@@ -364,3 +375,42 @@ def test_muxq_step_artifact_and_engines_on_the_two_layer_model(shadowed, tmp_pat
         steps.muxq("down_in", exp=2, threshold=threshold)(model, data)
     with pytest.raises(QnpuError, match="exp must be an integer"):
         steps.muxq(exp=0)
+
+
+@pytest.mark.parametrize("mechanism", ["shadow", "muxq"])
+def test_onnx_qdq_graph_carries_shadow_and_muxq_channels(shadowed, mechanism, tmp_path):
+    """The QDQ graph quantizes MUXQ's input per channel (scale · 2^exp on its outlier
+    channels) and gives shadow channels their unclamped value s·round(x/s): onnxruntime
+    scores it as the fake-quant model does (float ops between QDQ pairs: the "fake"
+    simulation). AIMET's encodings have no form for either: the export writes none and says
+    why, and QuantSim is refused with that reason."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from qnpu_jax.export.onnx_export import export_onnx
+    from qnpu_jax.export.onnx_run import OnnxModel, aimet_quantsim
+
+    fp, base, shadow_model, windows, data = shadowed
+    model = shadow_model
+    if mechanism == "muxq":
+        model = steps.muxq("down_in", exp=2, threshold=1.0)(base, data)
+    model = model.replace(plan=dataclasses.replace(model.plan, simulation="fake"))
+    out = export_onnx(model, tmp_path / "onnx", fp.tokenizer, chunk=16, max_context=96)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["onnx"]["encodings"]["file"] is None
+    assert "AIMET" in manifest["onnx"]["encodings"]["why"]
+    assert not (out / "model.encodings").exists()
+    with pytest.raises(QnpuError, match="no AIMET encodings for QuantSim"):
+        aimet_quantsim(out)
+    import onnx
+
+    graph = onnx.load(str(out / "model_qdq.onnx"), load_external_data=False).graph
+    shadowed = [n for n in graph.node if any(o.endswith("_shadowed") for o in n.output)]
+    assert len(shadowed) == (1 if mechanism == "shadow" else 0)  # one layer keeps shadows
+    per_axis = [n for n in graph.node if n.op_type == "QuantizeLinear" and n.attribute]
+    assert bool(per_axis) == (mechanism == "muxq")
+    ids = np.asarray(windows[:2, :40])
+    nll_onnx = OnnxModel(out, qdq=True).token_nll(ids)
+    nll_fake = np.asarray(model.nll_fn()(jnp.asarray(ids)))
+    assert abs(nll_onnx.mean() / nll_fake.mean() - 1) < 0.01

@@ -49,19 +49,19 @@ def test_smoothing_scales_formula_dead_channels_and_errors():
     down = rng.normal(size=(2, 4, 6)).astype(np.float32)
     act[0, 2] = 0.0  # never active
     down[1, :, 4] = 0.0  # no weight
-    s = np.asarray(smoothing_scales(act, down, 0.6))
-    w = np.abs(down).max(axis=1)
+    w = np.abs(down).max(axis=1)  # the readers' column ranges
+    s = np.asarray(smoothing_scales(act, w, 0.6))
     expected = act**0.6 / np.where(w > 0, w, 1.0) ** 0.4
     expected[0, 2] = expected[1, 4] = 1.0
     np.testing.assert_allclose(s, expected, rtol=1e-5)
     for alpha in (0.0, 1.0, -0.5):
         with pytest.raises(QnpuError, match="alpha"):
-            smoothing_scales(act, down, alpha)
+            smoothing_scales(act, w, alpha)
     with pytest.raises(QnpuError, match="do not match"):
-        smoothing_scales(act[:, :5], down, 0.5)
+        smoothing_scales(act[:, :5], w, 0.5)
     act[1, 1] = np.nan
     with pytest.raises(QnpuError, match="not finite"):
-        smoothing_scales(act, down, 0.5)
+        smoothing_scales(act, w, 0.5)
 
 
 def test_smoothing_is_equivalent_commutes_with_rotations_and_balances_ranges(
@@ -71,7 +71,7 @@ def test_smoothing_is_equivalent_commutes_with_rotations_and_balances_ranges(
     r1, r2 = randomized_hadamard_rotations(tiny_cfg, jax.random.key(2))
     rotated = apply_rotations(base, tiny_cfg, r1, r2)
     absmax = channel_absmax(rotated, tiny_cfg, windows, ("down_in",))["down_in"]
-    s = smoothing_scales(absmax, rotated["layers"]["down_proj"], 0.5)
+    s = smoothing_scales(absmax, np.abs(rotated["layers"]["down_proj"]).max(axis=1), 0.5)
     assert not np.allclose(s, 1.0)
     smoothed = apply_rotations(smooth_mlp(base, s), tiny_cfg, r1, r2)
     for name in ("up_proj", "down_proj"):

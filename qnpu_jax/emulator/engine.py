@@ -191,9 +191,13 @@ def _linear(
     matmul reads the codes clamped to [qmin, qmax], and the shadow path adds the overflow
     q − clamp(q) of those channels times their weight columns only (mllm-NPU).
     `muxq` (channels, exp): the input is MUXQ's Body; the Aux matmul of those channels,
-    times 2^exp − 1, is added to the Body matmul."""
+    times 2^exp − 1, is added to the Body matmul.
+    An asymmetric weight (`weight_zero_point` z_w [out] in `c`): the matmul runs on its
+    codes, and z_w[o] times the row sum of the input it read is subtracted, as a device
+    does (Σ (q_w − z_w)·x = Σ q_w·x − z_w·Σ x)."""
     codes, z = x
     w64, w_max = weight
+    xc = codes.astype(I64) - z
     if shadow is not None:
         channels, lo, hi = shadow
         q = codes.astype(I64)
@@ -202,12 +206,17 @@ def _linear(
         overflow = (q - clamped)[..., channels]
         acc = acc + exact_matmul(overflow, w64[:, channels], "...i,oi->...o", b_absmax=w_max)
     else:
-        acc = exact_matmul(codes.astype(I64) - z, w64, "...i,oi->...o", b_absmax=w_max)
+        acc = exact_matmul(xc, w64, "...i,oi->...o", b_absmax=w_max)
     if muxq is not None:
         channels, exp = muxq
         aux = codes[..., channels].astype(I64) - z
         aux_acc = exact_matmul(aux, w64[:, channels], "...i,oi->...o", b_absmax=w_max)
         acc = acc + ((1 << exp) - 1) * aux_acc
+    if "weight_zero_point" in c:
+        x_sum = np.sum(xc, axis=-1, keepdims=True)  # what the matmul above read, summed
+        if muxq is not None:
+            x_sum = x_sum + ((1 << muxq[1]) - 1) * np.sum(aux, axis=-1, keepdims=True)
+        acc = acc - c["weight_zero_point"].astype(I64) * x_sum
     if "bias" in c:
         acc = acc + c["bias"].astype(I64)
     return requantize(acc, c["M"], c["shift"], *out)

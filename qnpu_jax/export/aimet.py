@@ -80,6 +80,9 @@ GLOBAL_TAIL = _SHIPPED.tail
 
 _LAYER_RE = re.compile(r"layers\.(0|[1-9][0-9]*)\.([a-z_]+)")
 _ENTRY_KEYS = ("bits", "signed", "symmetric", "axis", "scale", "zero_point")
+# mllm-NPU's shadow channels and MUXQ's shifted channels of a linear input (the encodings
+# table of `qnpu_jax.export.exporter`): no AIMET form
+OUTLIER_KEYS = ("shadow_channels", "muxq")
 
 
 def _parse(tensor: str, n: _Names = _SHIPPED) -> tuple[int, int, int]:
@@ -156,6 +159,13 @@ def _checked(tensor: str, entry: object) -> dict[str, Any]:
     missing = [k for k in _ENTRY_KEYS if k not in entry]
     if missing:
         raise QnpuError(f"{tensor}: encoding entry lacks {', '.join(missing)}")
+    outliers = [k for k in OUTLIER_KEYS if k in entry]
+    if outliers:
+        raise QnpuError(
+            f"{tensor}: {outliers[0]} has no AIMET encoding (AIMET's activation encodings are "
+            "one grid per tensor, clamped on every channel; the integer artifact and the ONNX "
+            "QDQ graph carry them)"
+        )
     bits = entry["bits"]
     if isinstance(bits, bool) or not isinstance(bits, int | np.integer):
         raise QnpuError(f"{tensor}: bits must be an integer, got {bits!r}")

@@ -214,11 +214,6 @@ def _check_plan(
             f"these in float: {', '.join(missing)} (use scope 'full')"
         )
     for path, tq in plan.entries:
-        if not integer and (tq.shadow_channels is not None or tq.muxq_channels is not None):
-            raise QnpuError(
-                f"{path}: shadow or MUXQ channels have no AIMET encoding or ONNX form yet "
-                "(the integer artifact carries them)"
-            )
         if is_weight(path, graph) and max(tq.layer_bits or (tq.bits,)) > 8:
             raise QnpuError(f"{path}: integer weights are at most 8 bits")
         if integer and tq.block is not None and tq.block_scale_bits is None:
@@ -240,11 +235,28 @@ def weight_scales(tq: TensorQuant, scale: np.ndarray) -> tuple[np.ndarray, np.nd
     return channel.reshape(-1).astype(np.float32), k.astype(np.uint8)
 
 
+def weight_zero_points(tq: TensorQuant, zero_point: np.ndarray, what: str) -> np.ndarray:
+    """One layer's weight zero points [out] as integers: zeros for a symmetric weight; for an
+    asymmetric one each row's, which must lie on its code grid (a row with both signs does)."""
+    z = np.rint(np.asarray(zero_point, np.float64)).reshape(-1)
+    if tq.symmetric:
+        return np.zeros(z.shape, np.int32)
+    lo, hi = tq.qrange(max(tq.layer_bits or (tq.bits,)))
+    if z.min(initial=0) < lo or z.max(initial=0) > hi:
+        raise QnpuError(f"{what}: weight zero points must lie in [{lo}, {hi}] (the code range)")
+    return z.astype(np.int32)
+
+
 def _layer_weight_codes(
-    w: np.ndarray, tq: TensorQuant, layer: int, scale: np.ndarray, what: str
+    w: np.ndarray,
+    tq: TensorQuant,
+    layer: int,
+    scale: np.ndarray,
+    what: str,
+    zero_point: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(codes [out, in], per-channel scales [out], LPBQ block scales [out, nb] or None) of
-    one layer's weight."""
+    one layer's weight; `zero_point` [out] for an asymmetric one."""
     blocks = 1 if tq.block is None else check_block(tq.block, w.shape[-1], what)
     if np.shape(scale) != (w.shape[0], blocks):
         raise QnpuError(
@@ -254,7 +266,8 @@ def _layer_weight_codes(
     channel, k = weight_scales(tq, scale)
     if tq.block is None or k is None:
         s = channel.reshape(-1, 1)
-        return _weight_codes(w, s, np.zeros_like(s), tq.spec(layer), what), channel, None
+        z = np.zeros_like(s) if zero_point is None else zero_point.reshape(-1, 1)
+        return _weight_codes(w, s, z.astype(np.float32), tq.spec(layer), what), channel, None
     s = (channel[:, None] * k.astype(np.float32))[..., None]  # the block scales, [out, nb, 1]
     view = block_view(w, tq.block)
     codes = _weight_codes(view, s, np.zeros_like(s), tq.spec(layer), what)
@@ -310,15 +323,17 @@ def encodings_table(
         tq = plan.get(f"layers/{name}")
         assert tq is not None
         s = np.asarray(state["layers"][name].scale, np.float32)
+        zp = np.asarray(state["layers"][name].zero_point, np.float32)
         for i in range(n):
             channel, k = weight_scales(tq, s[i])
+            z = weight_zero_points(tq, zp[i], f"layers.{i}.{name}") if k is None else None
             entry: dict[str, Any] = {
                 "bits": tq.bits_for_layer(i),
                 "signed": True,
-                "symmetric": True,
+                "symmetric": tq.symmetric,
                 "axis": 0,
                 "scale": [float(v) for v in channel],
-                "zero_point": [0] * channel.size,
+                "zero_point": [0] * channel.size if z is None else [int(v) for v in z],
             }
             if tq.block is not None:
                 entry["block"] = tq.block
@@ -331,6 +346,13 @@ def encodings_table(
         assert tq is not None
         for i, e in enumerate(encs):
             table[f"layers.{i}.{name}"] = _act_entry(e, tq.symmetric, tq.signed)
+            if tq.shadow_channels and tq.shadow_channels[i]:  # codes not clamped there
+                table[f"layers.{i}.{name}"]["shadow_channels"] = list(tq.shadow_channels[i])
+            if tq.muxq_channels and tq.muxq_channels[i]:  # scale · 2^exp there
+                table[f"layers.{i}.{name}"]["muxq"] = {
+                    "exp": tq.muxq_exp,
+                    "channels": list(tq.muxq_channels[i]),
+                }
     for name, e in outer_encs.items():
         tq = plan.get(name)
         assert tq is not None
@@ -455,6 +477,7 @@ def export_model(
     # Channel lists of linear inputs: shadow channels (mllm-NPU) and MUXQ's outlier channels.
     shadow: dict[str, int] = {}
     muxq: dict[str, dict[str, int]] = {}
+    weight_zero: list[str] = []  # the linears with asymmetric weights
     for act in layer_acts:
         tq = plan.get(f"layers/{act}")
         if tq is not None and tq.shadow_channels is not None:
@@ -486,11 +509,14 @@ def export_model(
             assert tq is not None
             w = layers[name]
             s_state = np.asarray(state["layers"][name].scale, np.float32)
-            codes, ms, shs, biases, blocks = [], [], [], [], []
+            z_state = np.asarray(state["layers"][name].zero_point, np.float32)
+            codes, ms, shs, biases, blocks, zeros = [], [], [], [], [], []
             for i in range(n):
                 where = f"layers.{i}.{name}"
-                q, s_w, block_scales = _layer_weight_codes(w[i], tq, i, s_state[i], where)
+                z_w = weight_zero_points(tq, z_state[i], where)
+                q, s_w, block_scales = _layer_weight_codes(w[i], tq, i, s_state[i], where, z_w)
                 codes.append(q)
+                zeros.append(z_w)
                 if block_scales is not None:
                     blocks.append(block_scales)
                 s_acc = enc(src, i).scale * s_w.astype(np.float64)
@@ -509,6 +535,9 @@ def export_model(
                 tensors[f"{c}.bias"] = np.stack(biases)
             if blocks:  # LPBQ: the engines run the int8 codes k·q (`int_model.lpbq_weights`)
                 tensors[f"{c}.block_scale"] = np.stack(blocks)
+            if not tq.symmetric:  # the matmul subtracts z_w[o]·Σ_i xc_i
+                tensors[f"{c}.weight_zero_point"] = np.stack(zeros)
+                weight_zero.append(c)
             if max(tq.layer_bits or (tq.bits,)) <= 4:
                 int4.add(f"{c}.weight")
         elif op.kind == "rmsnorm":
@@ -618,7 +647,7 @@ def export_model(
     manifest = {
         "model": dataclasses.asdict(cfg),
         "graph": {
-            "format": FORMAT_GRAPH_CHANNELS if shadow or muxq else FORMAT_GRAPH,
+            "format": FORMAT_GRAPH_CHANNELS if shadow or muxq or weight_zero else FORMAT_GRAPH,
             "ops": graph.ops_json(),
             "layer_activations": layer_acts,
             "global_activations": list(outer),
@@ -631,6 +660,7 @@ def export_model(
             "logits_scale": LOGITS_SCALE,
             **({"shadow": shadow} if shadow else {}),
             **({"muxq": muxq} if muxq else {}),
+            **({"weight_zero_points": weight_zero} if weight_zero else {}),
         },
         "encodings": encodings_table(plan, state, cfg, acts, outer, graph),
         "tokenizer": dict(tokenizer_info or {}),

@@ -14,8 +14,9 @@ import numpy as np
 # /2: the activation columns follow the op order (/1 had silu_out before up_out)
 FORMAT_GRAPH = "qnpu-llama-int/2"
 # /3: /2 plus channel lists of linear inputs (shadow channels `graph.shadow`, MUXQ channels
-# `graph.muxq`); written only when a plan has them, so a /2 reader refuses what it would run
-# wrong, and this one reads both
+# `graph.muxq`) and asymmetric weights (`graph.weight_zero_points`, the linears with a zero
+# point per row); written only when a plan has them, so a /2 reader refuses what it would
+# run wrong, and this one reads both
 FORMAT_GRAPH_CHANNELS = "qnpu-llama-int/3"
 NORM_FRACTION_BITS = 8  # F: the RMSNorm root carries F fractional bits
 NORM_UNIT_BITS = 16  # K: the normalized value carries K fractional bits before requantizing
@@ -30,6 +31,8 @@ SHADOW_BITS = 24
 SHADOW_RANGE = (-(1 << (SHADOW_BITS - 1)), (1 << (SHADOW_BITS - 1)) - 1)
 # MUXQ: an outlier channel's codes are its value >> exp (at most this) in the Body tensor
 MUXQ_MAX_EXP = 8
+# weight codes are int8 (4-bit ones packed); an asymmetric weight's row zero points too
+WEIGHT_CODE_RANGE = (-128, 127)
 LOGITS_SCALE = 2.0**-16  # int32 logits: real logit = code · 2^-16
 LOGITS_RANGE = (-(2**31), 2**31 - 1)
 # How a fake-quant forward computes the ops between quantizers (`QuantPlan.simulation`):
@@ -476,6 +479,11 @@ def expected_tensors(model: dict[str, Any], graph: dict[str, Any]) -> dict[str, 
         out[f"layers.shadow.{name}.channels"] = ((n, k), i32)
     for name, entry in (graph.get("muxq") or {}).items():  # outlier channels, −1 padded
         out[f"layers.muxq.{name}.channels"] = ((n, entry["channels"]), i32)
+    for const in graph.get("weight_zero_points") or []:  # asymmetric weights: z_w per row
+        key = f"{const}.weight"
+        if key not in out or not const.startswith("layers."):
+            raise ValueError(f"weight zero points of {const!r}, which is no layer linear")
+        out[f"{const}.weight_zero_point"] = ((n, out[key][0][1]), i32)
     out["rope.cos"] = ((graph["max_context"], hd), ("int16",))
     out["rope.sin"] = ((graph["max_context"], hd), ("int16",))
     return out

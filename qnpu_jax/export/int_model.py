@@ -31,6 +31,7 @@ from qnpu_jax.export.graph import (
     OPS,
     ROPE_FRACTION_BITS,
     SHADOW_RANGE,
+    WEIGHT_CODE_RANGE,
     channel_mask,
     check_generation_room,
     check_room,
@@ -133,13 +134,15 @@ def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], whe
             f"runs {FORMAT_GRAPH} and {FORMAT_GRAPH_CHANNELS}); export the run again with this "
             "version"
         )
-    lists = bool(graph.get("shadow")) or bool(graph.get("muxq"))
+    lists = any(bool(graph.get(k)) for k in ("shadow", "muxq", "weight_zero_points"))
     if (graph.get("format") == FORMAT_GRAPH_CHANNELS) != lists:
         raise QnpuError(
             f"{where}: graph format {FORMAT_GRAPH_CHANNELS} is the one with shadow or MUXQ "
-            "channels (graph.shadow, graph.muxq), and only it"
+            "channels or asymmetric weights (graph.shadow, graph.muxq, "
+            "graph.weight_zero_points), and only it"
         )
     _check_channel_entries(graph, where)
+    _check_weight_zero_entries(graph, where)
     ops = graph.get("ops")
     if not isinstance(ops, dict):
         raise QnpuError(f"{where}: graph has no op list")
@@ -172,6 +175,13 @@ def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], whe
         if a.dtype.name not in dtypes:
             raise QnpuError(f"{where}: tensor {name} has dtype {a.dtype}, expected {dtypes}")
     _check_channel_lists(model, graph, tensors, where)
+    for const in graph.get("weight_zero_points") or []:
+        z = tensors[f"{const}.weight_zero_point"]
+        if z.size and (int(z.min()) < WEIGHT_CODE_RANGE[0] or int(z.max()) > WEIGHT_CODE_RANGE[1]):
+            raise QnpuError(
+                f"{where}: {const}.weight_zero_point must lie in {list(WEIGHT_CODE_RANGE)} "
+                "(int8 weight codes)"
+            )
     for op in GRAPH.ops("lut"):
         j = LAYER_ACTS.index(op.ins[0])
         span = tensors["layers.act.qmax"][:, j] - tensors["layers.act.qmin"][:, j] + 1
@@ -197,6 +207,31 @@ def _check_channel_entries(graph: dict[str, Any], where: str) -> None:
         exp, k = entry["exp"], entry["channels"]
         if not (_is_int(exp) and 1 <= exp <= MUXQ_MAX_EXP and _is_int(k) and k >= 1):
             raise QnpuError(f"{where}: graph muxq {name!r}: exp 1..{MUXQ_MAX_EXP}, channels >= 1")
+
+
+def _check_weight_zero_entries(graph: dict[str, Any], where: str) -> None:
+    """graph.weight_zero_points: distinct layer linears (their constants' prefix)."""
+    consts = graph.get("weight_zero_points") or []
+    linears = [op.const for op in GRAPH.ops("linear")]
+    if (
+        not isinstance(consts, list)
+        or len(set(consts)) != len(consts)
+        or any(c not in linears for c in consts)
+    ):
+        raise QnpuError(
+            f"{where}: graph weight_zero_points must list distinct layer linears "
+            f"({', '.join(linears)}), got {consts!r}"
+        )
+
+
+def centered_weights(model: IntModel, const: str) -> np.ndarray:
+    """The codes of linear `const` minus their row's zero point (int16; the codes as they are
+    without one): the operand a matmul without the z_w·Σx term multiplies."""
+    w = model.t(f"{const}.weight")
+    key = f"{const}.weight_zero_point"
+    if key not in model.tensors:
+        return w
+    return (w.astype(np.int16) - model.t(key).astype(np.int16)[..., None]).astype(np.int16)
 
 
 def _check_channel_lists(

@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.aimet import aimet_encodings, aimet_name
-from qnpu_jax.export.graph import FORMAT_GRAPH, GRAPH, KV_TENSORS, Graph, Op
+from qnpu_jax.export.aimet import OUTLIER_KEYS, aimet_encodings, aimet_name
+from qnpu_jax.export.graph import FORMAT_GRAPH, GRAPH, KV_TENSORS, Graph, Op, layer_widths
 
 OPSET = 21
 FORMAT = "qnpu-onnx"  # the manifest's "onnx" section
@@ -153,8 +153,16 @@ def _int_tensor(name: str, codes: np.ndarray, onnx_type: int) -> Any:
     return t
 
 
-def _qdq(b: _Builder, x: str, entry: Mapping[str, Any], out: str) -> str:
+def _qdq(
+    b: _Builder,
+    x: str,
+    entry: Mapping[str, Any],
+    out: str,
+    channel_multipliers: np.ndarray | None = None,
+) -> str:
     """x -> QuantizeLinear -> DequantizeLinear, per tensor; returns the dequantized value.
+    With `channel_multipliers` [C] per channel along the last axis, scale · multiplier
+    (MUXQ's Body: 2^exp on its outlier channels).
 
     Activations go on the unsigned grid whatever the contract's code type, as onnxruntime's
     QNN execution provider expects (uint8/uint16 activations): signed codes c become
@@ -163,12 +171,25 @@ def _qdq(b: _Builder, x: str, entry: Mapping[str, Any], out: str) -> str:
     bits = int(entry["bits"])
     shift = 1 << (bits - 1) if entry["signed"] else 0
     onnx_type = _onnx_int_type(bits, False, out)
-    scale = b.const(np.float32(entry["scale"][0]), name=f"{out}_scale")
+    s: Any = np.float32(entry["scale"][0])
     zero_point = np.asarray(int(entry["zero_point"][0]) + shift)
+    axis: dict[str, Any] = {}
+    if channel_multipliers is not None:
+        s = (s * channel_multipliers).astype(np.float32)  # powers of two: exact
+        zero_point = np.full(channel_multipliers.shape, zero_point)
+        axis = {"axis": -1}
+    scale = b.const(s, name=f"{out}_scale")
     zp = _int_tensor(f"{out}_zero_point", zero_point, onnx_type)
     b.inits[zp.name] = zp
-    q = b.node("QuantizeLinear", [x, scale, zp.name], f"{out}_quantized")
-    return b.node("DequantizeLinear", [q, scale, zp.name], f"{out}_dequantized")
+    q = b.node("QuantizeLinear", [x, scale, zp.name], f"{out}_quantized", **axis)
+    return b.node("DequantizeLinear", [q, scale, zp.name], f"{out}_dequantized", **axis)
+
+
+def _muxq_multipliers(muxq: Mapping[str, Any], width: int) -> np.ndarray:
+    """[width] float32: 2^exp on MUXQ's outlier channels, 1 elsewhere."""
+    out = np.ones(width, np.float32)
+    out[list(muxq["channels"])] = np.float32(2.0 ** int(muxq["exp"]))
+    return out
 
 
 def _weight(
@@ -288,10 +309,31 @@ class _Writer:
         return None if enc is None else enc.get(ours)
 
     def read(self, ours: str) -> str:
-        """The value readers of tensor `ours` get, once its node is emitted."""
+        """The value readers of tensor `ours` get, once its node is emitted. A linear input
+        with MUXQ channels is quantized per channel (scale · 2^exp on them); one with shadow
+        channels takes those channels' unclamped value, s·round(x/s), as the fake-quant
+        model and the integer engines do."""
         name = aimet_name(ours)
         e = self.entry(ours)
-        return name if e is None else _qdq(self.b, name, e, name)
+        if e is None:
+            return name
+        if "muxq" in e:  # (channel lists belong to layer tensors: layers.{i}.NAME)
+            width = layer_widths(self.cfg.dims)[ours.split(".")[2]]
+            return _qdq(self.b, name, e, name, _muxq_multipliers(e["muxq"], width))
+        value = _qdq(self.b, name, e, name)
+        if "shadow_channels" in e:
+            width = layer_widths(self.cfg.dims)[ours.split(".")[2]]
+            b = self.b
+            s = b.const(np.float32(e["scale"][0]))
+            mask = np.zeros(width, bool)
+            mask[e["shadow_channels"]] = True
+            wide = b.node("Mul", [b.node("Round", [b.node("Div", [name, s])]), s])
+            value = b.node(
+                "Where",
+                [b.const(mask, np.bool_, f"{name}_shadow_mask"), wide, value],
+                f"{name}_shadowed",
+            )
+        return value
 
     def rmsnorm(self, x: str, gain: np.ndarray, gain_name: str, out: str) -> None:
         b = self.b
@@ -666,7 +708,16 @@ def export_onnx(
         if kind == "qdq":
             pairs = activation_matmuls(graphs[GRAPH_FILES[(kind, "prefill")]].graph)
         files |= serialize(graphs, DATA_FILES[kind])
-    files[ENCODINGS_FILE] = _json_bytes(onnx_encodings(table, cfg.num_layers, version))
+    outliers = sorted(k for k, e in table.items() if any(f in e for f in OUTLIER_KEYS))
+    encodings: dict[str, Any] = {"file": ENCODINGS_FILE, "version": version}
+    if outliers:  # AIMET has no form for them: the QDQ graphs carry the whole plan
+        encodings = {
+            "file": None,
+            "why": f"{outliers[0]} (and {len(outliers) - 1} more) have shadow or MUXQ channels, "
+            "which AIMET's per-tensor activation encodings cannot express",
+        }
+    else:
+        files[ENCODINGS_FILE] = _json_bytes(onnx_encodings(table, cfg.num_layers, version))
     files[PREFIX_FILE] = _npy_bytes(prefix_kv(model))
     files |= embedding_files(model, table)
     files["tokenizer.json"] = tokenizer.backend.to_str().encode()
@@ -681,7 +732,7 @@ def export_onnx(
             "num_layers": cfg.num_layers,
             "vocab_size": cfg.vocab_size,
             "graphs": {f"{k}_{r}": f for (k, r), f in GRAPH_FILES.items()},
-            "encodings": {"file": ENCODINGS_FILE, "version": version},
+            "encodings": encodings,
             "prefix_kv": PREFIX_FILE,
             "input": aimet_name(embed_output()),
             "embedding": {**EMBED_FILES, "table": aimet_name(embed_table())},

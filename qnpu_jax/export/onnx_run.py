@@ -68,7 +68,8 @@ class OnnxModel:
         self.prefix = tuple(int(t) for t in info["prefix_tokens"])
         self.manifest = art.manifest
         self.files = {k: v for k, v in art.files.items() if k == "tokenizer.json"}
-        check_encodings(self.path, art.files[ENCODINGS_FILE])
+        if ENCODINGS_FILE in art.files:  # absent when the plan has no AIMET form
+            check_encodings(self.path, art.files[ENCODINGS_FILE])
         kv = _npy(art.files[PREFIX_FILE])
         self.prefix_kv = kv[1 if qdq else 0]  # [2 (K, V), L, Hkv, P, hd]
         if qdq:  # the fake-quant rows: codes · per-row scale
@@ -265,6 +266,11 @@ def aimet_quantsim(
     model = onnx.load(str(path / kind))
     sim = QuantizationSimModel(model, param_type="int8", activation_type="int16")
     enc_path = path / ENCODINGS_FILE
+    if not enc_path.is_file():
+        from qnpu_jax.export.artifact import read_artifact
+
+        why = read_artifact(path).manifest.get("onnx", {}).get("encodings", {}).get("why")
+        raise QnpuError(f"{path} has no AIMET encodings for QuantSim to load: {why}")
     # AIMET logs every default quantizer the file overrides or disables (INFO, one line each)
     aimet_log = logging.getLogger("Quant")
     level = aimet_log.level

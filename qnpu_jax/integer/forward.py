@@ -47,6 +47,7 @@ from qnpu_jax.export.int_model import (
     IntegerEngine,
     IntModel,
     KVCache,
+    centered_weights,
     check_cache_batch,
     check_tokens,
 )
@@ -232,7 +233,7 @@ def matmul_bounds(
     layers = range(spec.num_layers)
     for op in spec.layer_ops:
         if op.op == "linear":
-            w = t[f"{op.const}.weight"]
+            w = centered_weights(model, op.const)
             pairs = tuple(
                 (_centered_max(model, spec, op.ins[0], i), _abs_max(w[i])) for i in layers
             )
@@ -280,6 +281,9 @@ def int_consts(model: IntModel, matmul: str = "f32") -> IntConsts:
                 # moves a quarter of the bytes of slicing float32 (21 against 31 ms for 30
                 # layers' gate and down on this CPU)
                 arr = arr.astype(wtype)
+            if name.endswith(".weight") and name.startswith("layers."):
+                # an asymmetric weight runs centered (q − z_w, int16): the z_w·Σx term folded
+                arr = jnp.asarray(centered_weights(model, name.removesuffix(".weight")))
             if name.startswith("layers."):
                 layers[name.removeprefix("layers.")] = arr
             else:

@@ -337,6 +337,7 @@ def forward_tapped(
     remat: bool = False,
     residual_rotation: jax.Array | None = None,
     graph: Graph = GRAPH,
+    teacher: Params | None = None,
 ) -> tuple[jax.Array, KVCache, Any]:
     """Run `tokens` [B, T] at positions start..start+T-1, writing K/V into `cache`.
 
@@ -346,6 +347,12 @@ def forward_tapped(
     embedding rows are rotated after the gather, the final hidden state is rotated back
     before lm_head. That equals rotating the [V, D] tables at T·D² instead of V·D² FLOPs, and
     is valid only while the taps quantize neither table (stage 1 keeps both float).
+
+    `teacher` (block-wise training, OmniQuant style): float params of the same model; every
+    layer also runs on them, untapped, from the same input, the teacher's output is what
+    the next layer reads, and the per-layer aux gains "block_error", the mean squared
+    difference of the tapped layer's output from the teacher's. `cache` then also holds the
+    teacher's "teacher_k"/"teacher_v". The logits are the teacher's.
 
     Returns float32 logits [B, T, V], the updated cache and the taps' auxiliary output
     ({"layers": stacked per-layer aux, **outer aux}). Prefill, decode, full-sequence forward,
@@ -369,16 +376,27 @@ def forward_tapped(
     positions = start + jnp.broadcast_to(jnp.arange(t), (b, t))
     cos, sin = rope_cos_sin(positions, cfg, cache["k"].shape[3] if device else None)
 
-    def body(x: jax.Array, xs: tuple[Params, jax.Array, jax.Array, Any]) -> tuple[jax.Array, Any]:
-        layer, k_cache, v_cache, layer_state = xs
+    def body(x: jax.Array, xs: tuple[Any, ...]) -> tuple[jax.Array, Any]:
+        layer, k_cache, v_cache, layer_state, taught = xs
         tap, aux = taps.layer(layer_state) if taps else (no_tap, no_aux)
-        x, k_cache, v_cache = _decoder_layer(
+        y, k_cache, v_cache = _decoder_layer(
             cfg, x, layer, k_cache, v_cache, start, cos, sin, tap, graph, device, dtype, attention
         )
-        return x, (k_cache, v_cache, aux())
+        if taught is None:
+            return y, (k_cache, v_cache, aux(), None)
+        t_layer, t_k, t_v = taught
+        y_t, t_k, t_v = _decoder_layer(cfg, x, t_layer, t_k, t_v, start, cos, sin, graph=graph)
+        y_t = jax.lax.stop_gradient(y_t)
+        out = {**aux(), "block_error": jnp.mean(jnp.square(y - y_t))}
+        return y_t, (k_cache, v_cache, out, (t_k, t_v))
 
-    xs = (params["layers"], cache["k"], cache["v"], state["layers"])
-    x, (k_new, v_new, layer_aux) = jax.lax.scan(jax.checkpoint(body) if remat else body, x, xs)
+    taught = (
+        None if teacher is None else (teacher["layers"], cache["teacher_k"], cache["teacher_v"])
+    )
+    xs = (params["layers"], cache["k"], cache["v"], state["layers"], taught)
+    x, (k_new, v_new, layer_aux, t_new) = jax.lax.scan(
+        jax.checkpoint(body) if remat else body, x, xs
+    )
     x = outer_tap(norm_op.out_name, rms_norm(x, params[norm_op.gain], cfg.rms_norm_eps))
     if residual_rotation is not None:
         x = x @ residual_rotation.T
@@ -387,7 +405,10 @@ def forward_tapped(
         outer_tap(head_op.weight.name if head_op.weight else "", lm_head_weight(params)),
         dtype=dtype,
     )
-    return logits, {"k": k_new, "v": v_new}, {"layers": layer_aux, **outer_aux()}
+    new_cache = {"k": k_new, "v": v_new}
+    if t_new is not None:
+        new_cache |= {"teacher_k": t_new[0], "teacher_v": t_new[1]}
+    return logits, new_cache, {"layers": layer_aux, **outer_aux()}
 
 
 def forward_cached(

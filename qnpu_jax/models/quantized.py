@@ -283,6 +283,7 @@ def tapped_forward(
     remat: bool = False,
     residual_rotation: jax.Array | None = None,
     graph: Graph = GRAPH,
+    teacher: Params | None = None,
 ) -> tuple[jax.Array, Any]:
     """Full-sequence forward under `taps`: logits [B, T, V] and the taps' auxiliary output.
 
@@ -291,11 +292,14 @@ def tapped_forward(
     offline in float (PrefixQuant), only its K/V cache entries are quantized, and the static
     ranges of every device-computed tensor exclude the sink. `tokens` start at position P.
     `taps=None` is the float model; `remat` recomputes layers in the backward pass;
-    `residual_rotation` as in `forward_tapped` (tables left unrotated, rotated on the fly).
+    `residual_rotation` as in `forward_tapped` (tables left unrotated, rotated on the fly);
+    `teacher` as there (block-wise errors against float params, the prefix included).
     """
     b, t = tokens.shape
     n = len(prefix)
     cache = init_cache(cfg, b, n + t)
+    if teacher is not None:
+        cache |= {f"teacher_{k}": v for k, v in init_cache(cfg, b, n + t).items()}
     start = jnp.int32(0)
     if n:
         sink = jnp.broadcast_to(jnp.asarray(prefix, jnp.int32), (b, n))
@@ -310,6 +314,7 @@ def tapped_forward(
             taps=prefix_taps,
             residual_rotation=residual_rotation,
             graph=graph,
+            teacher=teacher,
         )
         if taps is not None:
             tap_state = _carry_state(taps, tap_state, prefix_aux)
@@ -325,6 +330,7 @@ def tapped_forward(
         remat=remat,
         residual_rotation=residual_rotation,
         graph=graph,
+        teacher=teacher,
     )
     return logits, aux
 

@@ -19,7 +19,24 @@ from qnpu_jax.mesh import MeshConfig
 from qnpu_jax.pipeline.stage1 import Stage1Config
 from qnpu_jax.quant.plan import QuantRule, check_block_fields
 
-METHODS = ("rtn", "quarot", "spinquant", "quantnpu")
+METHODS = ("rtn", "quarot", "spinquant", "quantnpu", "mobilequant")
+# methods whose stage 1 learns static scales (and with them weight clipping)
+SCALE_LEARNING_METHODS = ("quantnpu", "mobilequant")
+# mobilequant's defaults of the options left null (other methods: off)
+MOBILEQUANT_DEFAULTS = {
+    "equalize": 0.5,
+    "weight_clipping": True,
+    "asymmetric_activations": True,
+    "asymmetric_weights": True,
+    "selective": False,
+}
+METHOD_OFF = {
+    "equalize": None,
+    "weight_clipping": False,
+    "asymmetric_activations": False,
+    "asymmetric_weights": False,
+    "selective": True,
+}
 PREFIXES = ("none", "bos")
 INIT_SCHEMES = ("aware", "max_min")
 SCOPES = ("full", "linears")
@@ -51,6 +68,19 @@ class QuantizeConfig:
     `muxq_exp: e` (any method; MUXQ) shifts the down_proj input's channels whose calibration
     |x| exceeds `muxq_threshold` right by e bits into the Body tensor and adds (2^e − 1)·Aux·W
     back (after stage 2).
+    - mobilequant (MobileQuant): no rotations; SmoothQuant-initialized equivalent scaling of
+      every linear pair (`equalize`), learnable weight clipping and learned asymmetric
+      activation ranges (all activations, `selective: false`), trained end to end in stage 1.
+    `equalize: α` (any method) scales every linear pair (norm → q/k/v, norm → gate/up, v → o,
+    up → down) by SmoothQuant's rule with strength α, in the rotated basis; stage 1 learns
+    the factors where the recipe has one. `weight_clipping` (stage-1 methods): the linear
+    weights' scales are clip factors sigmoid(γ) of each row's current range, learned in stage
+    1 (OmniQuant's LWC: they follow the weights while rotations and scalings move them).
+    `asymmetric_activations`: every activation but the softmax output gets a zero point;
+    `asymmetric_weights`: every decoder linear weight row a zero point (the integer matmul
+    subtracts z_w·Σx). Null `equalize`, `weight_clipping`, `asymmetric_activations`,
+    `asymmetric_weights` and `selective` take the method's default (mobilequant: 0.5, true,
+    true, true, false; the others: off, false, false, false, true).
     """
 
     model: str = "smollm2-135m"
@@ -63,7 +93,7 @@ class QuantizeConfig:
     down_out_mixed_precision: float = 0.0  # share of down_proj outputs promoted (not the paper)
     learn_down_in: bool = True  # §4.3.1's literal text; Appendix E argues for False
     init_scheme: str = "aware"  # quantnpu: rotation-and-bit-width-aware, or Max-Min everywhere
-    selective: bool = True  # False: linear outputs and K/V scales are learned in stage 1 too
+    selective: bool | None = None  # False: linear outputs and K/V are learned in stage 1 too
     scope: str = "full"  # "linears": only the linears' weights, inputs, outputs (Table 2)
     weight_rounding: str = "rtn"  # "gptq": GPTQ codes on the same grid after stage 2
     gptq_damp: float = 0.01  # GPTQ's dampening, a share of the Hessian's mean diagonal
@@ -76,6 +106,10 @@ class QuantizeConfig:
     shadow_keep: float = 0.15  # share of layers that keep a shadow path (mllm-NPU: 15%)
     muxq_exp: int | None = None  # MUXQ's shift of down_in's outlier channels; None: off
     muxq_threshold: float = 6.0  # |x| above which a channel is an outlier (LLM.int8's 6)
+    equalize: float | None = None  # SmoothQuant α initializing every pair's equivalent scales
+    weight_clipping: bool | None = None  # learnable weight clipping in stage 1 (OmniQuant LWC)
+    asymmetric_activations: bool | None = None  # zero points on every activation
+    asymmetric_weights: bool | None = None  # a zero point per linear weight row
     prefix: str = "bos"  # sink prefix computed offline (PrefixQuant); "none": the paper
     # what the fake-quant forward computes between quantizers (stage 1, evaluation, GPTQ):
     # "device" the integer contract's softmax and RoPE tables; "fake" plain float32
@@ -95,6 +129,28 @@ class QuantizeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise QnpuError(f"unknown method {self.method!r}; known: {', '.join(METHODS)}")
+        defaults = MOBILEQUANT_DEFAULTS if self.method == "mobilequant" else METHOD_OFF
+        for name, default in defaults.items():
+            if getattr(self, name) is None:  # null: the method's default, recorded as such
+                object.__setattr__(self, name, default)
+        if self.equalize is not None and (
+            isinstance(self.equalize, bool)
+            or not isinstance(self.equalize, int | float)
+            or not 0 < self.equalize < 1
+        ):
+            raise QnpuError(f"equalize must be null or in (0, 1), got {self.equalize!r}")
+        for name in ("weight_clipping", "asymmetric_activations", "asymmetric_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise QnpuError(f"{name} must be true, false or null, got {getattr(self, name)!r}")
+        if self.weight_clipping and self.method not in SCALE_LEARNING_METHODS:
+            raise QnpuError(
+                f"weight_clipping is learned with the static scales in stage 1, which method "
+                f"{self.method} does not do (methods that do: {', '.join(SCALE_LEARNING_METHODS)})"
+            )
+        if self.equalize is not None and self.smooth_mlp is not None:
+            raise QnpuError("equalize scales the up→down pair that smooth_mlp fixes: choose one")
+        if self.asymmetric_activations and self.muxq_exp is not None:
+            raise QnpuError("muxq_exp needs a symmetric down_proj input (asymmetric_activations)")
         if self.init_scheme not in INIT_SCHEMES:
             raise QnpuError(f"unknown init_scheme {self.init_scheme!r}; known: {INIT_SCHEMES}")
         if self.scope not in SCOPES:
@@ -150,6 +206,10 @@ class QuantizeConfig:
         blocked = self.weight_block is not None or any(r.block for r in self.rules)
         if blocked and self.weight_rounding == "gptq":
             raise QnpuError("weight_rounding gptq does not support per-block weights")
+        if blocked and self.asymmetric_weights:
+            raise QnpuError("asymmetric_weights: per-block weights are symmetric")
+        if blocked and self.weight_clipping:
+            raise QnpuError("weight_clipping learns per-row clip factors: not per-block weights")
         if self.prefix not in PREFIXES:
             raise QnpuError(f"unknown prefix {self.prefix!r}; known: {', '.join(PREFIXES)}")
         if self.simulation not in SIMULATIONS:
@@ -221,6 +281,10 @@ class QuantizeConfig:
             "shadow_keep": self.shadow_keep if self.shadow_outliers is not None else None,
             "muxq_exp": self.muxq_exp,
             "muxq_threshold": self.muxq_threshold if self.muxq_exp is not None else None,
+            "equalize": self.equalize,
+            "weight_clipping": self.weight_clipping,
+            "asymmetric_activations": self.asymmetric_activations,
+            "asymmetric_weights": self.asymmetric_weights,
         }
 
     @classmethod

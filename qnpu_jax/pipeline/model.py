@@ -1,16 +1,17 @@
 """`QuantizedModel`: a quantized model as one pytree value.
 
 It holds the float base params as loaded, every model-equivalent transform applied to them
-(`Transforms`: fused norms, MLP smoothing, R1/R2), the quantization plan, the quantizer state
-(the encodings, in the forward's layer view), GPTQ's weight codes when a rounding step chose
-them, the sink prefix and the record of the steps that made it. Steps (`pipeline.steps`) map
-a QuantizedModel to a new one; recipes (`pipeline.recipes`) chain steps.
+(`Transforms`: fused norms, MLP smoothing, R1/R2, equivalent scaling), the quantization plan,
+the quantizer state (the encodings, in the forward's layer view), GPTQ's weight codes when a
+rounding step chose them, the sink prefix and the record of the steps that made it. Steps
+(`pipeline.steps`) map a QuantizedModel to a new one; recipes (`pipeline.recipes`) chain steps.
 
 `save(dir)` writes
     model.json   format, base model spec and config, sink prefix, static transform facts,
                  the step records; written last (its presence marks a complete save)
     plan.json    the plan
-    learned/     orbax: the quantizer state, R1/R2, the smoothing scales, GPTQ's codes
+    learned/     orbax: the quantizer state, R1/R2, the smoothing and equivalent scales,
+                 GPTQ's codes
 and `QuantizedModel.load(dir)` restores the value without running any step: the base model is
 loaded from its spec and the stored transforms are applied to it.
 """
@@ -37,7 +38,7 @@ from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, tapped_token_nl
 from qnpu_jax.pipeline.weight_rounding import weights_from_codes
 from qnpu_jax.quant.plan import QuantPlan
 from qnpu_jax.quant.state import state_from_tree
-from qnpu_jax.transforms import apply_rotations, fuse_norms, smooth_mlp
+from qnpu_jax.transforms import EQUALIZED, apply_rotations, equalize, fuse_norms, smooth_mlp
 
 MODEL_FORMAT = "qnpu-quantized-model"
 MODEL_VERSION = 1
@@ -46,11 +47,14 @@ ORTHOGONALITY_TOL = 1e-3  # max |R·Rᵀ − I| of a learned float32 rotation (C
 
 class Transforms(struct.PyTreeNode):
     """The model-equivalent rewrites of the base params, applied in this order: norm fusion,
-    up→down smoothing (scales [L, I]), R1/R2 rotations. None: not applied."""
+    up→down smoothing (scales [L, I]), R1/R2 rotations, equivalent channel scaling of the
+    linear pairs in the rotated basis ({input name: s [L, C]}, `transforms.equalize`). None:
+    not applied."""
 
     mlp_smoothing: jax.Array | None = None
     r1: jax.Array | None = None
     r2: jax.Array | None = None
+    equalization: dict[str, jax.Array] | None = None
     fused_norms: bool = struct.field(pytree_node=False, default=False)
     mlp_smoothing_alpha: float | None = struct.field(pytree_node=False, default=None)
 
@@ -59,13 +63,15 @@ class Transforms(struct.PyTreeNode):
         return self.r1 is not None
 
     def apply(self, base: Params, cfg: ModelConfig, *, rotate: bool = True) -> Params:
-        """`base` rewritten by every transform (`rotate` False: all but R1/R2, the base that
-        stage 1 rotates on the fly)."""
+        """`base` rewritten by every transform (`rotate` False: all but R1/R2 and the
+        equalization, the base that stage 1 rotates and scales on the fly)."""
         params = fuse_norms(base, cfg) if self.fused_norms else base
         if self.mlp_smoothing is not None:
             params = smooth_mlp(params, self.mlp_smoothing)
         if rotate and self.r1 is not None:
             params = apply_rotations(params, cfg, self.r1, self.r2)
+        if rotate and self.equalization:
+            params = equalize(params, cfg, self.equalization)
         return params
 
 
@@ -186,6 +192,7 @@ class QuantizedModel(struct.PyTreeNode):
             self.weight_codes,
             t.mlp_smoothing,
             t.mlp_smoothing_alpha,
+            t.equalization,
         )
         if primary:
             write_json_atomic(
@@ -199,6 +206,7 @@ class QuantizedModel(struct.PyTreeNode):
                     "fused_norms": t.fused_norms,
                     "rotated": t.rotated,
                     "mlp_smoothing_alpha": t.mlp_smoothing_alpha,
+                    "equalized": sorted(t.equalization or {}),
                     "steps": [rec.to_dict() for rec in self.steps],
                 },
             )
@@ -229,6 +237,7 @@ class QuantizedModel(struct.PyTreeNode):
             fused_norms=bool(meta["fused_norms"]),
             rotated=bool(meta["rotated"]),
             smoothing_alpha=meta["mlp_smoothing_alpha"],
+            equalized=tuple(meta.get("equalized", ())),
             prefix=tuple(int(i) for i in meta["prefix"]),
             steps=steps,
         )
@@ -247,6 +256,7 @@ def _read_model_json(path: Path) -> dict[str, Any]:
         raise QnpuError(f"{path}: not readable JSON ({e})") from e
     keys = {"format", "version", "source", "config", "prefix", "fused_norms", "rotated"}
     keys |= {"mlp_smoothing_alpha", "steps"}
+    optional = {"equalized"}  # written since equivalent scaling; older files lack it
     if not isinstance(meta, dict) or meta.get("format") != MODEL_FORMAT:
         raise QnpuError(f"{path}: not a {MODEL_FORMAT} file")
     if meta.get("version") != MODEL_VERSION:
@@ -254,8 +264,14 @@ def _read_model_json(path: Path) -> dict[str, Any]:
             f"{path}: model format version {meta.get('version')!r}; this qnpu_jax reads "
             f"version {MODEL_VERSION}"
         )
-    if set(meta) != keys:
-        raise QnpuError(f"{path}: keys must be {sorted(keys)}, got {sorted(meta)}")
+    if not keys <= set(meta) <= keys | optional:
+        raise QnpuError(
+            f"{path}: keys must be {sorted(keys)} (and optionally {sorted(optional)}), got "
+            f"{sorted(meta)}"
+        )
+    equalized = meta.get("equalized", [])
+    if not isinstance(equalized, list) or not set(equalized) <= set(EQUALIZED):
+        raise QnpuError(f"{path}: equalized must list pairs of {sorted(EQUALIZED)}")
     return meta
 
 
@@ -279,11 +295,13 @@ def save_learned(
     weight_codes: Mapping[str, Any] | None = None,
     smoothing: Any = None,
     smoothing_alpha: float | None = None,
+    equalization: Mapping[str, Any] | None = None,
 ) -> None:
     """Write rotations (None: unrotated), the quantizer state (None: not calibrated yet),
-    GPTQ's weight codes (None: round-to-nearest) and the up→down smoothing scales (None: no
-    smoothing) to directory/learned, through a temporary sibling and a rename; as host
-    arrays, so a run made on a mesh loads on any device count. Every process of a multi-host
+    GPTQ's weight codes (None: round-to-nearest), the up→down smoothing scales (None: no
+    smoothing) and the pairs' equivalent scales (None: none) to directory/learned, through a
+    temporary sibling and a rename; as host arrays, so a run made on a mesh loads on any
+    device count. Every process of a multi-host
     job calls it (the arrays are gathered); the primary one writes."""
     import orbax.checkpoint as ocp
 
@@ -297,6 +315,8 @@ def save_learned(
     if smoothing is not None:
         tree["mlp_smoothing"] = smoothing
         tree["mlp_smoothing_alpha"] = np.asarray(smoothing_alpha, np.float32)
+    if equalization:
+        tree["equalization"] = dict(equalization)
     host = host_tree(tree)
     if is_primary():
         target = (Path(directory) / "learned").resolve()
@@ -363,6 +383,7 @@ def assemble(
     smoothing_alpha: float | None,
     prefix: tuple[int, ...],
     steps: tuple[StepRecord, ...],
+    equalized: tuple[str, ...] = (),
 ) -> QuantizedModel:
     """The QuantizedModel stored in directory/plan.json and directory/learned, over the float
     `base` (a LoadedModel), after checking the stored pieces agree with the stated facts
@@ -387,6 +408,18 @@ def assemble(
             f"{where} does not match its description: smooth_mlp is {smoothing_alpha!r} but "
             f"the scales were made with {stored_alpha:.6g}"
         )
+    stored = learned.get("equalization") or {}
+    if set(stored) != set(equalized):
+        raise QnpuError(
+            f"{where} does not match its description: equalized pairs {sorted(equalized)}, "
+            f"stored scales for {sorted(stored)}"
+        )
+    equalization = {k: jnp.asarray(v) for k, v in stored.items()} or None
+    if equalization:
+        try:  # corrupt or edited factors would silently change the model
+            equalize(base.params, base.config, equalization)
+        except QnpuError as e:
+            raise QnpuError(f"{where}: {e}") from e
     r1 = r2 = None
     if rotated:
         for name in ("r1", "r2"):
@@ -399,6 +432,7 @@ def assemble(
         r2=r2,
         fused_norms=fused_norms,
         mlp_smoothing_alpha=smoothing_alpha,
+        equalization=equalization,
     )
     codes = learned.get("weight_codes")
     state = learned.get("state")

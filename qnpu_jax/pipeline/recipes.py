@@ -18,12 +18,15 @@ import jax
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import (
+    GLOBAL_ACTS,
+    LAYER_ACTS,
     LINEAR_OUTPUTS,
+    PROBS,
     ROTATED_INPUTS,
     UNROTATED_INPUT,
     UNROTATED_OUTPUT,
 )
-from qnpu_jax.pipeline.config import QuantizeConfig
+from qnpu_jax.pipeline.config import SCALE_LEARNING_METHODS, QuantizeConfig
 from qnpu_jax.pipeline.model import QuantizedModel
 from qnpu_jax.pipeline.steps import (
     STAGE1_TENSORS,
@@ -31,6 +34,7 @@ from qnpu_jax.pipeline.steps import (
     Context,
     Step,
     calibrate,
+    equalize,
     fuse_norms,
     gptq,
     hadamard_rotations,
@@ -111,6 +115,15 @@ def plan_rules(config: QuantizeConfig) -> list[QuantRule]:
         rules.append(QuantRule(pattern=f"(?!layers/({keep})$).*", quantize=False))
     if config.method == "quantnpu" and config.init_scheme == "aware":
         rules += init_rules(config.w_bits, config.a_bits)
+    if config.method == "mobilequant":  # learned clipping starts from the MSE-best clip
+        rules.append(QuantRule(pattern=f"layers/({'|'.join(WEIGHTS)})", init="mse"))
+    if config.asymmetric_weights:  # MobileQuant's main setting (its Table 7: symmetric)
+        rules.append(QuantRule(pattern=f"layers/({'|'.join(WEIGHTS)})", symmetric=False))
+    if config.asymmetric_activations:  # MobileQuant's ARL: a learned offset on every one
+        layer = "|".join(a for a in LAYER_ACTS if a != PROBS)
+        rules.append(
+            QuantRule(pattern=f"layers/({layer})|{'|'.join(GLOBAL_ACTS)}", symmetric=False)
+        )
     if config.weight_block is not None:
         rules.append(
             QuantRule(
@@ -139,6 +152,8 @@ def _before_stage1(config: QuantizeConfig, rotated: bool) -> list[Step]:
     steps = [fuse_norms(), hadamard_rotations(rotation_key)] if rotated else []
     if config.smooth_mlp is not None:
         steps.append(smooth_mlp(config.smooth_mlp))
+    if config.equalize is not None:
+        steps.append(equalize(config.equalize))
     steps.append(plan(**plan_options(config)))
     if config.mixed_precision > 0 and config.down_in_bits == 8:
         steps.append(promote(UNROTATED_INPUT, config.mixed_precision))
@@ -167,8 +182,9 @@ def _stage1(config: QuantizeConfig, *, learn_scales: bool) -> Step:
         s1,
         run_keys(config.seed)[2],
         learn_scales=learn_scales,
-        selective=config.selective,
+        selective=bool(config.selective),
         learn_down_in=config.learn_down_in,
+        weight_clipping=bool(config.weight_clipping),
     )
 
 
@@ -201,11 +217,23 @@ def quantnpu(config: QuantizeConfig) -> Recipe:
     )
 
 
+def mobilequant(config: QuantizeConfig) -> Recipe:
+    """MobileQuant: no rotations; every linear pair's equivalent scales (SmoothQuant-
+    initialized), the weights' clip factors and every activation's asymmetric range learned
+    end to end in stage 1, then static calibration of the rest."""
+    return chain(
+        *_before_stage1(config, rotated=False),
+        _stage1(config, learn_scales=True),
+        *_after_stage1(config),
+    )
+
+
 RECIPES: dict[str, Callable[[QuantizeConfig], Recipe]] = {
     "rtn": rtn,
     "quarot": quarot,
     "spinquant": spinquant,
     "quantnpu": quantnpu,
+    "mobilequant": mobilequant,
 }
 
 
@@ -241,7 +269,7 @@ def config_stage1_plan(plan: QuantPlan, config: QuantizeConfig) -> QuantPlan:
     """The stage-1 plan of a config's recipe (`steps.stage1_plan` with its options)."""
     return stage1_plan(
         plan,
-        selective=config.selective,
-        learn=config.method == "quantnpu",
+        selective=bool(config.selective),
+        learn=config.method in SCALE_LEARNING_METHODS,
         learn_down_in=config.learn_down_in,
     )

@@ -1,10 +1,16 @@
-"""Stage 1: joint gradient optimization of R1, per-layer R2 and the learnable static scales.
+"""Stage 1: joint gradient optimization of R1, per-layer R2 and the learnable static scales,
+and of the equivalent scales and weight clip factors where the model has them (MobileQuant).
 
 The trainable pytree is {"r1": [D, D], "r2": [L, hd, hd], "scales": {group: {name: {...}}}}
-with only the plan's learnable tensors in "scales" (the zero point only where asymmetric).
-Rotations are applied to the fused float params inside the loss, so gradients reach them
-through every rotated weight; Cayley SGD keeps them orthogonal, plain SGD moves the scales
-(both cosine-decayed, `optax.multi_transform`). The step is one jitted pure function
+with only the plan's learnable tensors in "scales" (the zero point only where asymmetric);
+an unrotated model has no "r1"/"r2". "equalization": {pair: log s [L, C]} holds the linear
+pairs' equivalent scales (`transforms.equalize`), "clip": {weight: γ [L, out, 1]} the
+weights' clip logits (learnable weight clipping: the weight scale is sigmoid(γ) times the
+row's current max |w| over qmax, so it follows the weights as rotations and scalings move
+them). Rotations and scalings are applied to the float params inside the loss, so gradients
+reach them through every weight; Cayley SGD keeps rotations orthogonal, plain SGD moves the
+scales, Adam the equalization and clip parameters (all cosine-decayed,
+`optax.multi_transform`). The step is one jitted pure function
 `(state, batch) -> (state, metrics)`; gradient accumulation is a `lax.scan` over micro-batches,
 and `remat` recomputes each decoder layer in the backward pass.
 """
@@ -41,13 +47,17 @@ from qnpu_jax.mesh import (
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import MATMUL_DTYPES, Params, next_token_nll
 from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, tapped_forward
-from qnpu_jax.quant.fake_quant import log_to_scale, positive_scale, scale_to_log
-from qnpu_jax.quant.plan import QuantPlan
+from qnpu_jax.quant.fake_quant import log_to_scale, positive_scale, round_ste, scale_to_log
+from qnpu_jax.quant.plan import WEIGHTS, QuantPlan
 from qnpu_jax.quant.state import state_key
 from qnpu_jax.rotation import cayley_sgd
-from qnpu_jax.transforms import apply_rotations
+from qnpu_jax.transforms import apply_rotations, equalize
 
 ACTIVATION_MODES = ("static", "dynamic")
+# "end_to_end": the model's next-token cross-entropy (Quant.npu, MobileQuant); "block": the
+# mean over layers of each decoder layer's output MSE against the float layer on the same
+# float input (OmniQuant's block-wise objective, trained in parallel over the layers)
+OBJECTIVES = ("end_to_end", "block")
 # "linear": the parameter is the scale (the paper; eq. (1) and LSQ gradients as written).
 # "log": the parameter is log s, so a step is relative to s and s stays positive: one lr then
 # suits scales of very different sizes (W4 weight rows ~1e-3, activations ~1e-1).
@@ -73,13 +83,15 @@ class Stage1Config:
     # the linears' matmul operands in the stage-1 forward ("bfloat16": the paper's bf16
     # training; R1/R2 and the scales stay float32 master copies either way)
     compute_dtype: str = "float32"
+    lr_equalization: float = 0.01  # Adam's lr for equivalent scales and clip logits
+    objective: str = "end_to_end"  # OBJECTIVES
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "checkpoint_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise QnpuError(f"stage 1 {name} must be a positive integer, got {value!r}")
-        for name in ("lr_rotation", "lr_scale", "local_loss_weight"):
+        for name in ("lr_rotation", "lr_scale", "local_loss_weight", "lr_equalization"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value >= 0:
                 raise QnpuError(f"stage 1 {name} must be a number >= 0, got {value!r}")
@@ -97,6 +109,10 @@ class Stage1Config:
             raise QnpuError(
                 f"stage 1 scale_param must be one of {SCALE_PARAMS}, got {self.scale_param!r}"
             )
+        if self.objective not in OBJECTIVES:
+            raise QnpuError(
+                f"stage 1 objective must be one of {OBJECTIVES}, got {self.objective!r}"
+            )
         if self.activation_mode not in ACTIVATION_MODES:
             raise QnpuError(
                 f"stage 1 activation_mode must be one of {ACTIVATION_MODES}, "
@@ -109,13 +125,14 @@ class Stage1Config:
 
 
 def learnable_scales(
-    state: QuantState, plan: QuantPlan, scale_param: str = "linear"
+    state: QuantState, plan: QuantPlan, scale_param: str = "linear", skip: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """The trainable part of a quantizer state: scales (and asymmetric zero points) of the
-    plan's learnable tensors, each scale as its `scale_param` parameter."""
+    plan's learnable tensors but the layer tensors `skip` (clipped weights, whose scales
+    come from their clip logits), each scale as its `scale_param` parameter."""
     out: dict[str, Any] = {"layers": {}, "outer": {}}
     for path, tq in plan.entries:
-        if not tq.learnable:
+        if not tq.learnable or path.removeprefix("layers/") in skip:
             continue
         group, name = state_key(path)
         entry = state[group][name]
@@ -164,23 +181,125 @@ def merge_scales(state: QuantState, scales: dict[str, Any]) -> QuantState:
 def make_optimizer(config: Stage1Config) -> optax.GradientTransformation:
     rot_lr = optax.cosine_decay_schedule(config.lr_rotation, config.steps)
     scale_lr = optax.cosine_decay_schedule(config.lr_scale, config.steps)
+    transform_lr = optax.cosine_decay_schedule(config.lr_equalization, config.steps)
     rotation = (
         cayley_sgd(rot_lr, momentum=config.momentum)
         if config.learn_rotations
         else optax.set_to_zero()
     )
     scale = optax.sgd(scale_lr, momentum=config.momentum or None)
-    labels = {"r1": "rotation", "r2": "rotation", "scales": "scale"}
+    labels = {
+        "r1": "rotation",
+        "r2": "rotation",
+        "scales": "scale",
+        "equalization": "transform",
+        "clip": "transform",
+    }
     return optax.multi_transform(
-        {"rotation": rotation, "scale": scale},
+        {"rotation": rotation, "scale": scale, "transform": optax.adam(transform_lr)},
         lambda tree: {k: jax.tree.map(lambda _, k=k: labels[k], v) for k, v in tree.items()},
     )
 
 
-def init_train_state(
-    r1: jax.Array, r2: jax.Array, state: QuantState, plan: QuantPlan, config: Stage1Config
+CLIP_RANGE = (0.05, 0.995)  # the clip factors a calibrated scale may start from
+
+
+def _logit(c: jax.Array) -> jax.Array:
+    c = jnp.clip(c, *CLIP_RANGE)
+    return jnp.log(c) - jnp.log1p(-c)
+
+
+def _row_range(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(min(row, 0), max(row, 0)) of a weight [L, out, in], keepdims: the range a clip
+    factor shrinks (through 0, so an asymmetric zero point stays on the code grid)."""
+    lo = jnp.minimum(jnp.min(w, axis=-1, keepdims=True), 0.0)
+    hi = jnp.maximum(jnp.max(w, axis=-1, keepdims=True), 0.0)
+    return lo, hi
+
+
+def clip_logits(params: Params, state: QuantState, plan: QuantPlan) -> dict[str, Any]:
+    """{weight: {"max": γ [L, out, 1]} (and "min": β for an asymmetric weight)} of every
+    quantized layer weight, starting where its current encoding clips: sigmoid(γ)·max(row)
+    (and sigmoid(β)·min(row)) is the range the scale (and zero point) cover, each factor
+    limited to `CLIP_RANGE`; a symmetric weight clips max |row|."""
+    out: dict[str, Any] = {}
+    for path, tq in plan.entries:
+        name = path.removeprefix("layers/")
+        if name not in WEIGHTS:
+            continue
+        if tq.block is not None or tq.axis != 0:
+            raise QnpuError(f"{path}: weight clipping learns per-row scales")
+        entry = state["layers"][name]
+        w = params["layers"][name]
+        s = positive_scale(entry.scale)
+        qmin, qmax = entry.qmin[:, None, None], entry.qmax[:, None, None]
+        if tq.symmetric:
+            absmax = jnp.max(jnp.abs(w), axis=-1, keepdims=True)
+            out[name] = {"max": _logit(s * qmax / absmax)}
+            continue
+        lo, hi = _row_range(w)
+        z = entry.zero_point
+        out[name] = {
+            "max": _logit((qmax - z) * s / jnp.where(hi > 0, hi, 1.0)),
+            "min": _logit((qmin - z) * s / jnp.where(lo < 0, lo, -1.0)),
+        }
+    return out
+
+
+def clipped_weight_scales(
+    params: Params, clip: dict[str, Any], state: QuantState
 ) -> dict[str, Any]:
-    trainable = {"r1": r1, "r2": r2, "scales": learnable_scales(state, plan, config.scale_param)}
+    """The clipped weights' encodings as a `merge_scales` tree: symmetric, the scale
+    sigmoid(γ)·max|row|/qmax; asymmetric, the range [sigmoid(β)·min, sigmoid(γ)·max] over
+    the code range, its zero point rounded with a straight-through gradient."""
+    layers = {}
+    for name, factors in clip.items():
+        w = params["layers"][name]
+        entry = state["layers"][name]
+        qmin, qmax = entry.qmin[:, None, None], entry.qmax[:, None, None]
+        if "min" not in factors:
+            absmax = jnp.max(jnp.abs(w), axis=-1, keepdims=True)
+            layers[name] = {"scale": jax.nn.sigmoid(factors["max"]) * absmax / qmax}
+            continue
+        lo, hi = _row_range(w)
+        lo, hi = jax.nn.sigmoid(factors["min"]) * lo, jax.nn.sigmoid(factors["max"]) * hi
+        scale = positive_scale((hi - lo) / (qmax - qmin))
+        layers[name] = {"scale": scale, "zero_point": round_ste(qmin - lo / scale)}
+    return {"layers": layers}
+
+
+def transformed_params(base: Params, cfg: ModelConfig, trainable: dict[str, Any], **kw: Any) -> Any:
+    """`base` rotated by the trainable R1/R2 (if any) and scaled by its equivalent scales
+    (if any): the float params the stage-1 forward quantizes (`kw`: `apply_rotations`')."""
+    params = base
+    if "r1" in trainable:
+        params = apply_rotations(params, cfg, trainable["r1"], trainable["r2"], **kw)
+    if "equalization" in trainable:
+        params = equalize(params, cfg, jax.tree.map(jnp.exp, trainable["equalization"]))
+    return params
+
+
+def init_train_state(
+    r1: jax.Array | None,
+    r2: jax.Array | None,
+    state: QuantState,
+    plan: QuantPlan,
+    config: Stage1Config,
+    *,
+    equalization: dict[str, jax.Array] | None = None,
+    clip: dict[str, jax.Array] | None = None,
+) -> dict[str, Any]:
+    """The initial trainable tree (`r1`/`r2` None: an unrotated model; `equalization`: the
+    pairs' scales s to learn as log s; `clip`: clip logits of the weights they replace as
+    learned scales) with its optimizer state."""
+    skip = tuple(clip or ())
+    trainable: dict[str, Any] = {"scales": learnable_scales(state, plan, config.scale_param, skip)}
+    if r1 is not None:
+        trainable |= {"r1": r1, "r2": r2}
+    if equalization:
+        trainable["equalization"] = {k: jnp.log(v) for k, v in equalization.items()}
+    if clip:
+        trainable["clip"] = dict(clip)
     return {
         "params": trainable,
         "opt_state": make_optimizer(config).init(trainable),
@@ -201,16 +320,21 @@ def stage1_loss(
     remat: bool,
     scale_param: str = "linear",
     float_tables: bool = False,
+    objective: str = "end_to_end",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Next-token cross-entropy of the fake-quant model plus `local_weight` × eq. (3).
+    """Next-token cross-entropy of the fake-quant model plus `local_weight` × eq. (3); with
+    `objective` "block", the mean block error against the float layers replaces the
+    cross-entropy (which is still reported: the float teacher's, a constant).
 
     `float_tables` (the plan quantizes neither embed_tokens nor lm_head): R1 rotates the
     gathered embedding rows and the final hidden state instead of both [V, D] tables, the
     same function at a fraction of the FLOPs (4·V·D² a step for SmolLM2: ~22% of it).
     """
-    r1 = trainable["r1"]
-    params = apply_rotations(base_params, cfg, r1, trainable["r2"], tables=not float_tables)
+    r1 = trainable.get("r1")
+    params = transformed_params(base_params, cfg, trainable, tables=not float_tables)
     state = merge_scales(frozen_state, scales_from_params(trainable["scales"], scale_param))
+    if "clip" in trainable:
+        state = merge_scales(state, clipped_weight_scales(params, trainable["clip"], state))
     logits, aux = tapped_forward(
         params,
         state,
@@ -219,12 +343,14 @@ def stage1_loss(
         taps=taps,
         prefix=prefix,
         remat=remat,
-        residual_rotation=r1 if float_tables else None,
+        residual_rotation=r1 if float_tables and r1 is not None else None,
+        teacher=jax.lax.stop_gradient(params) if objective == "block" else None,
     )
     ce = jnp.mean(next_token_nll(logits, tokens))
     errors = [jnp.mean(e) for e in jax.tree.leaves(aux.get("layers", {}).get("local_error", {}))]
     local = jnp.mean(jnp.stack(errors)) if errors else jnp.zeros((), jnp.float32)
-    return ce + local_weight * local, {"ce": ce, "local": local}
+    fit = jnp.mean(aux["layers"]["block_error"]) if objective == "block" else ce
+    return fit + local_weight * local, {"ce": ce, "local": local}
 
 
 def train_step(
@@ -249,6 +375,7 @@ def train_step(
         remat=config.remat,
         scale_param=config.scale_param,
         float_tables=plan.get(EMBED_TABLE) is None and plan.get(LM_HEAD) is None,
+        objective=config.objective,
     )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 

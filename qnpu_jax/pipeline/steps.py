@@ -28,7 +28,6 @@ from qnpu_jax.export.graph import (
     LINEAR_INPUTS,
     LINEAR_OUTPUTS,
     MUXQ_MAX_EXP,
-    SMOOTHED_LINEARS,
     UNROTATED_INPUT,
     layer_widths,
 )
@@ -41,20 +40,33 @@ from qnpu_jax.pipeline.model import QuantizedModel
 from qnpu_jax.pipeline.outliers import choose_muxq, choose_shadows, shadow_summary
 from qnpu_jax.pipeline.stage1 import (
     Stage1Config,
+    clip_logits,
+    clipped_weight_scales,
     init_train_state,
     learned_scales,
     merge_scales,
     run_stage1,
+    transformed_params,
 )
 from qnpu_jax.pipeline.weight_rounding import gptq_round_weights
 from qnpu_jax.quant.init import scale_from_stats
 from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, QuantRule, TensorQuant, default_plan
 from qnpu_jax.quant.state import by_path, from_paths, get_entry, with_entry
+from qnpu_jax.transforms import (
+    EQUALIZED,
+    randomized_hadamard_rotations,
+    reader_absmax,
+    smoothing_scales,
+)
 from qnpu_jax.transforms import fuse_norms as fuse_norm_weights
-from qnpu_jax.transforms import randomized_hadamard_rotations, smoothing_scales
+from qnpu_jax.transforms.equalize import grouped_max
 
 # Stage1Config keys newer than the runs' records: {key: default}
-STAGE1_LATER_KEYS = {"compute_dtype": "float32"}
+STAGE1_LATER_KEYS = {
+    "compute_dtype": "float32",
+    "lr_equalization": 0.01,
+    "objective": "end_to_end",
+}
 # the linears' weights and inputs: the tensors stage 1 quantizes (and learns)
 STAGE1_TENSORS = (*WEIGHTS, *LINEAR_INPUTS)
 
@@ -167,11 +179,51 @@ def smooth_mlp(alpha: float) -> Step:
         params = m.params()
         x = UNROTATED_INPUT
         absmax = channel_absmax(params, m.cfg, data.windows, (x,), prefix=m.prefix)
-        scales = smoothing_scales(absmax[x], params["layers"][SMOOTHED_LINEARS[1]], alpha)
+        scales = smoothing_scales(absmax[x], reader_absmax(params, m.cfg, x), alpha)
         t = m.transforms.replace(mlp_smoothing=scales, mlp_smoothing_alpha=float(alpha))
         return m.replace(transforms=t), None
 
     return Step("smooth_mlp", {"alpha": alpha}, fn, f"MLP smoothing (alpha {alpha})")
+
+
+def equalize(alpha: float = 0.5, pairs: Sequence[str] | None = None) -> Step:
+    """Equivalent scaling of the linear pairs `pairs` (default: every pair of
+    `transforms.EQUALIZED`), each initialized by SmoothQuant's rule with strength `alpha` from
+    the current model's input ranges over the calibration and its readers' weight columns (in
+    the rotated basis when the model is rotated: put it after the rotations). A stage 1 after
+    it learns the factors."""
+    if isinstance(alpha, bool) or not 0.0 < alpha < 1.0:
+        raise QnpuError(f"equalize: alpha must be in (0, 1), got {alpha!r}")
+    chosen = tuple(EQUALIZED) if pairs is None else tuple(pairs)
+    unknown = sorted(set(chosen) - set(EQUALIZED))
+    if unknown or not chosen:
+        raise QnpuError(f"equalize: pairs must be among {sorted(EQUALIZED)}, got {list(chosen)}")
+
+    def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
+        if m.transforms.equalization:
+            raise QnpuError("equalize: the model is equalized already")
+        params = m.params()
+        absmax = channel_absmax(params, m.cfg, data.windows, chosen, prefix=m.prefix)
+        scales = {
+            name: smoothing_scales(
+                grouped_max(name, jnp.asarray(absmax[name]), m.cfg),
+                reader_absmax(params, m.cfg, name),
+                alpha,
+            )
+            for name in chosen
+        }
+        info = {
+            name: {
+                "min": float(jnp.min(s)),
+                "median": float(jnp.median(s)),
+                "max": float(jnp.max(s)),
+            }
+            for name, s in scales.items()
+        }
+        return m.replace(transforms=m.transforms.replace(equalization=scales)), info
+
+    args = {"alpha": alpha, "pairs": list(chosen)}
+    return Step("equalize", args, fn, f"equivalent scaling of {', '.join(chosen)} (α {alpha})")
 
 
 def plan(
@@ -246,7 +298,8 @@ def stage1_plan(
 ) -> QuantPlan:
     """Selective optimization: only the linears' input activations and weights are quantized
     (and learnable with `learn`) in stage 1; everything else, lm_head included, stays float.
-    Without `selective`, the linear outputs and the K/V cache are learned in stage 1 too."""
+    Without `selective`, the linear outputs and the K/V cache are learned in stage 1 too
+    (MobileQuant's activation range learning)."""
     names = STAGE1_TENSORS if selective else (*STAGE1_TENSORS, *LINEAR_OUTPUTS, *KV_TENSORS)
     keep = {f"layers/{n}" for n in names}
     entries = []
@@ -265,35 +318,45 @@ def stage1(
     learn_scales: bool = True,
     selective: bool = True,
     learn_down_in: bool = True,
+    weight_clipping: bool = False,
 ) -> Step:
     """Stage 1 (§4.3): R1/R2 learned with Cayley SGD under the stage-1 plan's fake quant, and
     with `learn_scales` the selective scales too (Quant.npu; without: SpinQuant's rotations
-    only). Batches are drawn from the calibration ids with `key`. The trained scales are kept
-    over the next calibration's encodings."""
+    only). An unrotated model learns no rotations; an equalized one learns its pairs' scales
+    (MobileQuant, OmniQuant's LET); `weight_clipping` (with `learn_scales`) learns the linear
+    weights' scales as clip factors of their current rows (OmniQuant's LWC). Batches are drawn
+    from the calibration ids with `key`. The trained scales are kept over the next
+    calibration's encodings."""
+    if weight_clipping and not learn_scales:
+        raise QnpuError("stage1: weight clipping is learned with the scales (learn_scales)")
 
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
         t = m.transforms
-        if t.r1 is None or t.r2 is None:
-            raise QnpuError("stage1 learns rotations: put hadamard_rotations(key) before it")
+        if t.r1 is None and not t.equalization and not learn_scales:
+            raise QnpuError(
+                "stage1 has nothing to learn: no rotations (hadamard_rotations), no equivalent "
+                "scales (equalize) and no scales"
+            )
         s1_plan = stage1_plan(
             m.require_plan(), selective=selective, learn=learn_scales, learn_down_in=learn_down_in
         )
+        params = place_params(ctx.mesh, m.params())
         s1_state = calibrate_state(
-            place_params(ctx.mesh, m.params()),
-            m.cfg,
-            s1_plan,
-            data.windows,
-            prefix=m.prefix,
-            mesh=ctx.mesh,
+            params, m.cfg, s1_plan, data.windows, prefix=m.prefix, mesh=ctx.mesh
         )
+        clip = clip_logits(params, s1_state, s1_plan) if weight_clipping else None
         with tempfile.TemporaryDirectory() as tmp:
             workdir = ctx.workdir / "stage1" if ctx.workdir is not None else Path(tmp)
+            base = t.apply(m.base, m.cfg, rotate=False)
+            start = init_train_state(
+                t.r1, t.r2, s1_state, s1_plan, config, equalization=t.equalization, clip=clip
+            )
             trained = run_stage1(
-                init_train_state(t.r1, t.r2, s1_state, s1_plan, config),
+                start,
                 cfg=m.cfg,
                 plan=s1_plan,
                 config=config,
-                base_params=t.apply(m.base, m.cfg, rotate=False),
+                base_params=base,
                 frozen_state=s1_state,
                 calib_ids=data.ids,
                 seq_len=data.seq_len,
@@ -305,13 +368,32 @@ def stage1(
             )
         learned = trained["params"]
         scales = learned_scales(learned["scales"], config.scale_param) if learn_scales else None
+        if "clip" in learned and scales is not None:
+            final = transformed_params(base, m.cfg, learned)
+            clipped = clipped_weight_scales(final, learned["clip"], s1_state)
+            weights = learned_scales(clipped, "linear")["layers"]
+            scales = {**scales, "layers": {**scales["layers"], **weights}}
+        equalization = t.equalization
+        if "equalization" in learned:
+            equalization = {k: jnp.exp(v) for k, v in learned["equalization"].items()}
         new = m.replace(
-            transforms=t.replace(r1=learned["r1"], r2=learned["r2"]),
+            transforms=t.replace(
+                r1=learned.get("r1"), r2=learned.get("r2"), equalization=equalization
+            ),
             state=None,
             weight_codes=None,
             trained=scales,
         )
-        return new, None
+        info = None
+        if "clip" in learned:
+            info = {
+                "clip_factor_mean": {
+                    f"{name}.{side}": float(jnp.mean(jax.nn.sigmoid(v)))
+                    for name, sides in learned["clip"].items()
+                    for side, v in sides.items()
+                }
+            }
+        return new, info
 
     recorded = dataclasses.asdict(config)
     # keys added after runs were made are recorded only off their default, so that a run
@@ -326,7 +408,10 @@ def stage1(
         "selective": selective,
         "learn_down_in": learn_down_in,
     }
-    what = "rotations and scales" if learn_scales else "rotations"
+    if weight_clipping:  # recorded only when on, so runs made before it still resume
+        args["weight_clipping"] = True
+    what = "the model's rotations and equivalent scales" + (", scales" if learn_scales else "")
+    what += ", weight clip factors" if weight_clipping else ""
     describe = f"stage 1: {config.steps} steps ({what})"
     return Step("stage1", args, fn, describe, resumable=True)
 

@@ -382,8 +382,13 @@ def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
         raise QnpuError(f"{path}: only softmax probabilities have a fixed encoding")
     if name == UNROTATED_INPUT and min(tq.layer_bits or (tq.bits,)) < 8:
         raise QnpuError(f"{path}: the unrotated down_proj input is never below 8 bits")
-    if is_weight(path) and not tq.symmetric:
-        raise QnpuError(f"{path}: weights are symmetric (integer matmul without weight zero point)")
+    if is_weight(path) and not tq.symmetric and not (is_layer_path(path) and tq.axis == 0):
+        raise QnpuError(
+            f"{path}: only the decoder linears' per-channel weights may be asymmetric (a zero "
+            "point per row, the z_w·Σx term of the integer matmul)"
+        )
+    if is_weight(path) and not tq.symmetric and tq.block is not None:
+        raise QnpuError(f"{path}: per-block weights are symmetric")
     if not is_weight(path) and tq.init == "mse":
         raise QnpuError(
             f"{path}: 'mse' initialization needs sample data and is supported for weights only"

@@ -47,6 +47,7 @@ METHOD_LABELS = {
     "quarot": "QuaRot",
     "spinquant": "SpinQuant",
     "quantnpu": "Quant.npu",
+    "mobilequant": "MobileQuant",
 }
 HIGHER, LOWER, FLAG = "▲", "▼", "†"
 LAMBADA_PPL = "lambada_ppl"
@@ -235,6 +236,12 @@ def run_label(method: str, config: Any) -> str:
     label = METHOD_LABELS.get(method, method)
     if config.smooth_mlp is not None:
         label += f" + smoothing α={config.smooth_mlp:g}"
+    if config.equalize is not None and method != "mobilequant":
+        label += f" + equalization α={config.equalize:g}"
+    if config.weight_clipping and method != "mobilequant":
+        label += " + LWC"
+    if config.stage1.objective != "end_to_end":
+        label += f" ({config.stage1.objective}-wise)"
     if config.weight_rounding != "rtn":
         label += f" + {config.weight_rounding.upper()}"
     return label

@@ -13,6 +13,14 @@ post-training mechanism applied to that run's model, without a new stage 1:
                    exceeds T shifted right by E bits into the Body tensor, (2^E − 1)·Aux·W
                    added back (`--muxq-exp`, `--muxq-threshold`, every pair)
 
+`--recipes` adds rows that are runs of their own (stage 1 included), at each bit-width:
+
+    mobilequant    MobileQuant's recipe (no rotations; equivalent scaling of every linear
+                   pair, learnable weight clipping, asymmetric activation ranges and weights,
+                   learned end to end), setting (b) as for Quant.npu
+    quantnpu-mq    Quant.npu with MobileQuant's pieces on top: equalization (α 0.5) in the
+                   rotated basis, learnable weight clipping, asymmetric weights
+
 Every row: perplexity on the `wiki` eval split and WikiText-2 (the grid's protocol: the first
 `--eval-windows` windows at seq_len 512; FP32 measured once), and `qnpu_jax.cost`'s counts
 and modelled latency of its plan (a 512-token prompt in chunks of 64, then 128 tokens; both
@@ -37,6 +45,23 @@ from qnpu_jax.studies import study_parser
 
 PROMPT, CHUNK, GENERATED = 512, 64, 128
 LATENCY_READING = "quantnpu-table3"  # the plot's x axis: the reading Table 12 supports
+# --recipes: (method, run-dir setting, label, config options over the grid's)
+MOBILEQUANT_PIECES = {
+    "equalize": 0.5,
+    "weight_clipping": True,
+    "asymmetric_activations": True,
+    "asymmetric_weights": True,
+    "selective": False,
+}
+RECIPE_ROWS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
+    "mobilequant": ("mobilequant", "ours", "MobileQuant", MOBILEQUANT_PIECES),
+    "quantnpu-mq": (
+        "quantnpu",
+        "mq",
+        "Quant.npu + equalization α 0.5 + LWC + asymmetric weights",
+        {"equalize": 0.5, "weight_clipping": True, "asymmetric_weights": True},
+    ),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,6 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--muxq-exp", type=int, nargs="*", default=[2], help="MUXQ shifts")
     parser.add_argument(
         "--muxq-threshold", type=float, nargs="+", default=[6.0], help="MUXQ's outlier |x|"
+    )
+    parser.add_argument(
+        "--recipes",
+        nargs="*",
+        choices=sorted(RECIPE_ROWS),
+        default=[],
+        help="rows that are runs of their own (stage 1 included)",
     )
     add_protocol_args(parser, eval_windows=32, prefix="bos")
     parser.add_argument("--runs-dir", default="runs/outliers")
@@ -247,6 +279,20 @@ def main(argv: list[str] | None = None) -> int:
             post["cost"] = plan_cost(plan, loaded.config, devices)
             post["label"] = f"{entry['label']} {post['label']}"
             rows.append({k: v for k, v in post.items() if k != "plan"})
+        for name in args.recipes:
+            method, setting, what, options = RECIPE_ROWS[name]
+            own = dataclasses.replace(config, method=method, **options)
+            own_dir = cm._run_dir(args, method, w, a, args.kv_bits, setting)
+            own_cell = cm._cell(method, setting, own, own_dir, f"{what} {bits}, {promoted}")
+            status, payload = cm.run_cell(
+                own_cell, args, command, cm.float_reference(float_report, specs)
+            )
+            row = cm.grid_entry(own_cell, status, payload, specs)
+            row["key"] = own_dir.name
+            print(f"{row['label']}: {status} {row.get('ppl', '')}", flush=True)
+            if status in cm.FINISHED:
+                row["cost"] = plan_cost(read_plan(own_dir / "plan.json"), loaded.config, devices)
+            rows.append(row)
     doc = {
         "float": floats,
         "rows": rows,

@@ -1,19 +1,30 @@
-"""Model-equivalent rewrites of params: norm fusion, offline rotations (R1, R2) and channel
-smoothing between up_proj and down_proj."""
+"""Model-equivalent rewrites of params: norm fusion, offline rotations (R1, R2) and equivalent
+channel scaling of linear pairs (up→down smoothing is one of them)."""
 
+from qnpu_jax.transforms.equalize import (
+    EQUALIZED,
+    equalization_widths,
+    equalize,
+    reader_absmax,
+    smoothing_scales,
+)
 from qnpu_jax.transforms.rotate import (
     apply_rotations,
     fuse_norms,
     norms_are_fused,
     randomized_hadamard_rotations,
 )
-from qnpu_jax.transforms.smooth import smooth_mlp, smoothing_scales
+from qnpu_jax.transforms.smooth import smooth_mlp
 
 __all__ = [
+    "EQUALIZED",
     "apply_rotations",
+    "equalization_widths",
+    "equalize",
     "fuse_norms",
     "norms_are_fused",
     "randomized_hadamard_rotations",
+    "reader_absmax",
     "smooth_mlp",
     "smoothing_scales",
 ]
