@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import pytest
 
 from qnpu_jax.models import LoadedModel, ModelConfig, init_random_params, load_model
@@ -64,6 +65,23 @@ def run_artifact_ppl(run: Path, out: Path, *, seq_len: int = 32, windows: int = 
         assert main([*ev, "--json", str(out / f"{engine}.json")]) == 0
         ppl[engine] = json.loads((out / f"{engine}.json").read_text())["ppl"]
     return ppl
+
+
+def engines_agree_with_fake_quant(
+    int_model: Any, model: Any, ids: np.ndarray, rel: float = 0.02
+) -> None:
+    """The emulator and the JAX integer engine prefill `ids` [1, T] to the same logits and
+    K/V cache, bit for bit, and the integer NLL is within `rel` of the fake-quant `model`'s."""
+    from qnpu_jax.export.int_model import open_engine
+
+    emulator, jax_engine = open_engine("emulator", int_model), open_engine("jax", int_model)
+    le, ce = emulator.prefill(ids)
+    lj, cj = jax_engine.prefill(ids)
+    np.testing.assert_array_equal(np.asarray(le), np.asarray(lj))
+    np.testing.assert_array_equal(np.asarray(ce.k), np.asarray(cj.k))
+    np.testing.assert_array_equal(np.asarray(ce.v), np.asarray(cj.v))
+    nll_int = float(np.mean(emulator.token_nll(ids)))
+    assert abs(nll_int / np.log(model.perplexity(ids)["ppl"]) - 1) < rel
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import engines_agree_with_fake_quant  # tests/ is on sys.path (rootdir conftest)
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.models import forward, init_random_params, load_model
@@ -261,7 +262,7 @@ def test_mobilequant_artifact_runs_bit_exact_on_both_engines(two_layer, tmp_path
     encodings and score the same."""
     from qnpu_jax.export.artifact import read_artifact
     from qnpu_jax.export.exporter import export_quantized
-    from qnpu_jax.export.int_model import load_int_model, open_engine, validate_graph
+    from qnpu_jax.export.int_model import load_int_model, validate_graph
 
     fp, data = two_layer
     config = QuantizeConfig(
@@ -288,14 +289,7 @@ def test_mobilequant_artifact_runs_bit_exact_on_both_engines(two_layer, tmp_path
         validate_graph({**art.manifest, "graph": unknown}, art.tensors, "art")
     int_model = load_int_model(out)
     ids = np.asarray(data.windows[:1, :40])
-    emulator, jax_engine = open_engine("emulator", int_model), open_engine("jax", int_model)
-    le, ce = emulator.prefill(ids)
-    lj, cj = jax_engine.prefill(ids)
-    np.testing.assert_array_equal(np.asarray(le), np.asarray(lj))
-    np.testing.assert_array_equal(np.asarray(ce.v), np.asarray(cj.v))
-    nll_int = float(np.mean(emulator.token_nll(ids)))
-    fake = np.log(model.perplexity(ids)["ppl"])
-    assert abs(nll_int / fake - 1) < 0.02
+    engines_agree_with_fake_quant(int_model, model, ids)
     # the ONNX QDQ graph (asymmetric activations, per-channel norm gains) in onnxruntime is
     # the fake-quant model (float ops between QDQ pairs: the "fake" simulation)
     from qnpu_jax.export.onnx_export import export_onnx

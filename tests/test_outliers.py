@@ -9,6 +9,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import engines_agree_with_fake_quant  # tests/ is on sys.path (rootdir conftest)
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import SHADOW_BITS
@@ -144,9 +145,8 @@ def test_shadow_outliers_step_on_the_two_layer_model(shadowed):
     )  # fmt: skip
     with_shadow = model.perplexity(windows)["ppl"]
     assert with_shadow < clipped_only.perplexity(windows)["ppl"]
-    from qnpu_jax.export.exporter import run_encodings
-
     from qnpu_jax.export.aimet import aimet_encodings
+    from qnpu_jax.export.exporter import run_encodings
 
     table = run_encodings(model.plan, model.state, model.cfg)
     assert table[f"layers.{kept}.down_in"]["shadow_channels"] == list(tq.shadow_channels[kept])
@@ -182,18 +182,11 @@ def test_shadow_artifact_runs_bit_exact_on_both_engines(shadowed, tmp_path):
     from qnpu_jax.emulator.engine import run_chunk
 
     ids = np.asarray(windows[:1, :40])
-    emulator, jax_engine = open_engine("emulator", int_model), open_engine("jax", int_model)
     trace: dict = {}
-    run_chunk(int_model, ids, emulator.new_cache(1), trace)
+    run_chunk(int_model, ids, open_engine("emulator", int_model).new_cache(1), trace)
     codes = trace["down_in"][kept]
     assert np.abs(codes[..., list(hot)]).max() > 127  # the shadow path carries real overflow
-    le, ce = emulator.prefill(ids)
-    lj, cj = jax_engine.prefill(ids)
-    np.testing.assert_array_equal(np.asarray(le), np.asarray(lj))
-    np.testing.assert_array_equal(np.asarray(ce.k), np.asarray(cj.k))
-    nll_int = float(np.mean(emulator.token_nll(ids)))
-    fake = np.log(model.perplexity(ids)["ppl"])
-    assert abs(nll_int / fake - 1) < 0.02
+    engines_agree_with_fake_quant(int_model, model, ids)
     # tampered channel lists are refused on load
     art = read_artifact(out)
     key = "layers.shadow.down_in.channels"
@@ -339,7 +332,7 @@ def test_muxq_step_artifact_and_engines_on_the_two_layer_model(shadowed, tmp_pat
     matmul of the codes times 2^exp: the same logits; the integer model scores as the fake
     one does, and better than the same model without MUXQ."""
     from qnpu_jax.export.exporter import export_quantized, run_encodings
-    from qnpu_jax.export.int_model import load_int_model, open_engine
+    from qnpu_jax.export.int_model import load_int_model
     from qnpu_jax.pipeline.calibrate import channel_absmax
 
     fp, base, _, windows, data = shadowed
@@ -363,14 +356,7 @@ def test_muxq_step_artifact_and_engines_on_the_two_layer_model(shadowed, tmp_pat
     assert manifest["graph"]["muxq"]["down_in"]["exp"] == 3
     int_model = load_int_model(out)
     np.testing.assert_array_equal(int_model.muxq_channels("down_in", 0), hot)
-    ids = np.asarray(windows[:1, :40])
-    emulator, jax_engine = open_engine("emulator", int_model), open_engine("jax", int_model)
-    le, ce = emulator.prefill(ids)
-    lj, cj = jax_engine.prefill(ids)
-    np.testing.assert_array_equal(np.asarray(le), np.asarray(lj))
-    np.testing.assert_array_equal(np.asarray(ce.v), np.asarray(cj.v))
-    nll_int = float(np.mean(emulator.token_nll(ids)))
-    assert abs(nll_int / np.log(model.perplexity(ids)["ppl"]) - 1) < 0.02
+    engines_agree_with_fake_quant(int_model, model, np.asarray(windows[:1, :40]))
     with pytest.raises(QnpuError, match="has outlier channels already"):
         steps.muxq("down_in", exp=2, threshold=threshold)(model, data)
     with pytest.raises(QnpuError, match="exp must be an integer"):
