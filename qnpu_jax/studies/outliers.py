@@ -21,6 +21,9 @@ post-training mechanism applied to that run's model, without a new stage 1:
     quantnpu-mq    Quant.npu with MobileQuant's pieces on top: equalization (α 0.5) in the
                    rotated basis, learnable weight clipping, asymmetric weights
 
+and the post-training mechanisms then apply to those runs too (a mechanism a run's plan
+refuses, e.g. MUXQ on an asymmetric down_proj input, is a row marked "refused" with why).
+
 Every row: perplexity on the `wiki` eval split and WikiText-2 (the grid's protocol: the first
 `--eval-windows` windows at seq_len 512; FP32 measured once), and `qnpu_jax.cost`'s counts
 and modelled latency of its plan (a 512-token prompt in chunks of 64, then 128 tokens; both
@@ -41,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qnpu_jax.errors import QnpuError
 from qnpu_jax.studies import study_parser
 
 PROMPT, CHUNK, GENERATED = 512, 64, 128
@@ -169,7 +173,12 @@ def _post_rows(
             windows = evaluation_sets(config, loaded.tokenizer, limit)
         assert data is not None and windows is not None
         t0 = time.perf_counter()
-        changed = step(model, data)
+        try:
+            changed = step(model, data)
+        except QnpuError as e:  # e.g. MUXQ on an asymmetric down_proj input
+            rows.append({"key": key, "base": run_dir.name, "label": label, "status": "refused",
+                         "why": str(e)})  # fmt: skip
+            continue
         ppl = {n: changed.perplexity(windows[s])["ppl"] for n, s in specs.items()}
         row = {
             "key": key,
@@ -189,6 +198,11 @@ def _post_rows(
     return rows
 
 
+def _cell_text(text: str) -> str:
+    """`text` inside a markdown table cell (its pipes escaped: "|x| > 6")."""
+    return text.replace("|", "\\|")
+
+
 def _table(rows: list[dict[str, Any]], floats: dict[str, float]) -> list[str]:
     r = LATENCY_READING
     lines = [
@@ -200,14 +214,18 @@ def _table(rows: list[dict[str, Any]], floats: dict[str, float]) -> list[str]:
     ]
     for row in rows:
         if "ppl" not in row:
-            lines.append(f"| {row['label']} | {row['status']} ||||||||")
+            why = f": {row['why']}" if "why" in row else ""
+            lines.append(
+                f"| {_cell_text(row['label'])} | {row['status']}{_cell_text(why)} ||||||||"
+            )
             continue
         c = row["cost"]
         pre, dec = c["prefill"], c["decode"]
         wide = sum(n for p, n in pre["macs"].items() if "16" in p) / 1e9
         total = sum(pre["macs"].values()) / 1e9
         lines.append(
-            f"| {row['label']} | {row['ppl']['wiki']:.2f} | {row['ppl']['wikitext2']:.2f} | "
+            f"| {_cell_text(row['label'])} | {row['ppl']['wiki']:.2f} | "
+            f"{row['ppl']['wikitext2']:.2f} | "
             f"{row['ratio']['wiki']:.3f} / {row['ratio']['wikitext2']:.3f} | "
             f"{pre['latency_s'][r] * 1e3:.1f} / "
             f"{pre['latency_s']['mobilequant-table6'] * 1e3:.1f} | "
@@ -290,9 +308,17 @@ def main(argv: list[str] | None = None) -> int:
             row = cm.grid_entry(own_cell, status, payload, specs)
             row["key"] = own_dir.name
             print(f"{row['label']}: {status} {row.get('ppl', '')}", flush=True)
-            if status in cm.FINISHED:
-                row["cost"] = plan_cost(read_plan(own_dir / "plan.json"), loaded.config, devices)
             rows.append(row)
+            if status not in cm.FINISHED:
+                continue
+            row["cost"] = plan_cost(read_plan(own_dir / "plan.json"), loaded.config, devices)
+            for post in _post_rows(own_dir, own, args, loaded, floats):  # on this run too
+                if "plan" in post:
+                    post["cost"] = plan_cost(
+                        QuantPlan.from_dict(post["plan"]), loaded.config, devices
+                    )
+                post["label"] = f"{row['label']} {post['label']}"
+                rows.append({k: v for k, v in post.items() if k != "plan"})
     doc = {
         "float": floats,
         "rows": rows,
@@ -305,4 +331,4 @@ def main(argv: list[str] | None = None) -> int:
     write_bytes_atomic(out.with_suffix(".md"), "\n".join(md).encode())
     write_bytes_atomic(out.with_suffix(".png"), pareto_plot(rows, floats))
     print(f"-> {out}")
-    return 0 if all(r["status"] in cm.FINISHED for r in rows) else 1
+    return 0 if all(r["status"] in (*cm.FINISHED, "refused") for r in rows) else 1
