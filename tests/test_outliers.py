@@ -264,8 +264,11 @@ def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_pat
     ]  # fmt: skip
     assert outliers.main(argv) == 0
     doc = json.loads(report.read_text())
-    base, shadow, muxq, mobilequant = doc["rows"]
+    base, shadow, muxq, mobilequant, mq_shadow, mq_muxq = doc["rows"]
     assert base["status"] == shadow["status"] == muxq["status"] == mobilequant["status"] == "ran"
+    # the mechanisms on the recipe's run too: MUXQ refuses its asymmetric down_proj input
+    assert mq_shadow["status"] == "ran" and mq_shadow["base"] == mobilequant["key"]
+    assert mq_muxq["status"] == "refused" and "must be symmetric" in mq_muxq["why"]
     assert mobilequant["key"] == "mobilequant-w4a8kv8-ours-prefix-bos"
     assert "MobileQuant" in mobilequant["label"] and set(mobilequant["ppl"]) == set(base["ppl"])
     # its asymmetric weights' z_w·Σx term: more NPU MACs than Quant.npu's symmetric plan
@@ -285,7 +288,8 @@ def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_pat
     assert report.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "shadow outliers" in report.with_suffix(".md").read_text()
     assert outliers.main(argv) == 0  # everything read back, nothing run again
-    assert [r["status"] for r in json.loads(report.read_text())["rows"]] == ["reused"] * 4
+    statuses = [r["status"] for r in json.loads(report.read_text())["rows"]]
+    assert statuses == ["reused"] * 5 + ["refused"]
 
 
 def test_muxq_body_plus_aux_equals_the_input_exactly():
