@@ -275,6 +275,17 @@ def main(argv: list[str] | None = None) -> int:
     devices = cost.devices(model_architecture(cost.ANCHOR_MODEL))
     base = cm.base_config(args)
     rows: list[dict[str, Any]] = []
+
+    def posts(run_dir: Path, config: Any, label: str) -> list[dict[str, Any]]:
+        """The mechanisms' rows on the run in `run_dir`, each with its plan's cost."""
+        out = []
+        for post in _post_rows(run_dir, config, args, loaded, floats):
+            if "plan" in post:  # a refused mechanism has none
+                post["cost"] = plan_cost(QuantPlan.from_dict(post["plan"]), loaded.config, devices)
+            post["label"] = f"{label} {post['label']}"
+            out.append({k: v for k, v in post.items() if k != "plan"})
+        return out
+
     for bits in args.bits:
         w, a = cm.parse_bits(bits)
         config = dataclasses.replace(
@@ -292,11 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         if status not in cm.FINISHED:
             continue
         entry["cost"] = plan_cost(read_plan(run_dir / "plan.json"), loaded.config, devices)
-        for post in _post_rows(run_dir, config, args, loaded, floats):
-            plan = QuantPlan.from_dict(post["plan"])
-            post["cost"] = plan_cost(plan, loaded.config, devices)
-            post["label"] = f"{entry['label']} {post['label']}"
-            rows.append({k: v for k, v in post.items() if k != "plan"})
+        rows += posts(run_dir, config, entry["label"])
         for name in args.recipes:
             method, setting, what, options = RECIPE_ROWS[name]
             own = dataclasses.replace(config, method=method, **options)
@@ -312,13 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             if status not in cm.FINISHED:
                 continue
             row["cost"] = plan_cost(read_plan(own_dir / "plan.json"), loaded.config, devices)
-            for post in _post_rows(own_dir, own, args, loaded, floats):  # on this run too
-                if "plan" in post:
-                    post["cost"] = plan_cost(
-                        QuantPlan.from_dict(post["plan"]), loaded.config, devices
-                    )
-                post["label"] = f"{row['label']} {post['label']}"
-                rows.append({k: v for k, v in post.items() if k != "plan"})
+            rows += posts(own_dir, own, row["label"])  # on this run too
     doc = {
         "float": floats,
         "rows": rows,
