@@ -272,12 +272,7 @@ def scored_model(
     as `qnpu eval --model/--run` scores it. `prefix` None: no sink prefix for a model, the
     run's own for a run."""
     from qnpu_jax.models import load_model
-    from qnpu_jax.models.quantized import (
-        FakeQuantTaps,
-        sink_prefix,
-        tapped_nll_argmax,
-        tapped_token_nll,
-    )
+    from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix
 
     if model is not None and run is not None:
         raise QnpuError("score a model or a run, not both")
@@ -297,24 +292,68 @@ def scored_model(
         label = model
     else:
         raise QnpuError("score a model or a run: neither was given")
-    prefix_ids = sink_prefix(prefix_name, loaded.tokenizer)
-    cfg = loaded.config
-    fns = {
-        f: partial(f, params, state, cfg=cfg, taps=taps, prefix=prefix_ids)
-        for f in (tapped_token_nll, tapped_nll_argmax)
-    }
-    return Scored(
+    return _scored(
+        params,
+        state,
+        taps,
+        sink_prefix(prefix_name, loaded.tokenizer),
+        loaded.config,
+        loaded.tokenizer,
         label=label,
-        nll_fn=fns[tapped_token_nll],
-        nll_argmax_fn=fns[tapped_nll_argmax],
-        tokenizer=loaded.tokenizer,
-        max_length=cfg.max_position_embeddings - len(prefix_ids),
         report={
             "model": model if run is None else None,
             "run": str(run) if run is not None else None,
             "path": "float" if run is None else "fake-quant (static)",
             "prefix": prefix_name,
         },
+    )
+
+
+def scored_quantized(
+    model: Any, tokenizer: Any, *, label: str, report: dict[str, object]
+) -> Scored:
+    """The fake-quant forward of a `QuantizedModel` value (no run directory: e.g. a run with a
+    post-training step applied in memory), with its own sink prefix; `report` says what it is."""
+    from qnpu_jax.models.quantized import FakeQuantTaps
+
+    taps = FakeQuantTaps(model.require_plan())
+    return _scored(
+        model.params(),
+        model.require_state(),
+        taps,
+        model.prefix,
+        model.cfg,
+        tokenizer,
+        label=label,
+        report={"path": "fake-quant (static)", **report},
+    )
+
+
+def _scored(
+    params: Any,
+    state: Any,
+    taps: Any,
+    prefix_ids: Sequence[int],
+    cfg: Any,
+    tokenizer: Any,
+    *,
+    label: str,
+    report: dict[str, object],
+) -> Scored:
+    from qnpu_jax.models.quantized import tapped_nll_argmax, tapped_token_nll
+
+    prefix = tuple(prefix_ids)
+    fns = {
+        f: partial(f, params, state, cfg=cfg, taps=taps, prefix=prefix)
+        for f in (tapped_token_nll, tapped_nll_argmax)
+    }
+    return Scored(
+        label=label,
+        nll_fn=fns[tapped_token_nll],
+        nll_argmax_fn=fns[tapped_nll_argmax],
+        tokenizer=tokenizer,
+        max_length=cfg.max_position_embeddings - len(prefix),
+        report=report,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -290,6 +291,56 @@ def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_pat
     assert outliers.main(argv) == 0  # everything read back, nothing run again
     statuses = [r["status"] for r in json.loads(report.read_text())["rows"]]
     assert statuses == ["reused"] * 5 + ["refused"]
+
+    # zero-shot on every row with a perplexity, the post-training rows' models rebuilt
+    tasks = ["--tasks", "piqa", "--limit", "3", "--tasks-rows", "all"]
+    assert outliers.main([*argv, *tasks]) == 0
+    doc = json.loads(report.read_text())
+    scored = [r for r in doc["rows"] if "tasks" in r]
+    assert [r["key"] for r in scored] == [r["key"] for r in doc["rows"] if "ppl" in r]
+    assert doc["tasks"]["float"]["tasks"]["piqa"]["n"] == 3
+    runs = tmp_path / "runs"
+    for row in scored:
+        assert row["tasks_status"] == "ran" and row["tasks"]["piqa"]["n"] == 3
+        where = runs / "post" / row["key"] if "mechanism" in row else runs / row["key"]
+        assert row["evals"] == str(where / "evals" / "tasks-3-0.json")
+        assert json.loads(Path(row["evals"]).read_text())["prefix"] == "bos"
+    post = json.loads(Path(shadow_row(scored)["evals"]).read_text())
+    assert post["base_run"] == shadow["base_dir"] and post["post_step"]["name"] == "shadow_outliers"
+    assert "| FP32 | " in report.with_suffix(".md").read_text().split("Zero-shot")[1]
+    from qnpu_jax.report.table import build_rows
+
+    with pytest.raises(QnpuError, match="post-training step applied in memory"):
+        build_rows([Path(shadow["base_dir"])], [Path(shadow_row(scored)["evals"])])
+    # the rebuilt model is the row's model: its perplexity on the row's windows is the row's
+    from qnpu_jax.pipeline.config import load_config
+    from qnpu_jax.pipeline.model import nll_perplexity
+    from qnpu_jax.pipeline.run import evaluation_sets
+
+    loaded = load_model(str(two_layer_dir))
+    config = load_config(Path(shadow["base_dir"]) / "config.yaml")
+    rebuilt = outliers._post_scored(shadow_row(scored), config, loaded)
+    windows = evaluation_sets(config, loaded.tokenizer, rebuilt.max_length)["wiki"]
+    ppl = nll_perplexity(rebuilt.nll_fn, windows)["ppl"]
+    assert ppl == pytest.approx(shadow["ppl"]["wiki"], rel=1e-5)
+
+
+def shadow_row(rows):
+    return next(r for r in rows if r.get("mechanism") == "shadow_outliers")
+
+
+def test_tasks_rows_best_keeps_quant_npu_and_the_lowest_row_per_bit_width():
+    from qnpu_jax.studies.outliers import tasks_rows
+
+    def row(key, bits, wiki=None):
+        return {"key": key, "bits": bits, **({"ppl": {"wiki": wiki}} if wiki else {})}
+
+    rows = [
+        row("q8", "W8A8", 20.0), row("q8-shadow", "W8A8", 16.0), row("q8-muxq", "W8A8", 19.0),
+        row("q4", "W4A8", 27.0), row("q4-muxq", "W4A8", 28.0), row("q4-refused", "W4A8"),
+    ]  # fmt: skip
+    assert [r["key"] for r in tasks_rows(rows, "best")] == ["q8", "q8-shadow", "q4"]
+    assert len(tasks_rows(rows, "all")) == 5
 
 
 def test_muxq_body_plus_aux_equals_the_input_exactly():

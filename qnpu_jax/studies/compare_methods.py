@@ -58,14 +58,17 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qnpu_jax.argtypes import comma_choices, positive_int
 from qnpu_jax.eval import TASKS
 from qnpu_jax.report.table import HEADLINE, METHOD_LABELS, TASK_LABELS, TaskResult, pct
 from qnpu_jax.studies import study_parser
+
+if TYPE_CHECKING:
+    from qnpu_jax.cli import Scored
 
 METHODS = ("float", "rtn", "quarot", "spinquant", "quantnpu")
 QUANT_METHODS = METHODS[1:]
@@ -418,9 +421,11 @@ def score_tasks(
     *,
     compute: bool,
     model: str | None = None,
+    scored: Callable[[], Scored] | None = None,
 ) -> TaskScores:
-    """The `args.tasks` results of the run in `row_dir` (or of the float `model`, cached in
-    `row_dir`), as `qnpu eval --run/--model ... --tasks --limit --seed --prefix` computes them.
+    """The `args.tasks` results of the run in `row_dir` (or of the float `model`, or of what
+    `scored` builds, each cached in `row_dir`), as `qnpu eval --run/--model ... --tasks
+    --limit --seed --prefix` computes them.
 
     Tasks already in the evals JSON are read back; the missing ones are scored if `compute`,
     and the JSON is rewritten after every task, so a killed invocation loses one task at most.
@@ -453,11 +458,14 @@ def score_tasks(
             status = "not run"
         elif missing:
             started = time.perf_counter() - float((doc or {}).get("seconds_total") or 0.0)
-            run = None if model is not None else row_dir
-            scored = scored_model(model=model, run=run, prefix=args.prefix)
+            if scored is not None:
+                source = scored()
+            else:
+                run = None if model is not None else row_dir
+                source = scored_model(model=model, run=run, prefix=args.prefix)
             for name in missing:
                 part = zero_shot_report(
-                    scored,
+                    source,
                     [name],
                     limit=args.limit,
                     seed=args.task_seed,
@@ -465,7 +473,7 @@ def score_tasks(
                     progress=args.progress,
                 )
                 tasks = {**(doc or {}).get("tasks", {}), **part["tasks"]}
-                doc = {**(doc or {}), **scored.report, **part, "tasks": tasks}
+                doc = {**(doc or {}), **source.report, **part, "tasks": tasks}
                 finish_eval_report(doc, command=command, started=started, path=path)
             status = "ran"
         if doc is None:
@@ -769,6 +777,39 @@ def add_protocol_args(parser: argparse.ArgumentParser, *, eval_windows: int, pre
     parser.add_argument("--checkpoint-every", type=int, default=s1.checkpoint_every)
 
 
+def add_task_args(parser: argparse.ArgumentParser) -> None:
+    """The zero-shot options (`score_tasks` reads them), shared by the studies with such
+    columns."""
+    parser.add_argument(
+        "--tasks",
+        type=comma_choices(TASKS),
+        default=(),
+        help="zero-shot columns: comma list of " + ", ".join(TASKS) + " (default: none)",
+    )
+    parser.add_argument(
+        "--limit",
+        type=positive_int,
+        default=None,
+        help="zero-shot: a seeded subset of N items per task (default: all of them)",
+    )
+    parser.add_argument("--task-seed", type=int, default=0, help="zero-shot subset seed")
+    parser.add_argument("--task-batch-size", type=positive_int, default=8)
+
+
+def check_tasks(args: argparse.Namespace) -> str | None:
+    """Why the selected tasks cannot be scored (missing data), checked before any long run;
+    None when they can."""
+    from qnpu_jax.errors import QnpuError
+    from qnpu_jax.eval import load_task
+
+    try:
+        for name in args.tasks:
+            load_task(name)
+    except QnpuError as e:
+        return str(e)
+    return None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = study_parser(__name__, __doc__)
     parser.add_argument("--model", default="smollm2-135m")
@@ -785,20 +826,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ablation rows to run: " + ",".join(ABLATION_KEYS),
     )
     add_protocol_args(parser, eval_windows=64, prefix="none")
-    parser.add_argument(
-        "--tasks",
-        type=comma_choices(TASKS),
-        default=(),
-        help="zero-shot columns: comma list of " + ", ".join(TASKS) + " (default: none)",
-    )
-    parser.add_argument(
-        "--limit",
-        type=positive_int,
-        default=None,
-        help="zero-shot: a seeded subset of N items per task (default: all of them)",
-    )
-    parser.add_argument("--task-seed", type=int, default=0, help="zero-shot subset seed")
-    parser.add_argument("--task-batch-size", type=positive_int, default=8)
+    add_task_args(parser)
     parser.add_argument("--runs-dir", default="runs/compare")
     parser.add_argument(
         "--out",
@@ -831,15 +859,10 @@ def main(argv: list[str] | None = None) -> int:
             f"error: WikiText-2 test file not found: {wikitext} (see --wikitext)", file=sys.stderr
         )
         return 2
-    if args.tasks:
-        from qnpu_jax.eval import load_task
-
-        try:  # missing task data fails now, not after the first quantize run
-            for name in args.tasks:
-                load_task(name)
-        except QnpuError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    problem = check_tasks(args)  # missing task data fails now, not after a quantize run
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     table_cells, ablation_cells = grid(args)
     cells = table_cells + ablation_cells
     results: dict[Path, dict[str, Any]] = {}

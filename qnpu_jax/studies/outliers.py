@@ -31,7 +31,16 @@ readings of the 16-bit cost). A mechanism's rows are cached in RUNS/post/. Write
 (default reports/outliers.json), a markdown table and a perplexity-against-latency plot
 beside it.
 
+Zero-shot (`--tasks`, `--limit`, `--task-seed`, as in `qnpu study compare_methods`): the FP32
+model and the rows `--tasks-rows` selects (per bit-width Quant.npu's run and the row lowest on
+wiki, or every row) are scored as `qnpu eval --tasks` scores them, on the same seeded items;
+a run's results go to RUN/evals/tasks-<N>-<seed>.json, a post-training row's (its model
+rebuilt: the run loaded, the step applied again) to RUNS/post/<key>/evals/, read back when
+there, written after every task.
+
     qnpu study outliers --prefix bos --eval-windows 32 --bits W4A8,W8A8,W4A4
+    qnpu study outliers --bits W4A8 --shadow-keep 1.0 --limit 500 \\
+        --tasks piqa,winogrande,hellaswag,arc_easy,arc_challenge,lambada
 """
 
 from __future__ import annotations
@@ -70,7 +79,7 @@ RECIPE_ROWS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from qnpu_jax.argtypes import comma_choices
-    from qnpu_jax.studies.compare_methods import BITS, add_protocol_args
+    from qnpu_jax.studies.compare_methods import BITS, add_protocol_args, add_task_args
 
     parser = study_parser(__name__, __doc__)
     parser.add_argument("--model", default="smollm2-135m")
@@ -93,6 +102,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rows that are runs of their own (stage 1 included)",
     )
     add_protocol_args(parser, eval_windows=32, prefix="bos")
+    add_task_args(parser)
+    parser.add_argument(
+        "--tasks-rows",
+        choices=("best", "all"),
+        default="best",
+        help="rows scored on --tasks: per bit-width Quant.npu's and the lowest wiki perplexity "
+        "(best), or every row with a perplexity (all)",
+    )
     parser.add_argument("--runs-dir", default="runs/outliers")
     parser.add_argument("--json", default="reports/outliers.json")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
@@ -164,7 +181,8 @@ def _post_rows(
         key = f"{run_dir.name}-{suffix}"
         path = cache / f"{key}.json"
         if path.is_file():
-            rows.append({**json.loads(path.read_text()), "status": "reused"})
+            row = json.loads(path.read_text())
+            rows.append({**row, "base_dir": str(run_dir), "status": "reused"})
             continue
         if model is None:
             model = QuantizedModel.load(run_dir, loaded)
@@ -183,6 +201,7 @@ def _post_rows(
         row = {
             "key": key,
             "base": run_dir.name,
+            "base_dir": str(run_dir),
             "label": label,
             "mechanism": mechanism,
             "args": step_args,
@@ -196,6 +215,84 @@ def _post_rows(
         rows.append({**row, "status": "ran"})
         print(f"{label} on {run_dir.name}: {ppl}", flush=True)
     return rows
+
+
+def tasks_rows(rows: list[dict[str, Any]], which: str) -> list[dict[str, Any]]:
+    """The rows `--tasks-rows` selects among those with a perplexity: every one ("all"), or
+    per bit-width the Quant.npu run and the row lowest on wiki ("best"), in table order."""
+    done = [r for r in rows if "ppl" in r]
+    if which == "all":
+        return done
+    keep: set[str] = set()
+    for bits in dict.fromkeys(r["bits"] for r in done):
+        group = [r for r in done if r["bits"] == bits]
+        keep.add(group[0]["key"])  # the Quant.npu run comes first
+        keep.add(min(group, key=lambda r: r["ppl"]["wiki"])["key"])
+    return [r for r in done if r["key"] in keep]
+
+
+def _post_scored(row: dict[str, Any], config: Any, loaded: Any) -> Any:
+    """The post-training row's model rebuilt (its run, then its step) as a `Scored`."""
+    from qnpu_jax.cli import scored_quantized
+    from qnpu_jax.pipeline import Calibration, QuantizedModel, steps
+    from qnpu_jax.pipeline.run import calibration_data
+
+    model = QuantizedModel.load(Path(row["base_dir"]), loaded)
+    data = Calibration(*calibration_data(config, loaded.tokenizer))
+    changed = getattr(steps, row["mechanism"])(**row["args"])(model, data)
+    report = {
+        "model": None,
+        "run": None,
+        "base_run": row["base_dir"],
+        "post_step": {"name": row["mechanism"], "args": row["args"]},
+        "prefix": config.prefix,
+    }
+    return scored_quantized(changed, loaded.tokenizer, label=row["label"], report=report)
+
+
+def _task_cells(scores: Any) -> dict[str, Any]:
+    """A row's zero-shot part of the JSON: status, file, per task score ± se and n."""
+    out: dict[str, Any] = {"tasks_status": scores.status, "evals": str(scores.path)}
+    if scores.error:
+        out["tasks_error"] = scores.error
+    out["tasks"] = {
+        t: {"metric": r.metric, "score": r.score.value, "stderr": r.score.stderr, "n": r.n}
+        for t, r in scores.results.items()
+    }
+    return out
+
+
+def _tasks_table(
+    scored: list[tuple[str, Any]], names: list[str], float_label: str = "FP32"
+) -> list[str]:
+    """Markdown: one line per scored row (label, TaskScores), the first the float model's;
+    ▼/▲ where a score differs from float's by more than two standard errors of the
+    difference."""
+    from qnpu_jax.report.table import TASK_LABELS, average, pct, significance
+
+    head = [TASK_LABELS[t] for t in names]
+    lines = [
+        "| Row | " + " | ".join(head) + " | Avg |",
+        "|---|" + "---|" * (len(head) + 1),
+    ]
+    ref = scored[0][1].results if scored else {}
+    ref_avg = average(ref, names)
+
+    def text(m: Any, against: Any, is_ref: bool) -> str:
+        mark = "" if is_ref or against is None else significance(m, against)
+        return f"{pct(m)} {mark}".rstrip()
+
+    for i, (label, scores) in enumerate(scored):
+        cells = [
+            text(scores.results[t].score, ref[t].score if t in ref else None, i == 0)
+            if t in scores.results
+            else ""
+            for t in names
+        ]
+        avg = average(scores.results, names)
+        avg_text = "" if avg is None else text(avg, ref_avg, i == 0)
+        lines.append(f"| {_cell_text(label)} | " + " | ".join(cells) + f" | {avg_text} |")
+    return lines
 
 
 def _cell_text(text: str) -> str:
@@ -267,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     command = "qnpu study outliers " + " ".join(argv or sys.argv[1:])
+    problem = cm.check_tasks(args)  # missing task data fails now, not after the runs
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     specs = cm.eval_specs(args)
     t0 = time.perf_counter()
     loaded = load_model(args.model)
@@ -275,14 +376,17 @@ def main(argv: list[str] | None = None) -> int:
     devices = cost.devices(model_architecture(cost.ANCHOR_MODEL))
     base = cm.base_config(args)
     rows: list[dict[str, Any]] = []
+    configs: dict[str, Any] = {}  # row key -> the config of its run (a post row: its base's)
 
-    def posts(run_dir: Path, config: Any, label: str) -> list[dict[str, Any]]:
+    def posts(run_dir: Path, config: Any, label: str, bits: str) -> list[dict[str, Any]]:
         """The mechanisms' rows on the run in `run_dir`, each with its plan's cost."""
         out = []
         for post in _post_rows(run_dir, config, args, loaded, floats):
             if "plan" in post:  # a refused mechanism has none
                 post["cost"] = plan_cost(QuantPlan.from_dict(post["plan"]), loaded.config, devices)
             post["label"] = f"{label} {post['label']}"
+            post["bits"] = bits
+            configs[post["key"]] = config
             out.append({k: v for k, v in post.items() if k != "plan"})
         return out
 
@@ -297,13 +401,14 @@ def main(argv: list[str] | None = None) -> int:
         cell = cm._cell("quantnpu", "ours", config, run_dir, label)
         status, payload = cm.run_cell(cell, args, command, cm.float_reference(float_report, specs))
         entry = cm.grid_entry(cell, status, payload, specs)
-        entry["key"] = run_dir.name
+        entry.update(key=run_dir.name, bits=bits)
+        configs[run_dir.name] = config
         rows.append(entry)
         print(f"{entry['label']}: {status} {entry.get('ppl', '')}", flush=True)
         if status not in cm.FINISHED:
             continue
         entry["cost"] = plan_cost(read_plan(run_dir / "plan.json"), loaded.config, devices)
-        rows += posts(run_dir, config, entry["label"])
+        rows += posts(run_dir, config, entry["label"], bits)
         for name in args.recipes:
             method, setting, what, options = RECIPE_ROWS[name]
             own = dataclasses.replace(config, method=method, **options)
@@ -313,23 +418,71 @@ def main(argv: list[str] | None = None) -> int:
                 own_cell, args, command, cm.float_reference(float_report, specs)
             )
             row = cm.grid_entry(own_cell, status, payload, specs)
-            row["key"] = own_dir.name
+            row.update(key=own_dir.name, bits=bits)
+            configs[own_dir.name] = own
             print(f"{row['label']}: {status} {row.get('ppl', '')}", flush=True)
             rows.append(row)
             if status not in cm.FINISHED:
                 continue
             row["cost"] = plan_cost(read_plan(own_dir / "plan.json"), loaded.config, devices)
-            rows += posts(own_dir, own, row["label"])  # on this run too
-    doc = {
-        "float": floats,
-        "rows": rows,
-        "cost_note": "latencies are qnpu_jax.cost's model (docs/cost.md), not measurements",
-        "devices": {k: dataclasses.asdict(v) for k, v in devices.items()},
-    }
+            rows += posts(own_dir, own, row["label"], bits)  # on this run too
+
     out = Path(args.json)
-    write_study_json(out, doc, command=command, started=t0)
-    md = [f"Command: `{command}`", "", *_table(rows, floats), ""]
-    write_bytes_atomic(out.with_suffix(".md"), "\n".join(md).encode())
-    write_bytes_atomic(out.with_suffix(".png"), pareto_plot(rows, floats))
+    names = cm.task_order(args.tasks)
+    scored: dict[str, Any] = {}  # row key (FLOAT_KEY for float) -> TaskScores
+
+    def flush() -> None:
+        doc = {
+            "float": floats,
+            "rows": rows,
+            "cost_note": "latencies are qnpu_jax.cost's model (docs/cost.md), not measurements",
+            "devices": {k: dataclasses.asdict(v) for k, v in devices.items()},
+        }
+        md = [f"Command: `{command}`", "", *_table(rows, floats), ""]
+        if names:
+            doc["tasks"] = {
+                "names": names,
+                "limit": args.limit,
+                "seed": args.task_seed,
+                "rows": args.tasks_rows,
+                "float": _task_cells(scored[cm.FLOAT_KEY]) if cm.FLOAT_KEY in scored else None,
+            }
+            shown = [("FP32", scored[cm.FLOAT_KEY])] if cm.FLOAT_KEY in scored else []
+            shown += [(r["label"], scored[r["key"]]) for r in rows if r["key"] in scored]
+            md += [
+                f"Zero-shot, {args.limit or 'all'} items per task (seed {args.task_seed}); "
+                "▼/▲: more than two standard errors of the difference from FP32:",
+                "",
+                *_tasks_table(shown, names),
+                "",
+            ]
+        write_study_json(out, doc, command=command, started=t0)
+        write_bytes_atomic(out.with_suffix(".md"), "\n".join(md).encode())
+        write_bytes_atomic(out.with_suffix(".png"), pareto_plot(rows, floats))
+
+    flush()
+    if names:
+        scored[cm.FLOAT_KEY] = cm.score_tasks(
+            cm.float_dir(args), args, command, compute=True, model=args.model
+        )
+        cm._print_tasks("FP32", scored[cm.FLOAT_KEY])
+        for row in tasks_rows(rows, args.tasks_rows):
+            key = row["key"]
+            if "mechanism" in row:  # a post-training row: no run directory of its own
+
+                def build(row: dict[str, Any] = row) -> Any:
+                    return _post_scored(row, configs[row["key"]], loaded)
+
+                where = Path(args.runs_dir) / "post" / key
+                scores = cm.score_tasks(where, args, command, compute=True, scored=build)
+            else:
+                scores = cm.score_tasks(Path(row["run_dir"]), args, command, compute=True)
+            scored[key] = scores
+            row.update(_task_cells(scores))
+            cm._print_tasks(f"{row['label']}:", scores)
+            flush()
     print(f"-> {out}")
-    return 0 if all(r["status"] in (*cm.FINISHED, "refused") for r in rows) else 1
+    failed = [r for r in rows if r.get("tasks_error")]
+    float_failed = cm.FLOAT_KEY in scored and scored[cm.FLOAT_KEY].error
+    ok = all(r["status"] in (*cm.FINISHED, "refused") for r in rows)
+    return 0 if ok and not failed and not float_failed else 1
