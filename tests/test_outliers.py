@@ -288,6 +288,8 @@ def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_pat
     assert base["cost"]["prefill"]["cpu_macs"] == 0
     assert report.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "shadow outliers" in report.with_suffix(".md").read_text()
+    front = doc["pareto_front"]["keys"]
+    assert front and set(front) <= {r["key"] for r in doc["rows"] if "ppl" in r}
     assert outliers.main(argv) == 0  # everything read back, nothing run again
     statuses = [r["status"] for r in json.loads(report.read_text())["rows"]]
     assert statuses == ["reused"] * 5 + ["refused"]
@@ -455,3 +457,15 @@ def test_onnx_qdq_graph_carries_shadow_and_muxq_channels(shadowed, mechanism, tm
     nll_onnx = OnnxModel(out, qdq=True).token_nll(ids)
     nll_fake = np.asarray(model.nll_fn()(jnp.asarray(ids)))
     assert abs(nll_onnx.mean() / nll_fake.mean() - 1) < 0.01
+
+
+def test_pareto_front_keeps_the_rows_no_other_row_beats_on_latency_and_perplexity():
+    from qnpu_jax.studies.outliers import LATENCY_READING, pareto_front
+
+    def row(key, ms, wiki):
+        cost = {"prefill": {"latency_s": {LATENCY_READING: ms / 1e3}}}
+        return {"key": key, "ppl": {"wiki": wiki}, "cost": cost}
+
+    rows = [row("a", 1, 10), row("b", 2, 8), row("c", 2, 9), row("d", 3, 8), row("e", 0.5, 20)]
+    rows.append({"key": "refused", "status": "refused"})
+    assert pareto_front(rows) == ["e", "a", "b"]  # c and d: b is as fast or faster and lower

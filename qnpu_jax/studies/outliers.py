@@ -305,15 +305,16 @@ def _table(rows: list[dict[str, Any]], floats: dict[str, float]) -> list[str]:
     lines = [
         "| Row | PPL wiki | PPL WikiText-2 | × float (wiki / WT2) | prefill ms "
         f"({r} / mobilequant-table6) | decode ms | NPU GMACs (with a 16-bit operand) | "
-        "CPU MACs (M) | syncs |",
-        "|---|---|---|---|---|---|---|---|---|",
-        f"| FP32 | {floats['wiki']:.2f} | {floats['wikitext2']:.2f} | 1.000 / 1.000 ||||||",
+        "CPU MACs (M) | syncs | Pareto front |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| FP32 | {floats['wiki']:.2f} | {floats['wikitext2']:.2f} | 1.000 / 1.000 |||||||",
     ]
+    front = set(pareto_front(rows))
     for row in rows:
         if "ppl" not in row:
             why = f": {row['why']}" if "why" in row else ""
             lines.append(
-                f"| {_cell_text(row['label'])} | {row['status']}{_cell_text(why)} ||||||||"
+                f"| {_cell_text(row['label'])} | {row['status']}{_cell_text(why)} |||||||||"
             )
             continue
         c = row["cost"]
@@ -328,23 +329,55 @@ def _table(rows: list[dict[str, Any]], floats: dict[str, float]) -> list[str]:
             f"{pre['latency_s']['mobilequant-table6'] * 1e3:.1f} | "
             f"{dec['latency_s'][r] * 1e3:.1f} | {total:.2f} ({wide:.2f}) | "
             f"{pre['cpu_macs'] / 1e6:.1f} | "
-            f"{pre['syncs']} |"
+            f"{pre['syncs']} | {'yes' if row['key'] in front else ''} |"
         )
     return lines
 
 
+def _prefill_s(row: dict[str, Any]) -> float:
+    return float(row["cost"]["prefill"]["latency_s"][LATENCY_READING])
+
+
+def pareto_front(rows: list[dict[str, Any]]) -> list[str]:
+    """Keys of the rows no other row dominates on (modelled prefill latency, wiki
+    perplexity): none is at most as slow and at most as high with one of the two lower; by
+    latency."""
+    done = [r for r in rows if "ppl" in r and "cost" in r]
+
+    def dominated(r: dict[str, Any]) -> bool:
+        x, y = _prefill_s(r), r["ppl"]["wiki"]
+        return any(
+            _prefill_s(o) <= x
+            and o["ppl"]["wiki"] <= y
+            and (_prefill_s(o), o["ppl"]["wiki"]) != (x, y)
+            for o in done
+        )
+
+    return [r["key"] for r in sorted(done, key=_prefill_s) if not dominated(r)]
+
+
 def pareto_plot(rows: list[dict[str, Any]], floats: dict[str, float]) -> bytes:
-    """Perplexity (wiki) against modelled prefill latency, one point per row."""
+    """Perplexity (wiki) against modelled prefill latency, one point per row, the Pareto
+    front joined."""
     from qnpu_jax.report.plots import _figure, _png
 
     fig = _figure(7.0, 4.5)
     ax = fig.add_subplot(1, 1, 1)
-    done = [r for r in rows if "ppl" in r]
-    xs = [r["cost"]["prefill"]["latency_s"][LATENCY_READING] * 1e3 for r in done]
+    done = [r for r in rows if "ppl" in r and "cost" in r]
+    xs = [_prefill_s(r) * 1e3 for r in done]
     ys = [r["ppl"]["wiki"] for r in done]
     ax.scatter(xs, ys)
     for x, y, r in zip(xs, ys, done, strict=True):
         ax.annotate(r["key"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    by_key = {r["key"]: r for r in done}
+    front = [by_key[k] for k in pareto_front(rows)]
+    ax.plot(
+        [_prefill_s(r) * 1e3 for r in front],
+        [r["ppl"]["wiki"] for r in front],
+        color="C1",
+        drawstyle="steps-post",
+        label="Pareto front",
+    )
     ax.axhline(floats["wiki"], color="grey", linestyle=":", label="FP32")
     ax.set_xlabel(f"modelled prefill latency, ms ({LATENCY_READING} reading; a model)")
     ax.set_ylabel("perplexity, wiki eval")
@@ -436,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
             "float": floats,
             "rows": rows,
             "cost_note": "latencies are qnpu_jax.cost's model (docs/cost.md), not measurements",
+            "pareto_front": {
+                "axes": ["prefill latency_s " + LATENCY_READING, "ppl wiki"],
+                "keys": pareto_front(rows),
+            },
             "devices": {k: dataclasses.asdict(v) for k, v in devices.items()},
         }
         md = [f"Command: `{command}`", "", *_table(rows, floats), ""]
