@@ -469,3 +469,30 @@ def test_pareto_front_keeps_the_rows_no_other_row_beats_on_latency_and_perplexit
     rows = [row("a", 1, 10), row("b", 2, 8), row("c", 2, 9), row("d", 3, 8), row("e", 0.5, 20)]
     rows.append({"key": "refused", "status": "refused"})
     assert pareto_front(rows) == ["e", "a", "b"]  # c and d: b is as fast or faster and lower
+
+
+def test_zero_shot_table_marks_differences_from_float_beyond_two_standard_errors():
+    from qnpu_jax.report.table import Measure, TaskResult
+    from qnpu_jax.studies.compare_methods import TaskScores
+    from qnpu_jax.studies.outliers import _tasks_table
+
+    def scores(piqa, lambada, ppl):
+        def result(task, metric, value, perplexity=None):
+            m = Measure(value, 0.02)
+            return TaskResult(task, metric, m, 500, None, perplexity, "bos", 500, "x")
+
+        return TaskScores(
+            "reused",
+            {
+                "piqa": result("piqa", "acc_norm", piqa),
+                "lambada": result("lambada", "acc", lambada, Measure(ppl, 5.0)),
+            },
+            Path("x"),
+        )
+
+    rows = [("FP32", scores(0.62, 0.27, 40.0)), ("Q", scores(0.60, 0.14, 300.0))]
+    head, _, fp, q = _tasks_table(rows, ["piqa", "lambada"])
+    assert head == "| Row | PIQA | LAMBADA | Avg | LAMBADA ppl |"
+    assert fp == "| FP32 | 62.0 ±2.0 | 27.0 ±2.0 | 44.5 ±1.4 | 40.00 ±5.00 |"
+    # PIQA 2 points apart (2 SE of the difference: 5.7): no mark; LAMBADA far below, ppl above
+    assert q == "| Q | 60.0 ±2.0 | 14.0 ±2.0 ▼ | 37.0 ±1.4 ▼ | 300.00 ±5.00 ▲ |"

@@ -584,7 +584,7 @@ def pct(m: Measure) -> str:
     return f"{100 * m.value:.1f}{se}"
 
 
-def _ppl_text(x: float) -> str:
+def ppl_text(x: float) -> str:
     if not math.isfinite(x):
         return str(x)
     return f"{x:.2f}" if x < 1e5 else f"{x:.3g}"
@@ -670,7 +670,7 @@ def build_table(rows: Sequence[Row], notes: Sequence[str] = (), *, ratios: bool 
                 cells[key] = Cell(NONE_TEXT)
                 continue
             flag = flag_for(row, header[key], p.protocol(), lambda r, k=k: r.ppl.get(k))
-            cells[key] = Cell(_ppl_text(p.ppl), flag=flag)
+            cells[key] = Cell(ppl_text(p.ppl), flag=flag)
         for k in ratio_keys:
             p, base = row.ppl.get(k), ref.ppl[k] if ref is not None else None
             ratio = None if p is None or base is None else p.ppl / base.ppl
@@ -697,8 +697,8 @@ def build_table(rows: Sequence[Row], notes: Sequence[str] = (), *, ratios: bool 
                 if row is not ref and ref_l is not None and ref_l.perplexity is not None:
                     pm = significance(result.perplexity, ref_l.perplexity)
                 se = result.perplexity.stderr
-                text = _ppl_text(result.perplexity.value) + (
-                    f" ±{_ppl_text(se)}" if se is not None else ""
+                text = ppl_text(result.perplexity.value) + (
+                    f" ±{ppl_text(se)}" if se is not None else ""
                 )
                 cells[LAMBADA_PPL] = Cell(text, pm, flag)
         if "lambada" in task_names and LAMBADA_PPL not in cells:

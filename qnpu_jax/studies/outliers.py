@@ -262,36 +262,39 @@ def _task_cells(scores: Any) -> dict[str, Any]:
     return out
 
 
-def _tasks_table(
-    scored: list[tuple[str, Any]], names: list[str], float_label: str = "FP32"
-) -> list[str]:
+def _tasks_table(scored: list[tuple[str, Any]], names: list[str]) -> list[str]:
     """Markdown: one line per scored row (label, TaskScores), the first the float model's;
-    ▼/▲ where a score differs from float's by more than two standard errors of the
-    difference."""
-    from qnpu_jax.report.table import TASK_LABELS, average, pct, significance
+    ▼/▲ where a score (or LAMBADA's perplexity) differs from float's by more than two
+    standard errors of the difference."""
+    from qnpu_jax.report.table import TASK_LABELS, average, pct, ppl_text, significance
 
-    head = [TASK_LABELS[t] for t in names]
-    lines = [
-        "| Row | " + " | ".join(head) + " | Avg |",
-        "|---|" + "---|" * (len(head) + 1),
-    ]
+    lambada = "lambada" in names
+    head = [TASK_LABELS[t] for t in names] + ["Avg"] + (["LAMBADA ppl"] if lambada else [])
+    lines = ["| Row | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
     ref = scored[0][1].results if scored else {}
-    ref_avg = average(ref, names)
 
-    def text(m: Any, against: Any, is_ref: bool) -> str:
-        mark = "" if is_ref or against is None else significance(m, against)
-        return f"{pct(m)} {mark}".rstrip()
+    def mark(m: Any, against: Any, is_ref: bool) -> str:
+        return "" if is_ref or against is None else " " + significance(m, against)
+
+    def ppl(m: Any) -> str:
+        return ppl_text(m.value) + (f" ±{ppl_text(m.stderr)}" if m.stderr is not None else "")
 
     for i, (label, scores) in enumerate(scored):
+        res = scores.results
         cells = [
-            text(scores.results[t].score, ref[t].score if t in ref else None, i == 0)
-            if t in scores.results
+            pct(res[t].score) + mark(res[t].score, ref[t].score if t in ref else None, i == 0)
+            if t in res
             else ""
             for t in names
         ]
-        avg = average(scores.results, names)
-        avg_text = "" if avg is None else text(avg, ref_avg, i == 0)
-        lines.append(f"| {_cell_text(label)} | " + " | ".join(cells) + f" | {avg_text} |")
+        avg = average(res, names)
+        ref_avg = average(ref, names)
+        cells.append("" if avg is None else pct(avg) + mark(avg, ref_avg, i == 0))
+        if lambada:
+            lp = res["lambada"].perplexity if "lambada" in res else None
+            ref_lp = ref["lambada"].perplexity if "lambada" in ref else None
+            cells.append("" if lp is None else ppl(lp) + mark(lp, ref_lp, i == 0))
+        lines.append(f"| {_cell_text(label)} | " + " | ".join(c.rstrip() for c in cells) + " |")
     return lines
 
 
