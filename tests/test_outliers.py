@@ -496,3 +496,17 @@ def test_zero_shot_table_marks_differences_from_float_beyond_two_standard_errors
     assert fp == "| FP32 | 62.0 ±2.0 | 27.0 ±2.0 | 44.5 ±1.4 | 40.00 ±5.00 |"
     # PIQA 2 points apart (2 SE of the difference: 5.7): no mark; LAMBADA far below, ppl above
     assert q == "| Q | 60.0 ±2.0 | 14.0 ±2.0 ▼ | 37.0 ±1.4 ▼ | 300.00 ±5.00 ▲ |"
+
+
+def test_every_recipe_row_is_a_valid_config_with_a_run_directory_of_its_own():
+    from qnpu_jax.studies import compare_methods as cm
+    from qnpu_jax.studies import outliers
+
+    args = outliers.parse_args([])
+    base = dataclasses.replace(cm.base_config(args), down_in_bits=8, mixed_precision=0.1)
+    dirs = {cm._run_dir(args, "quantnpu", 4, 8, 8, "ours")}
+    for method, setting, _, options in outliers.RECIPE_ROWS.values():
+        config = dataclasses.replace(base, method=method, **options)  # validated on construction
+        assert all(getattr(config, k) == v for k, v in options.items())
+        dirs.add(cm._run_dir(args, method, 4, 8, 8, setting))
+    assert len(dirs) == len(outliers.RECIPE_ROWS) + 1

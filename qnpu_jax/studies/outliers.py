@@ -20,6 +20,10 @@ post-training mechanism applied to that run's model, without a new stage 1:
                    learned end to end), setting (b) as for Quant.npu
     quantnpu-mq    Quant.npu with MobileQuant's pieces on top: equalization (α 0.5) in the
                    rotated basis, learnable weight clipping, asymmetric weights
+    quantnpu-eq, quantnpu-lwc, quantnpu-asymw, quantnpu-asyma
+                   each of MobileQuant's pieces alone on Quant.npu: equalization (α 0.5),
+                   learnable weight clipping, asymmetric weights, asymmetric activation
+                   ranges learned for every activation (`selective: false`)
 
 and the post-training mechanisms then apply to those runs too (a mechanism a run's plan
 refuses, e.g. MUXQ on an asymmetric down_proj input, is a row marked "refused" with why).
@@ -73,6 +77,20 @@ RECIPE_ROWS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
         "mq",
         "Quant.npu + equalization α 0.5 + LWC + asymmetric weights",
         {"equalize": 0.5, "weight_clipping": True, "asymmetric_weights": True},
+    ),
+    "quantnpu-eq": ("quantnpu", "eq", "Quant.npu + equalization α 0.5", {"equalize": 0.5}),
+    "quantnpu-lwc": ("quantnpu", "lwc", "Quant.npu + LWC", {"weight_clipping": True}),
+    "quantnpu-asymw": (
+        "quantnpu",
+        "asymw",
+        "Quant.npu + asymmetric weights",
+        {"asymmetric_weights": True},
+    ),
+    "quantnpu-asyma": (
+        "quantnpu",
+        "asyma",
+        "Quant.npu + asymmetric activation ranges, all learned",
+        {"asymmetric_activations": True, "selective": False},
     ),
 }
 
