@@ -269,10 +269,11 @@ def _post_scored(row: dict[str, Any], config: Any, loaded: Any) -> Any:
 
 
 def _task_cells(scores: Any) -> dict[str, Any]:
-    """A row's zero-shot part of the JSON: status, file, per task score ± se and n."""
-    out: dict[str, Any] = {"tasks_status": scores.status, "evals": str(scores.path)}
-    if scores.error:
-        out["tasks_error"] = scores.error
+    """A row's zero-shot part of the JSON: status, file (as the compare grid's), per task
+    score ± se and n."""
+    from qnpu_jax.studies.compare_methods import _task_state
+
+    out = _task_state(scores)
     out["tasks"] = {
         t: {"metric": r.metric, "score": r.score.value, "stderr": r.score.stderr, "n": r.n}
         for t, r in scores.results.items()
@@ -290,6 +291,7 @@ def _tasks_table(scored: list[tuple[str, Any]], names: list[str]) -> list[str]:
     head = [TASK_LABELS[t] for t in names] + ["Avg"] + (["LAMBADA ppl"] if lambada else [])
     lines = ["| Row | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
     ref = scored[0][1].results if scored else {}
+    ref_avg = average(ref, names)
 
     def mark(m: Any, against: Any, is_ref: bool) -> str:
         return "" if is_ref or against is None else " " + significance(m, against)
@@ -306,7 +308,6 @@ def _tasks_table(scored: list[tuple[str, Any]], names: list[str]) -> list[str]:
             for t in names
         ]
         avg = average(res, names)
-        ref_avg = average(ref, names)
         cells.append("" if avg is None else pct(avg) + mark(avg, ref_avg, i == 0))
         if lambada:
             lp = res["lambada"].perplexity if "lambada" in res else None
@@ -537,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
                 scores = cm.score_tasks(Path(row["run_dir"]), args, command, compute=True)
             scored[key] = scores
             row.update(_task_cells(scores))
-            cm._print_tasks(f"{row['label']}:", scores)
+            cm._print_tasks(row["label"], scores)
             flush()
     print(f"-> {out}")
     failed = [r for r in rows if r.get("tasks_error")]
