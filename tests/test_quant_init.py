@@ -203,3 +203,16 @@ def test_scale_from_stats_errors() -> None:
         init_range_stats((4, 8), num_bins=1000)
     with pytest.raises(QnpuError, match="axis 2 is out of range"):
         init_range_stats((4, 8), axis=2)
+
+
+@pytest.mark.parametrize("num_bins", [0, 2048])
+def test_weight_statistics_as_one_program_equal_the_eager_ops(num_bins: int) -> None:
+    """Calibration folds a weight in one jitted program (eager ops on a sharded weight can
+    deadlock XLA:CPU's host devices); it must give the eager statistics bit for bit."""
+    from qnpu_jax.pipeline.calibrate import _weight_range_stats
+
+    w = jnp.asarray(np.random.default_rng(0).standard_t(3, size=(192, 576)), jnp.float32)
+    eager = update_range_stats(init_range_stats(w.shape, axis=-1, num_bins=num_bins), w, axis=-1)
+    one = _weight_range_stats(w, axis=-1, num_bins=num_bins)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(one), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -224,6 +224,15 @@ def _encoding_from_stats(
     return _encoding(path, layer, lambda: scale_from_stats(stats, tq.init, tq.spec(layer)))
 
 
+@partial(jax.jit, static_argnames=("axis", "num_bins"))
+def _weight_range_stats(w: jax.Array, *, axis: int | None, num_bins: int) -> RangeStats:
+    """A weight's statistics as one program. Run eagerly, each of update_range_stats' ops on
+    a sharded weight is a multi-device computation of its own, and XLA:CPU's host-platform
+    devices deadlock when dispatch runs more computations ahead than a device admits (one
+    device's launch waits for a slot on the thread pool its peers hold at an all-reduce)."""
+    return update_range_stats(init_range_stats(w.shape, axis=axis, num_bins=num_bins), w, axis=axis)
+
+
 def _weight_encoding(path: str, w: jax.Array, tq: TensorQuant, layer: int | None) -> ScaleZeroPoint:
     """Per-channel (or per-tensor) encoding of `w` [out, in]; a per-block weight is encoded
     per row of its blocks, [out · nb, block], and its scales come back as [out, nb]."""
@@ -241,10 +250,9 @@ def _weight_encoding(path: str, w: jax.Array, tq: TensorQuant, layer: int | None
         if tq.init == "mse":
             return mse_scale(w, spec)
         bins = 2048 if tq.init == "percentile" else 0
-        stats = update_range_stats(
-            init_range_stats(w.shape, axis=spec.axis, num_bins=bins), w, axis=spec.axis
+        return scale_from_stats(
+            _weight_range_stats(w, axis=spec.axis, num_bins=bins), tq.init, spec
         )
-        return scale_from_stats(stats, tq.init, spec)
 
     return _encoding(path, layer, compute)
 
