@@ -261,30 +261,45 @@ def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_pat
         "--seq-len", "32", "--calib-windows", "2", "--eval-windows", "1",
         "--wikitext", str(text), "--runs-dir", str(tmp_path / "runs"), "--json", str(report),
         "--shadow-keep", "1.0", "--muxq-exp", "3", "--muxq-threshold", "0.5", "--no-progress",
-        "--recipes", "mobilequant",
+        "--recipes", "mobilequant", "--down-out", "0.5",
     ]  # fmt: skip
     assert outliers.main(argv) == 0
     doc = json.loads(report.read_text())
-    base, shadow, muxq, mobilequant, mq_shadow, mq_muxq = doc["rows"]
-    assert base["status"] == shadow["status"] == muxq["status"] == mobilequant["status"] == "ran"
-    # the mechanisms on the recipe's run too: MUXQ refuses its asymmetric down_proj input
+    base, shadow, muxq, down_out, shadow_down_out, muxq_down_out, mobilequant = doc["rows"][:7]
+    mq_shadow, mq_muxq, *mq_down_out = doc["rows"][7:]
+    ran = [base, shadow, muxq, down_out, shadow_down_out, muxq_down_out, mobilequant]
+    assert [r["status"] for r in ran] == ["ran"] * 7
+    # the mechanisms on the recipe's run too: MUXQ refuses its asymmetric down_proj input,
+    # the promotion its learned linear outputs (no selective optimization)
     assert mq_shadow["status"] == "ran" and mq_shadow["base"] == mobilequant["key"]
-    assert mq_muxq["status"] == "refused" and "must be symmetric" in mq_muxq["why"]
+    assert mq_muxq["status"] == "refused" and "symmetric down_proj input" in mq_muxq["why"]
+    assert len(mq_down_out) == 3
+    assert [r["status"] for r in mq_down_out] == ["refused"] * 3
+    assert "selective" in mq_down_out[0]["why"] and "selective" in mq_down_out[1]["why"]
+    # the promotion: eq. (4)'s scan, stage 2 again, then the mechanism on top
+    assert shadow["steps"] == ["shadow_outliers"] and down_out["steps"] == ["promote", "calibrate"]
+    assert shadow_down_out["steps"] == ["promote", "calibrate", "shadow_outliers"]
+    assert shadow_down_out["options"] == {**shadow["options"], **down_out["options"]}
+    assert len(down_out["info"]["promote"]["promoted_layers"]) == 1  # ceil(0.5 · 2)
+    assert shadow_down_out["info"]["promote"] == down_out["info"]["promote"]
+    assert muxq_down_out["steps"][-1] == "muxq"
     assert mobilequant["key"] == "mobilequant-w4a8kv8-ours-prefix-bos"
     assert "MobileQuant" in mobilequant["label"] and set(mobilequant["ppl"]) == set(base["ppl"])
     # its asymmetric weights' z_w·Σx term: more NPU MACs than Quant.npu's symmetric plan
     mq_macs = sum(mobilequant["cost"]["prefill"]["macs"].values())
     assert mq_macs > sum(base["cost"]["prefill"]["macs"].values())
-    assert muxq["args"] == {"exp": 3, "threshold": 0.5} and sum(muxq["info"]["channels_per_layer"])
+    assert muxq["options"] == {"muxq_exp": 3, "muxq_threshold": 0.5}
+    assert sum(muxq["info"]["muxq"]["channels_per_layer"])
     # the Aux matmul: more NPU MACs than the run itself, at the same pairs
     base_macs, muxq_macs = (r["cost"]["prefill"]["macs"] for r in (base, muxq))
     assert set(base_macs) == set(muxq_macs) and sum(muxq_macs.values()) > sum(base_macs.values())
     # keep 1.0 of 2 layers, but ceil(0.1 · 2) = 1 is promoted to 16 bits: the other one
-    assert len(shadow["info"]["kept_layers"]) == 1
+    assert len(shadow["info"]["shadow_outliers"]["kept_layers"]) == 1
     assert set(shadow["ppl"]) == {"wiki", "wikitext2"}
     pre = shadow["cost"]["prefill"]
     assert set(pre["latency_s"]) == {"mobilequant-table6", "quantnpu-table3"}
-    assert pre["syncs"] == sum(1 for n in shadow["info"]["channels_per_layer"] if n)
+    per_layer = shadow["info"]["shadow_outliers"]["channels_per_layer"]
+    assert pre["syncs"] == sum(1 for n in per_layer if n)
     assert base["cost"]["prefill"]["cpu_macs"] == 0
     assert report.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "shadow outliers" in report.with_suffix(".md").read_text()
@@ -292,7 +307,7 @@ def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_pat
     assert front and set(front) <= {r["key"] for r in doc["rows"] if "ppl" in r}
     assert outliers.main(argv) == 0  # everything read back, nothing run again
     statuses = [r["status"] for r in json.loads(report.read_text())["rows"]]
-    assert statuses == ["reused"] * 5 + ["refused"]
+    assert statuses == ["reused"] * 8 + ["refused"] * 4
 
     # zero-shot on every row with a perplexity, the post-training rows' models rebuilt
     tasks = ["--tasks", "piqa", "--limit", "3", "--tasks-rows", "all"]
@@ -304,16 +319,17 @@ def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_pat
     runs = tmp_path / "runs"
     for row in scored:
         assert row["tasks_status"] == "ran" and row["tasks"]["piqa"]["n"] == 3
-        where = runs / "post" / row["key"] if "mechanism" in row else runs / row["key"]
+        where = runs / "post" / row["key"] if "options" in row else runs / row["key"]
         assert row["evals"] == str(where / "evals" / "tasks-3-0.json")
         assert json.loads(Path(row["evals"]).read_text())["prefix"] == "bos"
-    post = json.loads(Path(shadow_row(scored)["evals"]).read_text())
-    assert post["base_run"] == shadow["base_dir"] and post["post_step"]["name"] == "shadow_outliers"
+    post = json.loads(Path(combined_row(scored)["evals"]).read_text())
+    assert post["base_run"] == shadow["base_dir"]
+    assert [s["name"] for s in post["post_steps"]] == shadow_down_out["steps"]
     assert "| FP32 | " in report.with_suffix(".md").read_text().split("Zero-shot")[1]
     from qnpu_jax.report.table import build_rows
 
-    with pytest.raises(QnpuError, match="post-training step applied in memory"):
-        build_rows([Path(shadow["base_dir"])], [Path(shadow_row(scored)["evals"])])
+    with pytest.raises(QnpuError, match="post-training steps applied in memory"):
+        build_rows([Path(shadow["base_dir"])], [Path(combined_row(scored)["evals"])])
     # the rebuilt model is the row's model: its perplexity on the row's windows is the row's
     from qnpu_jax.pipeline.config import load_config
     from qnpu_jax.pipeline.model import nll_perplexity
@@ -321,14 +337,22 @@ def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_pat
 
     loaded = load_model(str(two_layer_dir))
     config = load_config(Path(shadow["base_dir"]) / "config.yaml")
-    rebuilt = outliers._post_scored(shadow_row(scored), config, loaded)
+    rebuilt = outliers._post_scored(combined_row(scored), config, loaded)
     windows = evaluation_sets(config, loaded.tokenizer, rebuilt.max_length)["wiki"]
     ppl = nll_perplexity(rebuilt.nll_fn, windows)["ppl"]
-    assert ppl == pytest.approx(shadow["ppl"]["wiki"], rel=1e-5)
+    assert ppl == pytest.approx(shadow_down_out["ppl"]["wiki"], rel=1e-5)
+    # and it is the model `qnpu quantize` makes with the row's options (same stage 1)
+    from qnpu_jax.pipeline.run import load_run, quantize
+
+    full = dataclasses.replace(config, **shadow_down_out["options"])
+    quantize(full, tmp_path / "full", progress=False)
+    again = load_run(tmp_path / "full").model
+    assert [r.name for r in again.steps][-3:] == shadow_down_out["steps"]
+    assert again.perplexity(windows)["ppl"] == pytest.approx(ppl, rel=1e-5)
 
 
-def shadow_row(rows):
-    return next(r for r in rows if r.get("mechanism") == "shadow_outliers")
+def combined_row(rows):
+    return next(r for r in rows if r.get("steps") == ["promote", "calibrate", "shadow_outliers"])
 
 
 def test_tasks_rows_best_keeps_quant_npu_and_the_lowest_row_per_bit_width():

@@ -111,6 +111,31 @@ def test_load_reproduces_the_reported_perplexity_with_no_step(quick_run, monkeyp
     assert len(jax.tree.leaves(run.model)) > len(jax.tree.leaves(run.model.base))
 
 
+def test_a_loaded_run_keeps_its_stage1_scales_through_another_calibration(quick_run):
+    """Stage 1's trained scales are saved with the run: stage 2 again on the loaded model (as
+    a post-training down_proj output promotion runs it) gives back the stored encodings, and
+    without them the initializers' scales would replace what stage 1 learned."""
+    from qnpu_jax.pipeline.run import calibration_data, load_run
+    from qnpu_jax.quant.state import by_path
+
+    run = load_run(quick_run)
+    assert run.model.trained is not None and "layers" in run.model.trained
+    data = Calibration(*calibration_data(run.config, run.tokenizer))
+    stored = by_path(run.model.require_state())
+    again = by_path(steps.calibrate()(run.model.replace(state=None), data).require_state())
+    assert set(again) == set(stored)
+    for path, entry in stored.items():
+        np.testing.assert_array_equal(again[path].scale, entry.scale, err_msg=path)
+    lost = steps.calibrate()(run.model.replace(state=None, trained=None), data)
+    learned = [f"layers/{name}" for name in run.model.trained["layers"]]
+    changed = [
+        p
+        for p in learned
+        if not np.array_equal(by_path(lost.require_state())[p].scale, stored[p].scale)
+    ]
+    assert changed, "stage 1 left every scale at its initializer's value"
+
+
 def test_a_run_made_before_quantized_model_still_loads(quick_run, tmp_path):
     """Runs of the earlier layout (no model.json) are rebuilt from their config.yaml."""
     import shutil

@@ -193,6 +193,7 @@ class QuantizedModel(struct.PyTreeNode):
             t.mlp_smoothing,
             t.mlp_smoothing_alpha,
             t.equalization,
+            self.trained,
         )
         if primary:
             write_json_atomic(
@@ -296,10 +297,12 @@ def save_learned(
     smoothing: Any = None,
     smoothing_alpha: float | None = None,
     equalization: Mapping[str, Any] | None = None,
+    trained: Mapping[str, Any] | None = None,
 ) -> None:
     """Write rotations (None: unrotated), the quantizer state (None: not calibrated yet),
     GPTQ's weight codes (None: round-to-nearest), the up→down smoothing scales (None: no
-    smoothing) and the pairs' equivalent scales (None: none) to directory/learned, through a
+    smoothing), the pairs' equivalent scales (None: none) and stage 1's trained scales (None:
+    none; a later calibration keeps them) to directory/learned, through a
     temporary sibling and a rename; as host arrays, so a run made on a mesh loads on any
     device count. Every process of a multi-host
     job calls it (the arrays are gathered); the primary one writes."""
@@ -317,6 +320,8 @@ def save_learned(
         tree["mlp_smoothing_alpha"] = np.asarray(smoothing_alpha, np.float32)
     if equalization:
         tree["equalization"] = dict(equalization)
+    if trained:
+        tree["trained"] = dict(trained)
     host = host_tree(tree)
     if is_primary():
         target = (Path(directory) / "learned").resolve()
@@ -436,11 +441,13 @@ def assemble(
     )
     codes = learned.get("weight_codes")
     state = learned.get("state")
+    trained = learned.get("trained")  # runs saved before it was stored: None
     return QuantizedModel(
         base.params,
         transforms,
         state=None if state is None else state_from_tree(jax.tree.map(jnp.asarray, state), where),
         weight_codes=None if not codes else {k: jnp.asarray(v) for k, v in codes.items()},
+        trained=None if trained is None else jax.tree.map(jnp.asarray, trained),
         cfg=base.config,
         source=base.source,
         prefix=prefix,

@@ -160,18 +160,26 @@ def _before_stage1(config: QuantizeConfig, rotated: bool) -> list[Step]:
     return steps
 
 
-def _after_stage1(config: QuantizeConfig) -> list[Step]:
+def outlier_steps(config: QuantizeConfig) -> list[Step]:
+    """The down_proj input's outlier mechanism of `config` (mllm-NPU's shadow outliers or
+    MUXQ): steps on a calibrated model."""
+    if config.shadow_outliers is not None:
+        return [shadow_outliers(UNROTATED_INPUT, config.shadow_outliers, config.shadow_keep)]
+    if config.muxq_exp is not None:
+        return [muxq(UNROTATED_INPUT, config.muxq_exp, config.muxq_threshold)]
+    return []
+
+
+def after_stage1(config: QuantizeConfig) -> list[Step]:
+    """Everything after stage 1: the down_proj output promotion (scanned on the final model),
+    stage 2's calibration, GPTQ, then the outlier step."""
     steps: list[Step] = []
     if config.down_out_mixed_precision > 0:  # a stage-2 tensor: scanned on the final model
         steps.append(promote(UNROTATED_OUTPUT, config.down_out_mixed_precision))
     steps.append(calibrate())
     if config.weight_rounding == "gptq":
         steps.append(gptq(config.gptq_damp))
-    if config.shadow_outliers is not None:
-        steps.append(shadow_outliers(UNROTATED_INPUT, config.shadow_outliers, config.shadow_keep))
-    if config.muxq_exp is not None:
-        steps.append(muxq(UNROTATED_INPUT, config.muxq_exp, config.muxq_threshold))
-    return steps
+    return steps + outlier_steps(config)
 
 
 def _stage1(config: QuantizeConfig, *, learn_scales: bool) -> Step:
@@ -190,12 +198,12 @@ def _stage1(config: QuantizeConfig, *, learn_scales: bool) -> Step:
 
 def rtn(config: QuantizeConfig) -> Recipe:
     """Round-to-nearest with static Max-Min calibration: no rotations, no training."""
-    return chain(*_before_stage1(config, rotated=False), *_after_stage1(config))
+    return chain(*_before_stage1(config, rotated=False), *after_stage1(config))
 
 
 def quarot(config: QuantizeConfig) -> Recipe:
     """QuaRot: fused norms and randomized Hadamard R1/R2, then static calibration."""
-    return chain(*_before_stage1(config, rotated=True), *_after_stage1(config))
+    return chain(*_before_stage1(config, rotated=True), *after_stage1(config))
 
 
 def spinquant(config: QuantizeConfig) -> Recipe:
@@ -203,7 +211,7 @@ def spinquant(config: QuantizeConfig) -> Recipe:
     return chain(
         *_before_stage1(config, rotated=True),
         _stage1(config, learn_scales=False),
-        *_after_stage1(config),
+        *after_stage1(config),
     )
 
 
@@ -213,7 +221,7 @@ def quantnpu(config: QuantizeConfig) -> Recipe:
     return chain(
         *_before_stage1(config, rotated=True),
         _stage1(config, learn_scales=True),
-        *_after_stage1(config),
+        *after_stage1(config),
     )
 
 
@@ -224,7 +232,7 @@ def mobilequant(config: QuantizeConfig) -> Recipe:
     return chain(
         *_before_stage1(config, rotated=False),
         _stage1(config, learn_scales=True),
-        *_after_stage1(config),
+        *after_stage1(config),
     )
 
 

@@ -101,7 +101,7 @@ class PplResult:
 class Row:
     """One table row: a float model, a run (fake-quant) or an integer artifact of a run."""
 
-    kind: str  # "float" | "run" | "artifact" | "post" (a run with a step applied in memory)
+    kind: str  # "float" | "run" | "artifact" | "post" (a run with steps applied in memory)
     method: str
     source: str
     bits: str
@@ -324,7 +324,7 @@ class EvalFile:
     """One `qnpu eval --json` file, parsed: what it evaluated and its results."""
 
     path: str
-    kind: str  # "float" | "run" | "artifact" | "post" (a run with a step applied in memory)
+    kind: str  # "float" | "run" | "artifact" | "post" (a run with steps applied in memory)
     target: str  # model spec, run path or artifact path
     engine: str | None  # artifacts: "integer, emulator", "integer, jax", "onnxruntime, QDQ"
     source_run: str | None  # artifacts: the name of the run it was exported from
@@ -351,9 +351,12 @@ def load_eval(path: Path) -> EvalFile:
         kind, target = "artifact", str(doc["onnx"])
     elif doc.get("run"):
         kind, target = "run", str(doc["run"])
-    elif doc.get("base_run"):  # a run with a post-training step applied in memory
-        step = _mapping(doc.get("post_step"), f"{where}: post_step").get("name")
-        kind, target = "post", f"{doc['base_run']} + {step}"
+    elif doc.get("base_run"):  # a run with post-training steps applied in memory
+        steps = doc.get("post_steps")
+        if not isinstance(steps, list):
+            raise QnpuError(f"{where}: post_steps: expected a JSON list")
+        names = [_mapping(s, f"{where}: post_steps").get("name") for s in steps]
+        kind, target = "post", " + ".join([str(doc["base_run"]), *map(str, names)])
     elif doc.get("model"):
         kind, target = "float", str(doc["model"])
     else:
@@ -493,7 +496,7 @@ def build_rows(run_dirs: Sequence[Path], eval_paths: Sequence[Path]) -> tuple[li
     for ev in evals:
         if ev.kind == "post":
             raise QnpuError(
-                f"{ev.path}: scores {ev.target}, a run with a post-training step applied in "
+                f"{ev.path}: scores {ev.target}, a run with post-training steps applied in "
                 "memory (qnpu study outliers), which has no run directory to be a row of"
             )
         if ev.kind == "run":

@@ -12,6 +12,14 @@ post-training mechanism applied to that run's model, without a new stage 1:
     muxq-eE-tT     MUXQ on the down_proj input (`steps.muxq`): channels whose calibration |x|
                    exceeds T shifted right by E bits into the Body tensor, (2^E − 1)·Aux·W
                    added back (`--muxq-exp`, `--muxq-threshold`, every pair)
+    down-out-F     16-bit down_proj outputs in the share F of layers eq. (4)'s scan of the
+                   run's model ranks first (`--down-out`; the config's
+                   `down_out_mixed_precision`), then stage 2 again
+    M-down-out-F   each mechanism M above on top of it (the combination)
+
+A row is its config options over the run's config (`post_recipe`: validated as a config, the
+steps `recipes.after_stage1` takes from them), so `qnpu quantize` with those options gives the
+same model from the same stage 1.
 
 `--recipes` adds rows that are runs of their own (stage 1 included), at each bit-width:
 
@@ -113,6 +121,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--muxq-threshold", type=float, nargs="+", default=[6.0], help="MUXQ's outlier |x|"
     )
     parser.add_argument(
+        "--down-out",
+        type=float,
+        nargs="*",
+        default=[],
+        help="shares of layers with 16-bit down_proj outputs, alone and with each mechanism",
+    )
+    parser.add_argument(
         "--recipes",
         nargs="*",
         choices=sorted(RECIPE_ROWS),
@@ -155,17 +170,14 @@ def plan_cost(plan: Any, cfg: Any, devices: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _variants(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, Any], Any]]:
-    """(key suffix, label, mechanism, arguments, step) of every post-training row; the
-    mechanism names its step in `pipeline.steps`, called with the arguments."""
-    from qnpu_jax.pipeline import steps
-
-    rows = [
+def _variants(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
+    """(key suffix, label, config options) of every post-training row: each mechanism, each
+    down_proj output promotion, and each mechanism on top of each promotion."""
+    mechanisms = [
         (
             f"shadow-p{clip:g}-k{keep:g}",
             f"+ shadow outliers (P{clip:g}, {keep:.0%} of layers)",
-            "shadow_outliers",
-            {"clip": clip, "keep": keep},
+            {"shadow_outliers": clip, "shadow_keep": keep},
         )
         for clip in args.shadow_clip
         for keep in args.shadow_keep
@@ -173,19 +185,44 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, str, str, dict[str, A
         (
             f"muxq-e{exp}-t{threshold:g}",
             f"+ MUXQ (exp {exp}, channels with |x| > {threshold:g})",
-            "muxq",
-            {"exp": exp, "threshold": threshold},
+            {"muxq_exp": exp, "muxq_threshold": threshold},
         )
         for exp in args.muxq_exp
         for threshold in args.muxq_threshold
     ]
-    return [(*row, getattr(steps, row[2])(**row[3])) for row in rows]
+    promotions = [
+        (
+            f"down-out-{share:g}",
+            f"+ 16-bit down_proj outputs ({share:.0%} of layers)",
+            {"down_out_mixed_precision": share},
+        )
+        for share in args.down_out
+    ]
+    both = [
+        (f"{m[0]}-{p[0]}", f"{m[1]} {p[1]}", {**m[2], **p[2]})
+        for p in promotions
+        for m in mechanisms
+    ]
+    return mechanisms + promotions + both
+
+
+def post_recipe(config: Any, options: dict[str, Any]) -> Any:
+    """The steps a post-training row applies to the finished run of `config`: `options` over
+    the run's config (a `QnpuError` when the config refuses them), then what they change
+    after stage 1 (`recipes.after_stage1`): the outlier step alone on the calibrated model,
+    or, when they promote down_proj outputs (a plan change), stage 2 again before it."""
+    from qnpu_jax.pipeline.recipes import after_stage1, chain, outlier_steps
+
+    new = dataclasses.replace(config, **options)
+    if new.down_out_mixed_precision != config.down_out_mixed_precision:
+        return chain(*after_stage1(new))
+    return chain(*outlier_steps(new))
 
 
 def _post_rows(
     run_dir: Path, config: Any, args: argparse.Namespace, loaded: Any, floats: dict[str, float]
 ) -> list[dict[str, Any]]:
-    """The mechanisms applied to the finished run in `run_dir` (cached in RUNS/post/)."""
+    """The post-training rows on the finished run in `run_dir` (cached in RUNS/post/)."""
     from qnpu_jax.files import write_json_atomic
     from qnpu_jax.pipeline import Calibration, QuantizedModel
     from qnpu_jax.pipeline.run import calibration_data, evaluation_sets
@@ -195,12 +232,19 @@ def _post_rows(
     cache = Path(args.runs_dir) / "post"
     model = data = windows = None
     rows = []
-    for suffix, label, mechanism, step_args, step in _variants(args):
+    for suffix, label, options in _variants(args):
         key = f"{run_dir.name}-{suffix}"
         path = cache / f"{key}.json"
         if path.is_file():
             row = json.loads(path.read_text())
-            rows.append({**row, "base_dir": str(run_dir), "status": "reused"})
+            if row.get("options") == options:  # else written by an older study: run again
+                rows.append({**row, "base_dir": str(run_dir), "status": "reused"})
+                continue
+        refused = {"key": key, "base": run_dir.name, "label": label, "status": "refused"}
+        try:
+            recipe = post_recipe(config, options)
+        except QnpuError as e:  # e.g. a promotion on a run without selective optimization
+            rows.append({**refused, "why": str(e)})
             continue
         if model is None:
             model = QuantizedModel.load(run_dir, loaded)
@@ -210,20 +254,20 @@ def _post_rows(
         assert data is not None and windows is not None
         t0 = time.perf_counter()
         try:
-            changed = step(model, data)
+            changed = recipe(model, data)
         except QnpuError as e:  # e.g. MUXQ on an asymmetric down_proj input
-            rows.append({"key": key, "base": run_dir.name, "label": label, "status": "refused",
-                         "why": str(e)})  # fmt: skip
+            rows.append({**refused, "why": str(e)})
             continue
         ppl = {n: changed.perplexity(windows[s])["ppl"] for n, s in specs.items()}
+        applied = changed.steps[len(model.steps) :]
         row = {
             "key": key,
             "base": run_dir.name,
             "base_dir": str(run_dir),
             "label": label,
-            "mechanism": mechanism,
-            "args": step_args,
-            "info": changed.steps[-1].info,
+            "options": options,
+            "steps": [r.name for r in applied],
+            "info": {r.name: r.info for r in applied if r.info is not None},
             "plan": changed.require_plan().to_dict(),
             "ppl": ppl,
             "ratio": {n: ppl[n] / floats[n] for n in ppl},
@@ -250,19 +294,21 @@ def tasks_rows(rows: list[dict[str, Any]], which: str) -> list[dict[str, Any]]:
 
 
 def _post_scored(row: dict[str, Any], config: Any, loaded: Any) -> Any:
-    """The post-training row's model rebuilt (its run, then its step) as a `Scored`."""
+    """The post-training row's model rebuilt (its run, then its steps) as a `Scored`."""
     from qnpu_jax.cli import scored_quantized
-    from qnpu_jax.pipeline import Calibration, QuantizedModel, steps
+    from qnpu_jax.pipeline import Calibration, QuantizedModel
     from qnpu_jax.pipeline.run import calibration_data
 
     model = QuantizedModel.load(Path(row["base_dir"]), loaded)
     data = Calibration(*calibration_data(config, loaded.tokenizer))
-    changed = getattr(steps, row["mechanism"])(**row["args"])(model, data)
+    recipe = post_recipe(config, row["options"])
+    changed = recipe(model, data)
     report = {
         "model": None,
         "run": None,
         "base_run": row["base_dir"],
-        "post_step": {"name": row["mechanism"], "args": row["args"]},
+        "post_steps": [{"name": step.name, "args": dict(step.args)} for step in recipe],
+        "post_options": row["options"],
         "prefix": config.prefix,
     }
     return scored_quantized(changed, loaded.tokenizer, label=row["label"], report=report)
@@ -527,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         cm._print_tasks("FP32", scored[cm.FLOAT_KEY])
         for row in tasks_rows(rows, args.tasks_rows):
             key = row["key"]
-            if "mechanism" in row:  # a post-training row: no run directory of its own
+            if "options" in row:  # a post-training row: no run directory of its own
 
                 def build(row: dict[str, Any] = row) -> Any:
                     return _post_scored(row, configs[row["key"]], loaded)
