@@ -28,3 +28,25 @@ def comma_choices(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
         return items
 
     return parse
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with each flag's default, where there is one to show: not None, not a switch's
+    False, not one the help text already states."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if default is None or default is False or default == [] or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def use_help_formatter(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`parser` and every subcommand parser under it with `HelpFormatter`."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                use_help_formatter(sub)
+    return parser

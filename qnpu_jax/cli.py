@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
+import re
 import shlex
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -15,16 +18,26 @@ from typing import Any
 
 import numpy as np
 
-from qnpu_jax.argtypes import positive_int
-from qnpu_jax.errors import QnpuError
+from qnpu_jax import __version__
+from qnpu_jax.argtypes import positive_int, use_help_formatter
+from qnpu_jax.errors import QnpuError, StorageFullError
 from qnpu_jax.export.decode import SELECTIONS
 from qnpu_jax.export.int_model import ENGINES
+from qnpu_jax.files import storage_full_is_an_error
+from qnpu_jax.limits import (
+    MAX_EVAL_BATCH,
+    MAX_PLAN_DEVICES,
+    MAX_SAMPLES,
+    check_at_most,
+    check_seed,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qnpu", description="Static integer-only quantization of small LLMs for mobile NPUs."
     )
+    parser.add_argument("--version", action="version", version=f"qnpu {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     ev = sub.add_parser("eval", help="perplexity of a model on a text corpus")
@@ -45,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--qdq", action="store_true", help="with --onnx: the QDQ graphs (default: float)"
     )
     ev.add_argument(
-        "--data", help="perplexity text: wiki | wikitext:PATH | hf:NAME[:CONFIG]:SPLIT | a file"
+        "--data",
+        help="perplexity text: wiki | wikitext2 | wikitext:PATH | hf:NAME[:CONFIG]:SPLIT | a file "
+        "(with --run: the run's first eval_data)",
     )
     ev.add_argument(
         "--tasks",
@@ -54,17 +69,41 @@ def build_parser() -> argparse.ArgumentParser:
         "arc_easy, arc_challenge, winogrande, lambada",
     )
     ev.add_argument(
-        "--limit", type=positive_int, default=None, help="zero-shot: a seeded subset of N items"
+        "--task-data",
+        metavar="DIR|hf",
+        default=None,
+        help="zero-shot task data: a directory (README 'Data' gives its layout), or hf for "
+        "the Hugging Face `datasets` cache (default: $QNPU_DATA_DIR)",
+    )
+    ev.add_argument(
+        "--limit",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="zero-shot: a seeded subset of N items per task (default: every item)",
     )
     ev.add_argument("--seed", type=int, default=0, help="zero-shot subset seed")
     ev.add_argument("--split", default=None, help="wiki split: calib, eval (default) or all")
-    ev.add_argument("--seq-len", type=positive_int, default=None, help="perplexity windows")
-    ev.add_argument("--max-windows", type=positive_int, default=None)
+    ev.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="perplexity window length in tokens: the text is cut into non-overlapping windows "
+        "of N tokens (with --run: the run's seq_len)",
+    )
+    ev.add_argument(
+        "--max-windows",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="perplexity on the first K windows only (default: every window)",
+    )
     ev.add_argument(
         "--batch-size", type=positive_int, default=None, help="default: 1 (ppl), 8 (tasks)"
     )
     ev.add_argument("--json", type=Path, default=None, help="write the report here")
-    ev.add_argument("--no-progress", action="store_true")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bars")
     ev.add_argument(
         "--prefix",
         choices=("none", "bos"),
@@ -107,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     qz.add_argument("--out", required=True, type=Path, help="the run directory")
     qz.add_argument("--resume", action="store_true", help="continue the run in --out")
-    qz.add_argument("--no-progress", action="store_true")
+    qz.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     ex = sub.add_parser(
         "export", help="export a run to an integer artifact, ONNX graphs or AIMET encodings"
@@ -127,16 +166,28 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument(
         "--max-context", type=positive_int, default=None, help="positions (default 2048+prefix)"
     )
-    ex.add_argument("--prefill-chunk", type=positive_int, default=64)
+    ex.add_argument(
+        "--prefill-chunk", type=positive_int, default=64, help="tokens per prefill step (graph)"
+    )
+    ex.add_argument("--no-progress", action="store_true", help="no phase lines on stderr")
 
     em = sub.add_parser(
         "emulate",
         help="generation with an integer artifact: greedy, or N parallel samples and a selection",
     )
-    em.add_argument("--artifact", required=True, type=Path)
-    em.add_argument("--prompt", required=True)
-    em.add_argument("--max-new-tokens", type=positive_int, default=32)
-    em.add_argument("--engine", choices=ENGINES, default="emulator")
+    em.add_argument(
+        "--artifact", required=True, type=Path, help="an integer artifact (`qnpu export`)"
+    )
+    em.add_argument("--prompt", required=True, help="the text to continue")
+    em.add_argument(
+        "--max-new-tokens", type=positive_int, default=32, help="tokens generated at most"
+    )
+    em.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="emulator",
+        help="the numpy NPU emulator or the JAX integer forward (bit for bit alike)",
+    )
     em.add_argument(
         "--samples", type=positive_int, default=1, help="N samples decoded as one batch"
     )
@@ -145,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SELECTIONS,
         default="best",
         help="best: highest likelihood; vote: most frequent continuation; beam: beam search "
-        "of width N (default best)",
+        "of width N",
     )
     em.add_argument(
         "--temperature",
@@ -153,18 +204,53 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="default 0 (greedy) for one sample, 1 for several; beam search ignores it",
     )
-    em.add_argument("--top-p", type=float, default=1.0)
+    em.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: the smallest set of tokens whose probability reaches P",
+    )
     em.add_argument("--seed", type=int, default=0, help="sample i draws from (seed, i)")
 
     sub.add_parser("configs", help="list the shipped configs (`qnpu quantize --config NAME`)")
 
+    cf = sub.add_parser("config", help="show a config resolved: every key, its value, its meaning")
+    cf_sub = cf.add_subparsers(dest="config_command", required=True)
+    show = cf_sub.add_parser(
+        "show",
+        help="print a config as `qnpu quantize` would run it: every key with its meaning "
+        "(docs/config.md), as YAML that --config reads back",
+    )
+    show.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="a shipped config NAME (`qnpu configs`) or a YAML file (default: the defaults)",
+    )
+    show.add_argument("--model", default=None, help="overrides the config's model")
+    show.add_argument("--method", default=None, help="overrides the config's method")
+    show.add_argument("--bits", default=None, help="w4a8, w8a8, w4a4kv8, ... (overrides)")
+    show.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key (as `qnpu quantize --set`), repeatable",
+    )
+
     st = sub.add_parser(
         "study",
         help="run a study (the measurements of docs/results.md); without NAME, list them",
+        description="Run a study (the measurements of docs/results.md), or list them.",
         add_help=False,
     )
+    st.add_argument(
+        "-h", "--help", dest="study_help", action="store_true", help="this help and the studies"
+    )
     st.add_argument("name", nargs="?", help="the study; `qnpu study NAME --help` for its options")
-    st.add_argument("study_args", nargs=argparse.REMAINDER)
+    st.add_argument("study_args", nargs=argparse.REMAINDER, help="the study's own arguments")
+    st.set_defaults(study_usage=st.format_help)
 
     rp = sub.add_parser(
         "report", help="results table (paper Table 1 shape) and plots from runs and evals"
@@ -216,9 +302,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=["float32"],
         help="the linears' matmul operands in stage 1: float32, bfloat16",
     )
-    pm.add_argument("--seq-len", type=positive_int, default=2048)
-    pm.add_argument("--batch-size", type=positive_int, default=2)
-    pm.add_argument("--grad-accum", type=positive_int, default=2)
+    pm.add_argument(
+        "--seq-len", type=positive_int, default=2048, help="stage 1's window length in tokens"
+    )
+    pm.add_argument(
+        "--batch-size", type=positive_int, default=2, help="stage 1's windows per micro-batch"
+    )
+    pm.add_argument(
+        "--grad-accum", type=positive_int, default=2, help="micro-batches per stage-1 step"
+    )
     pm.add_argument("--no-remat", action="store_true", help="keep every layer's activations")
     pm.add_argument("--budget-gib", type=float, default=80.0, help="a device's memory")
     pm.add_argument("--json", type=Path, default=None, help="write the report here")
@@ -247,10 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--json", type=Path, default=None, help="write the report here")
 
     gen = sub.add_parser("generate", help="greedy continuation of a prompt")
-    gen.add_argument("--model", required=True)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=positive_int, default=32)
-    return parser
+    gen.add_argument(
+        "--model", required=True, help="smollm2-135m, a .gguf file, an HF dir or org/name"
+    )
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument(
+        "--max-new-tokens", type=positive_int, default=32, help="tokens generated at most"
+    )
+    return use_help_formatter(parser)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,6 +481,9 @@ def _scored_artifact(args: argparse.Namespace) -> Scored:
 
 
 def _scored_onnx(args: argparse.Namespace) -> Scored:
+    from qnpu_jax.export.onnx_export import require_export_extra
+
+    require_export_extra("onnx", "onnxruntime")
     from qnpu_jax.export.onnx_run import OnnxModel
 
     if args.prefix is not None:
@@ -409,7 +508,8 @@ def _scored_onnx(args: argparse.Namespace) -> Scored:
 def cmd_eval(args: argparse.Namespace) -> int:
     from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
     from qnpu_jax.eval import TASKS, perplexity
-    from qnpu_jax.files import check_writable
+    from qnpu_jax.eval.zeroshot import task_source
+    from qnpu_jax.files import check_outside, check_writable
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = sorted(set(tasks) - {"ppl", *TASKS})
@@ -417,14 +517,26 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise QnpuError(f"unknown task(s) {unknown}; known: ppl, {', '.join(TASKS)}")
     want_ppl = "ppl" in tasks
     zero_shot = [t for t in tasks if t != "ppl"]
+    if args.batch_size is not None:
+        check_at_most(args.batch_size, MAX_EVAL_BATCH, "--batch-size", "qnpu_jax.limits")
+    check_seed(args.seed, "--seed")
+    if want_ppl and args.run is not None and (args.data is None or args.seq_len is None):
+        run_config = _run_config(args.run)  # the run's own evaluation text and window length
+        args.data = args.data or run_config.eval_data[0]
+        args.seq_len = args.seq_len or run_config.seq_len
+        print(f"--data {args.data} --seq-len {args.seq_len} (the run's)", file=sys.stderr)
     if want_ppl and (args.data is None or args.seq_len is None):
         raise QnpuError("perplexity (task ppl) needs --data and --seq-len")
+    if zero_shot:  # missing task data fails now, not after the model loads
+        task_source(zero_shot, args.task_data)
     split = args.split
     if args.data == "wiki" and split is None:
         split = "eval"
     started = time.perf_counter()
     if args.json is not None:
         check_writable(args.json)  # fail before the run, not after it
+        inputs = {"--artifact": args.artifact, "--onnx": args.onnx, "--run": args.run}
+        check_outside(args.json, {**inputs, "--model": args.model}, "--json")
     docs = load_documents(args.data, split) if want_ppl else []  # cheap checks first
     if args.qdq and args.onnx is None:
         raise QnpuError("--qdq applies to --onnx only")
@@ -476,11 +588,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
             seed=args.seed,
             batch_size=args.batch_size or 8,
             progress=not args.no_progress,
+            data_dir=args.task_data,
         )
     finish_eval_report(
         report, command="qnpu " + shlex.join(args.argv), started=started, path=args.json
     )
     return 0
+
+
+def _run_config(run: Path) -> Any:
+    """The config of the run in `run` (its config.yaml), read without loading the run."""
+    from qnpu_jax.pipeline.config import load_config
+
+    if not (Path(run) / "config.yaml").is_file():
+        raise QnpuError(f"{run} is not a finished run: config.yaml is missing")
+    return load_config(Path(run) / "config.yaml")
 
 
 def zero_shot_report(
@@ -491,10 +613,14 @@ def zero_shot_report(
     seed: int,
     batch_size: int,
     progress: bool,
+    data_dir: Path | str | None = None,
 ) -> dict[str, Any]:
-    """The zero-shot part of a `qnpu eval` report ("tasks", "limit", "seed"); prints a line
-    per task. Shared with qnpu study compare_methods, so its cells are scored exactly so."""
+    """The zero-shot part of a `qnpu eval` report ("tasks", "limit", "seed", "task_data");
+    prints a line per task. Shared with qnpu study compare_methods, so its cells are scored
+    exactly so. `data_dir`: the task data, a directory or "hf" (None: $QNPU_DATA_DIR;
+    `task_source`)."""
     from qnpu_jax.eval import LmScorer, evaluate_tasks
+    from qnpu_jax.eval.zeroshot import task_source
 
     scorer = LmScorer(
         nll_fn=scored.nll_fn,
@@ -508,6 +634,7 @@ def zero_shot_report(
         limit=limit,
         seed=seed,
         batch_size=batch_size,
+        data_dir=data_dir,
         progress=progress,
     )
     for name, r in results.items():
@@ -516,7 +643,8 @@ def zero_shot_report(
             f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float) and k != "n"
         )
         print(f"{name} (n={r['n']}): {shown}")
-    return {"tasks": results, "limit": limit, "seed": seed}
+    source = task_source(tasks, data_dir)
+    return {"tasks": results, "limit": limit, "seed": seed, "task_data": str(source)}
 
 
 def finish_eval_report(
@@ -537,30 +665,58 @@ def finish_eval_report(
 def quantize_config(args: argparse.Namespace) -> Any:
     """The QuantizeConfig of `qnpu quantize`: --config (a name or a file) or the defaults, then
     --model/--method/--bits, then every --set, validated as one config."""
-    from qnpu_jax.pipeline.config import load_config, parse_bits
+    from qnpu_jax.pipeline.config import load_config
 
     if args.config is None and (args.method is None or args.bits is None):
         raise QnpuError("give --config NAME (see `qnpu configs`), or --method and --bits")
-    updates = {
-        k: v
-        for k, v in (("model", args.model), ("method", args.method), ("mesh", args.mesh))
-        if v is not None
-    }
+    return load_config(args.config, args.overrides, config_updates(args))
+
+
+def config_updates(args: argparse.Namespace) -> dict[str, Any]:
+    """The plain values --model, --method, --bits (and --mesh) put over a config."""
+    from qnpu_jax.pipeline.config import parse_bits
+
+    pairs = (("model", args.model), ("method", args.method), ("mesh", getattr(args, "mesh", None)))
+    updates = {k: v for k, v in pairs if v is not None}
     if args.bits is not None:
         updates |= parse_bits(args.bits)
-    return load_config(args.config, args.overrides, updates)
+    return updates
+
+
+def config_source(args: argparse.Namespace) -> str:
+    """Where a command's config came from, in words (--config, the flags over it, --set)."""
+    if args.config is None:
+        where = "the defaults"
+    elif Path(args.config).is_file():
+        where = f"config file {args.config}"
+    else:
+        where = f"shipped config {args.config}"
+    flags = [f"--{k}" for k in ("model", "method", "bits", "mesh") if getattr(args, k, None)]
+    flags += ["--set"] if args.overrides else []
+    return where + (f" with {', '.join(flags)}" if flags else "")
+
+
+def announcer(started: float) -> Callable[[str], None]:
+    """Print a phase line to stderr with the seconds since `started` (`time.perf_counter()`)."""
+
+    def announce(message: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+    return announce
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     from qnpu_jax.mesh import initialize_distributed
+    from qnpu_jax.pipeline.config_doc import settings_summary
+    from qnpu_jax.pipeline.recipes import for_config
     from qnpu_jax.pipeline.run import quantize
 
     initialize_distributed(True if args.distributed else None)
     config = quantize_config(args)
+    for line in settings_summary(config, config_source(args), for_config(config)):
+        print(line, file=sys.stderr, flush=True)
     started = time.perf_counter()
-
-    def announce(message: str) -> None:
-        print(f"[{time.perf_counter() - started:7.1f} s] {message}", file=sys.stderr, flush=True)
+    announce = announcer(started)
 
     report = quantize(
         config,
@@ -583,18 +739,47 @@ def cmd_configs(args: argparse.Namespace) -> int:
     from qnpu_jax.pipeline.config import shipped_configs
 
     for name, resource in sorted(shipped_configs().items()):
-        lines = resource.read_text().splitlines()
-        about = lines[0].lstrip("# ").strip() if lines and lines[0].startswith("#") else ""
-        print(f"{name:44s} {about}")
+        text = config_about(resource.read_text())
+        about = textwrap.wrap(text, 55, break_on_hyphens=False, break_long_words=False) or [""]
+        print(f"{name:44s} {about[0]}")
+        for line in about[1:]:
+            print(f"{'':44s} {line}")
+    return 0
+
+
+_SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
+
+
+def config_about(text: str) -> str:
+    """The first sentence of a config file's leading comment block (`qnpu configs`)."""
+    comment = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        comment.append(line.lstrip("#").strip())
+    joined = " ".join(c for c in comment if c)
+    end = _SENTENCE_END.search(joined)
+    return joined[: end.end()] if end else joined
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from qnpu_jax.pipeline.config import load_config
+    from qnpu_jax.pipeline.config_doc import show_config
+
+    config = load_config(args.config, args.overrides, config_updates(args))
+    print(show_config(config, config_source(args)), end="")
     return 0
 
 
 def cmd_study(args: argparse.Namespace) -> int:
     from qnpu_jax.studies import STUDIES, describe, run_study
 
-    if args.name is None or args.name in ("-h", "--help"):
+    if args.study_help:
+        print(args.study_usage())
+        print("studies:")
+    if args.name is None or args.study_help:
         for name in STUDIES:
-            print(f"{name:24s} {describe(name)}")
+            print(f"{'  ' if args.study_help else ''}{name:24s} {describe(name)}")
         return 0
     return run_study(args.name, args.study_args)
 
@@ -622,9 +807,22 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def utf8_argument(text: str, flag: str) -> str:
+    """`text` (a command-line argument), or a QnpuError when it is not valid UTF-8: bytes that
+    do not decode reach Python as lone surrogates, which no tokenizer or terminal takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise QnpuError(
+            f"{flag} is not valid UTF-8 text (undecodable bytes at character {e.start})"
+        ) from None
+    return text
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from qnpu_jax.models import generate, load_model
 
+    utf8_argument(args.prompt, "--prompt")
     model = load_model(args.model)
     prompt = model.tokenizer.encode(args.prompt, add_bos=model.tokenizer.add_bos)
     if not prompt:
@@ -672,7 +870,7 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
     ]
     if not args.budget_gib > 0:
         raise QnpuError(f"--budget-gib must be positive, got {args.budget_gib}")
-    most = max(args.devices)
+    most = check_at_most(max(args.devices), MAX_PLAN_DEVICES, "--devices", "qnpu_jax.limits")
     if most > 1:  # stand-in CPU devices where the accelerators are fewer than asked
         # RuntimeError: a backend already started (a program embedding the CLI): as it is
         with contextlib.suppress(RuntimeError):
@@ -681,6 +879,14 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
     if len(devices) < most:
         raise QnpuError(f"{most} devices asked, {len(devices)} present")
     started = time.perf_counter()
+    first = settings[0]
+    print(
+        f"stage 1's train step (quantnpu W{first.w_bits}A{first.a_bits}'s stage-1 plan): "
+        f"windows of {first.seq_len} tokens, batch {first.batch_size} x accumulation "
+        f"{first.grad_accum}, remat {'on' if first.remat else 'off'}; on a (1, n) mesh of "
+        f"{jax.default_backend()} devices; XLA's memory analysis per device: arguments + "
+        f"outputs - aliased + temporaries (GiB), against a budget of {args.budget_gib:g} GiB"
+    )
     rows = []
     for spec, cfg in models.items():
         for setting in settings:
@@ -695,9 +901,12 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
                 }
                 row["fits_budget"] = row["total_gib_per_device"] <= args.budget_gib
                 rows.append(row)
+                parts = {k: v / 2**30 for k, v in row["bytes_per_device"].items()}
                 print(
                     f"{spec:14s} base {dtype:8s} compute {compute:8s} {n} device(s): "
-                    f"{row['total_gib_per_device']:7.2f} GiB per device"
+                    f"{row['total_gib_per_device']:7.2f} GiB per device = arguments "
+                    f"{parts['arguments']:.2f} + outputs {parts['outputs']:.2f} - aliased "
+                    f"{parts['aliased']:.2f} + temporaries {parts['temporaries']:.2f}"
                     f"{'' if row['fits_budget'] else f'  (over {args.budget_gib:g} GiB)'}"
                 )
     if args.json is not None:
@@ -716,10 +925,23 @@ def cmd_cost(args: argparse.Namespace) -> int:
     from qnpu_jax import cost
     from qnpu_jax.memory_plan import model_architecture
 
-    plan, cfg, source = _cost_plan(args, model_architecture)
+    plan, cfg, source, model_name = _cost_plan(args, model_architecture)
     phases = [cost.prefill(args.prefill, args.chunk), cost.decode(args.prefill, args.decode)]
     anchor = model_architecture(cost.ANCHOR_MODEL)
     readings = cost.devices(anchor)
+    print(
+        f"model {model_name}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}"
+    )
+    print(f"plan of {source}: {_plan_summary(plan, cfg.num_layers)}")
+    print(
+        "counts are exact (GMACs per operand pair: A16W4 is a 16-bit activation times a 4-bit "
+        "weight; bytes of weights, activations and KV cache moved); latencies are modelled, not "
+        "measured (docs/cost.md): a roofline fitted to the seed papers' device figures, under "
+        "two readings of a 16-bit activation:"
+    )
+    for name, device in readings.items():
+        print(f"  {name}: {READINGS.get(name, '').format(a16=device.a16, block=device.per_block)}")
     report: dict[str, Any] = {
         "source": source,
         "model": dataclasses.asdict(cfg),
@@ -751,8 +973,35 @@ def cmd_cost(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, str]:
-    """(plan, model config, what it came from) for `qnpu cost`."""
+# what each reading of `cost.devices` assumes, for `qnpu cost`
+READINGS = {
+    "mobilequant-table6": "a MAC with one 16-bit operand takes {a16:.2f} 8-bit MACs (fitted to "
+    "MobileQuant Table 6, W8A16 against W8A8 prompt encoding); per-block weights {block:g}x",
+    "quantnpu-table3": "a MAC with one 16-bit operand takes {a16:.2f} 8-bit MACs (Quant.npu "
+    "Table 3, A16 against A8 per-channel W4); per-block weights {block:g}x",
+}
+
+
+def _plan_summary(plan: Any, num_layers: int) -> str:
+    """A plan in a line: its size, its weights' bits and its 16-bit down_proj tensors."""
+    from qnpu_jax.export.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
+    from qnpu_jax.quant.plan import is_weight
+
+    weights = sorted({tq.bits for p, tq in plan.entries if is_weight(p)})
+    parts = [
+        f"{len(plan.entries)} quantized tensors",
+        f"weights {'/'.join(map(str, weights)) or 'float'}-bit",
+    ]
+    for name, what in ((UNROTATED_INPUT, "inputs"), (UNROTATED_OUTPUT, "outputs")):
+        tq = plan.get(f"layers/{name}")
+        if tq is not None:
+            sixteen = sum(tq.bits_for_layer(i) == 16 for i in range(num_layers))
+            parts.append(f"down_proj {what} 16-bit in {sixteen} of {num_layers} layers")
+    return ", ".join(parts)
+
+
+def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, str, str]:
+    """(plan, model config, what it came from, the model's name) for `qnpu cost`."""
     if args.run is not None:
         from qnpu_jax.models.config import ModelConfig, RopeConfig
         from qnpu_jax.pipeline.model import _read_model_json, read_plan
@@ -761,7 +1010,7 @@ def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, s
             raise QnpuError("--set changes a config; a run's plan is fixed")
         plan = read_plan(args.run / "plan.json")
         if args.model is not None:
-            return plan, architecture(args.model), str(args.run)
+            return plan, architecture(args.model), f"run {args.run}", args.model
         meta = _read_model_json(args.run / "model.json")
         try:
             data = dict(meta["config"])
@@ -770,7 +1019,7 @@ def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, s
             raise QnpuError(
                 f"{args.run / 'model.json'}: its model config is unreadable ({e})"
             ) from e
-        return plan, cfg, str(args.run)
+        return plan, cfg, f"run {args.run}", str(meta["source"])
     from qnpu_jax.pipeline.config import load_config
     from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits
     from qnpu_jax.pipeline.recipes import build_plan
@@ -785,7 +1034,9 @@ def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, s
 
     down_in = promoted(config.mixed_precision) if config.down_in_bits == 8 else None
     plan = build_plan(config, n, down_in, promoted(config.down_out_mixed_precision))
-    return plan, cfg, args.config or "the default config"
+    where = f"config {args.config}" if args.config else "the default config"
+    what = f"{where} ({config.method} {config.bits_name})"
+    return plan, cfg, what, args.model or config.model
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -796,14 +1047,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"AIMET encodings (schema {args.aimet_version}) written to {path}")
         return 0
     if args.format == "onnx":
-        from qnpu_jax.export.onnx_export import export_run_onnx
+        from qnpu_jax.export.onnx_export import export_run_onnx, require_export_extra
 
+        require_export_extra("onnx")  # before the run is read, not after minutes of export
         out = export_run_onnx(
             args.run,
             args.out,
             chunk=args.prefill_chunk,
             max_context=args.max_context,
             version=args.aimet_version,
+            announce=None if args.no_progress else announcer(time.perf_counter()),
         )
         print(f"ONNX graphs (prefill chunk {args.prefill_chunk}, decode) written to {out}")
         return 0
@@ -824,6 +1077,9 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     )
     from qnpu_jax.export.int_model import artifact_tokenizer, load_int_model, open_engine
 
+    utf8_argument(args.prompt, "--prompt")
+    check_at_most(args.samples, MAX_SAMPLES, "--samples", "decoded as one batch; qnpu_jax.limits")
+    check_seed(args.seed, "--seed")
     model = load_int_model(args.artifact)
     tokenizer = artifact_tokenizer(model)
     prompt = tokenizer.encode(args.prompt)
@@ -858,11 +1114,16 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, exit_on_failed_write: bool = False) -> int:
+    """Run `qnpu ARGV`; 0, or 2 after printing one `qnpu: error:` line. `exit_on_failed_write`
+    (the `qnpu` command): after a write that failed for want of space, end the process at
+    once, since orbax's writer threads still hold the other failed writes and would print
+    their tracebacks at interpreter shutdown, after the error line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
     commands = {
+        "config": cmd_config,
         "configs": cmd_configs,
         "eval": cmd_eval,
         "emulate": cmd_emulate,
@@ -875,11 +1136,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "study": cmd_study,
     }
     try:
-        return commands[args.command](args)
+        with storage_full_is_an_error():  # a full disk: one line, not orbax's thread dumps
+            return commands[args.command](args)
     except (QnpuError, OSError) as e:  # OSError: an unwritable or vanished path
         print(f"qnpu: error: {e}", file=sys.stderr)
+        if exit_on_failed_write and isinstance(e, StorageFullError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
         return 2
 
 
+def command() -> None:
+    """The `qnpu` console command."""
+    sys.exit(main(exit_on_failed_write=True))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

@@ -5,7 +5,8 @@ Integer artifacts and run directories both carry such a manifest. The manifest's
 entry, so one check before use covers everything a reader trusts. The digest guards against
 corruption and hand edits, not against someone who re-seals on purpose.
 
-Standard library only: the numpy emulator imports this through the artifact reader.
+Standard library only (and `qnpu_jax.files`): the numpy emulator imports this through the
+artifact reader.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import json
 import os
 import re
 import shutil
+import stat
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.files import temp_stem
 
 DIGEST_KEY = "digest"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -55,6 +58,12 @@ def check_sealed(doc: Mapping[str, Any], where: str) -> None:
             f"{where}: digest mismatch: the manifest was edited or corrupted after it was written "
             f"(digest {actual}, recorded {digest})"
         )
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, read in chunks."""
+    with Path(path).open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def file_record(data: bytes) -> dict[str, Any]:
@@ -97,20 +106,47 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_siblings(target: Path, kinds: tuple[str, ...] = ("tmp", "old")) -> list[Path]:
-    """Delete `.NAME.<kind>-<pid>-*` siblings of `target` whose writing process is gone (a
-    killed write); a live process's are left alone. Returns what was removed."""
-    pattern = re.compile(rf"\.{re.escape(target.name)}\.(?:{'|'.join(kinds)})-(\d+)-[A-Za-z0-9_]+")
-    removed: list[Path] = []
+# A temporary sibling of a write in progress: `.STEM.tmp-PID-XXXXXXXX` (the new content) or
+# `.STEM.old-PID-XXXXXXXX` (the previous content, moved aside; see `temp_stem`).
+_SIBLING = re.compile(r"\.(.+)\.(tmp|old)-(\d+)-[A-Za-z0-9_]+")
+
+
+def sibling_prefix(target: Path, kind: str) -> str:
+    """The `tempfile.mkdtemp` prefix of a `kind` ("tmp" or "old") sibling of `target`."""
+    return f".{temp_stem(target.name)}.{kind}-{os.getpid()}-"
+
+
+def stale_siblings(
+    parent: Path, stem: str | None = None, kinds: tuple[str, ...] = ("tmp", "old")
+) -> list[Path]:
+    """The temporary siblings in `parent` (of the target whose stem is `stem`, or of any) whose
+    writing process is gone: a killed write's leftovers. Ours only: directories owned by this
+    user."""
     try:
-        siblings = list(target.parent.iterdir())
+        entries = list(parent.iterdir())
     except OSError:
-        return removed
-    for p in siblings:
-        m = pattern.fullmatch(p.name)
-        if m and p.is_dir() and not p.is_symlink() and not pid_alive(int(m.group(1))):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
+        return []
+    found: list[Path] = []
+    for p in entries:
+        m = _SIBLING.fullmatch(p.name)
+        if not m or m.group(2) not in kinds or (stem is not None and m.group(1) != stem):
+            continue
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not pid_alive(int(m.group(3))):
+            found.append(p)
+    return sorted(found)
+
+
+def remove_stale_siblings(target: Path, kinds: tuple[str, ...] = ("tmp", "old")) -> list[Path]:
+    """Delete the temporary siblings a killed write left in `target`'s directory (of any
+    target there, not only this one); a live process's are left alone. Returns what was
+    removed."""
+    removed = stale_siblings(target.parent, None, kinds)
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
     return removed
 
 

@@ -23,6 +23,8 @@ import numpy as np
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import EMBED_TABLE, LM_HEAD, layer_widths
+from qnpu_jax.files import read_text
+from qnpu_jax.limits import MAX_CONFIG_BYTES
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import MATMUL_DTYPES
 from qnpu_jax.quant.plan import QuantPlan
@@ -38,6 +40,10 @@ def shipped_architectures() -> dict[str, Any]:
     return {e.name.removesuffix(".json"): e for e in root.iterdir() if e.name.endswith(".json")}
 
 
+def _read_json_text(path: Path) -> str:
+    return read_text(path, what="model config", limit=MAX_CONFIG_BYTES)
+
+
 def model_architecture(spec: str) -> ModelConfig:
     """A ModelConfig from a shipped name (`qnpu plan-memory --list`), a config.json file or an
     HF checkpoint directory holding one; no weights are read."""
@@ -45,10 +51,10 @@ def model_architecture(spec: str) -> ModelConfig:
     path = Path(spec)
     if spec in shipped:
         where, text = f"shipped architecture {spec}", shipped[spec].read_text()
-    elif path.is_dir() and (path / "config.json").is_file():
-        where, text = str(path / "config.json"), (path / "config.json").read_text()
-    elif path.is_file():
-        where, text = str(path), path.read_text()
+    elif path.is_dir() and (path / "config.json").exists():
+        where, text = str(path / "config.json"), _read_json_text(path / "config.json")
+    elif path.exists() and not path.is_dir():  # a FIFO or a device is refused, never read
+        where, text = str(path), _read_json_text(path)
     else:
         raise QnpuError(
             f"unknown model {spec!r}: not a shipped architecture ({', '.join(sorted(shipped))}), "

@@ -1,6 +1,6 @@
 """Parallel test-time scaling on an integer artifact, and batched decode throughput.
 
-Accuracy: LAMBADA's last word (`../shared/data/lambada`), answered generatively: the context is
+Accuracy: LAMBADA's last word (`--task-data`), answered generatively: the context is
 prefilled once, then greedy decoding; N samples decoded as one batch and selected by the
 model's own likelihood (best), by a reward model's (`--scorer MODEL`, any float model: reward)
 or by majority vote over their first words (vote), with the oracle any-of-N beside them; and
@@ -85,7 +85,7 @@ def float_scorer(spec: str) -> Callable[[list[int], list[Sample]], dict[tuple[in
 
 
 def accuracy(args: argparse.Namespace, engine: Any, tokenizer: Any) -> dict[str, Any]:
-    docs = load_task("lambada")[: args.items]
+    docs = load_task("lambada", args.task_data)[: args.items]
     scorer = float_scorer(args.scorer) if args.scorer else None
     n_max = max(args.samples)
     sampler = Sampler(temperature=args.temperature, top_p=args.top_p)
@@ -174,6 +174,9 @@ def main() -> int:
     parser.add_argument("--artifact", type=Path, required=True)
     parser.add_argument("--engine", choices=ENGINES, default="jax", help="for the accuracy")
     parser.add_argument("--items", type=positive_int, default=200)
+    parser.add_argument(
+        "--task-data", default=None, help="LAMBADA's data: DIR or hf (default: $QNPU_DATA_DIR)"
+    )
     parser.add_argument("--samples", type=positive_int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)

@@ -368,10 +368,14 @@ def test_killed_write_leftovers_are_removed_by_the_next_write(tmp_path: Path) ->
     (stale / "tensors" / "x.npy").write_bytes(b"partial")
     live = tmp_path / f".art.tmp-{os.getpid()}-def456"  # a running writer's: kept
     live.mkdir()
-    other = tmp_path / f".other.tmp-{pid}-abc123"  # another artifact's: not ours to judge
+    other = tmp_path / f".other.tmp-{pid}-abc123"  # another artifact's, as stale: removed too
     other.mkdir()
+    old = tmp_path / f".other.old-{pid}-abc123"
+    (old / "old").mkdir(parents=True)
+    mine = tmp_path / "notes.tmp-1-abc123"  # no leading dot: not a temp sibling
+    mine.mkdir()
     _write(tmp_path / "art")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["art", live.name, other.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["art", live.name, mine.name])
 
 
 def test_pickle_inside_npy(artifact_dir: Path) -> None:

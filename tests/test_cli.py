@@ -146,3 +146,73 @@ def test_study_lists_refuses_and_helps(capsys):
         main(["study", "table_cost", "--help"])
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith("usage: qnpu study table_cost")
+
+
+def _parsers(parser):
+    """`parser` and every subcommand parser under it, with their prog names."""
+    import argparse
+
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_flag_and_command_has_a_help_line():
+    import argparse
+
+    from qnpu_jax.cli import build_parser
+
+    missing = []
+    for parser in _parsers(build_parser()):
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction | argparse._VersionAction):
+                continue
+            if isinstance(action, argparse._SubParsersAction):
+                choices = action._choices_actions
+                missing += [f"{parser.prog} {c.dest}" for c in choices if not c.help]
+            elif not action.help or action.help == argparse.SUPPRESS:
+                missing.append(f"{parser.prog} {'/'.join(action.option_strings) or action.dest}")
+    assert missing == []
+
+
+def test_help_shows_defaults_and_what_seq_len_is(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: emulator)" in text and "(default: ppl)" in text
+    assert "--seq-len N perplexity window length in tokens" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    with pytest.raises(SystemExit):
+        main(["emulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "tokens generated at most (default: 32)" in text
+
+
+def test_version_and_study_help(capsys):
+    from qnpu_jax import __version__
+    from qnpu_jax.studies import STUDIES
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"qnpu {__version__}"
+    for flag in ("--help", "-h"):
+        assert main(["study", flag]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("usage: qnpu study") and "studies:" in out
+        assert all(f"  {name} " in out for name in STUDIES)
+
+
+def test_configs_lists_whole_first_sentences(capsys):
+    from qnpu_jax.cli import config_about
+    from qnpu_jax.pipeline.config import shipped_configs
+
+    assert main(["configs"]) == 0
+    listed = " ".join(capsys.readouterr().out.split())
+    for name, resource in shipped_configs().items():
+        about = config_about(resource.read_text())
+        assert about.endswith((".", ")")) and f"{name} {about}" in listed, name
+    assert config_about("# One. Two\n# three.\nmodel: m\n# later.\n") == "One."
+    assert config_about("# a sentence cut\n# over lines.\n") == "a sentence cut over lines."

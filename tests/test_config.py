@@ -1,4 +1,5 @@
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +113,90 @@ def test_config_is_frozen_and_hashable():
     assert hash(cfg) == hash(ModelConfig.from_hf(LLAMA32_1B))
     with pytest.raises(QnpuError, match="theta"):
         RopeConfig(theta=-1.0)
+
+
+# ----------------------------------------------------------------- QuantizeConfig keys (docs)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_config_key_has_a_meaning_and_docs_config_md_is_current():
+    from qnpu_jax.pipeline.config_doc import reference_markdown, undocumented
+
+    assert undocumented() == []
+    written = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
+    assert written == reference_markdown(), (
+        "docs/config.md is stale: python3 -m qnpu_jax.pipeline.config_doc docs/config.md"
+    )
+
+
+def test_config_show_prints_every_key_with_its_meaning_and_reads_back(tmp_path, capsys):
+    from qnpu_jax.cli import main
+    from qnpu_jax.pipeline.config import QuantizeConfig, load_config
+
+    assert main(["config", "show", "smollm2-135m-quarot-w8a8"]) == 0
+    shown = capsys.readouterr().out
+    keys = [f.name for f in dataclasses.fields(QuantizeConfig)]
+    lines = {line.split(":")[0]: line for line in shown.splitlines() if not line.startswith(" ")}
+    for key in keys:
+        assert key in lines and " # " in lines[key], key
+    assert "  steps: 60 " in shown and "  fsdp: null " in shown  # nested keys too
+    file = tmp_path / "shown.yaml"
+    file.write_text(shown)
+    assert load_config(file) == load_config("smollm2-135m-quarot-w8a8")
+    # config-free: the defaults the quantize of the issue silently used, shown
+    assert main(["config", "show", "--method", "quarot", "--bits", "w8a8"]) == 0
+    shown = capsys.readouterr().out
+    assert "mixed_precision: 0.1 " in shown and "eval_windows: 64 " in shown
+    assert main(["config", "show", "--set", "bogus=1"]) == 2
+    assert "unknown config key" in capsys.readouterr().err
+
+
+def test_quantize_prints_the_settings_it_chose_before_it_starts(tmp_path, capsys):
+    from qnpu_jax.cli import main
+
+    args = ["quantize", "--method", "quarot", "--bits", "w8a8", "--out", str(tmp_path / "r")]
+    # a model that does not exist: it fails at loading, after the settings are printed
+    assert main([*args, "--model", str(tmp_path / "none.gguf"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("settings from the defaults with --model, --method, --bits")
+    for part in ("method quarot", "bits W8A8KV8", "no stage 1", "16 windows of 512 tokens"):
+        assert part in err, part
+    assert "at most 64 windows per set" in err and "mixed precision 0.1 " in err
+    assert "prefix bos" in err and err.splitlines()[-1].startswith("qnpu: error:")
+
+
+def test_shipped_configs_name_only_data_a_user_has():
+    from qnpu_jax.pipeline.config import load_config, shipped_configs
+
+    for name, resource in shipped_configs().items():
+        config = load_config(name)
+        assert set(config.eval_data) | {config.calib_data} <= {"wiki", "wikitext2"}, name
+        assert "shared/" not in resource.read_text(), name
+
+
+def test_wikitext2_is_read_from_qnpu_data_dir_or_a_clear_error(tmp_path, monkeypatch):
+    from qnpu_jax.data import load_documents
+    from qnpu_jax.data.locations import WIKITEXT2_HF, wikitext2_spec
+    from qnpu_jax.pipeline.config import load_config
+    from qnpu_jax.pipeline.run import evaluation_sets
+
+    monkeypatch.delenv("QNPU_DATA_DIR", raising=False)
+    with pytest.raises(QnpuError) as e:
+        load_documents("wikitext2")
+    for way in ("QNPU_DATA_DIR=DIR", "wikitext-2-raw/wiki.test.raw", "wikitext:PATH", "=hf"):
+        assert way in str(e.value), way
+    paper = load_config("smollm2-135m-quantnpu-w4a8-paper")
+    assert paper.eval_data == ("wiki", "wikitext2")
+    with pytest.raises(QnpuError, match=r"eval_data 'wikitext2': .*QNPU_DATA_DIR is not set"):
+        # checked before any model or tokenizer (hence the text alone here)
+        evaluation_sets(dataclasses.replace(paper, eval_data=("wikitext2",)), None, 10**6)
+    shared = ROOT.parent / "shared" / "data"
+    monkeypatch.setenv("QNPU_DATA_DIR", str(shared))
+    file = shared / "wikitext-2-raw" / "wiki.test.raw"
+    assert load_documents("wikitext2") == load_documents(f"wikitext:{file}")
+    monkeypatch.setenv("QNPU_DATA_DIR", str(tmp_path))
+    with pytest.raises(QnpuError, match=r"wiki\.test\.raw does not exist"):
+        load_documents("wikitext2")
+    monkeypatch.setenv("QNPU_DATA_DIR", "hf")
+    assert wikitext2_spec() == WIKITEXT2_HF

@@ -157,7 +157,16 @@ def test_cli_cost_of_a_config_writes_its_report(tmp_path, capsys):
     down = 64 * SMOL.intermediate_size * SMOL.hidden_size
     assert pre["macs"]["A16W4"] == 3 * down  # 10% of 30 layers promoted
     assert set(pre["latency"]) == {"mobilequant-table6", "quantnpu-table3"}
-    assert "modelled latency" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "modelled latency" in said
+    # which model and plan, and what the readings mean, before the numbers
+    lines = said.splitlines()
+    assert lines[0].startswith("model smollm2-135m: 30 layers, hidden 576")
+    assert lines[1].startswith("plan of config smollm2-135m-quantnpu-w4a8 (quantnpu W4A8KV8):")
+    assert "down_proj inputs 16-bit in 3 of 30 layers" in lines[1]
+    assert "not measured" in lines[2]
+    assert lines[3].startswith("  mobilequant-table6: a MAC with one 16-bit operand takes")
+    assert lines[4].startswith("  quantnpu-table3: a MAC with one 16-bit operand takes 1.20")
     assert main(["cost", "--config", "quick", "--set", "bogus=1"]) == 2
     assert "unknown config key" in capsys.readouterr().err
     assert main(["cost", "--run", str(tmp_path / "none")]) == 2

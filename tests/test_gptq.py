@@ -123,9 +123,27 @@ def test_hessians_are_the_quantized_linear_inputs(tiny_cfg, tiny_params):
     np.testing.assert_allclose(np.asarray(hessians["attn_in"][0]), xq.T @ xq, rtol=1e-4, atol=1e-4)
 
 
+def test_gptq_refuses_fewer_calibration_tokens_than_a_linears_inputs(tiny_cfg, tiny_params):
+    """Fewer token rows than down_proj's inputs leave its Hessian singular (README's recipe on
+    4 x 128 tokens of the real model printed perplexity 525,980): refused with the count."""
+    from qnpu_jax.pipeline import calibrate
+    from qnpu_jax.pipeline.weight_rounding import check_gptq_tokens, gptq_round_weights
+    from qnpu_jax.quant import default_plan
+
+    plan = default_plan(tiny_cfg.num_layers, w_bits=4, a_bits=8)
+    width = tiny_cfg.intermediate_size  # 48: down_proj's inputs, the widest
+    check_gptq_tokens(plan, tiny_cfg, (4, 12))  # 48 rows: enough
+    with pytest.raises(QnpuError, match=rf"give 44 token rows, fewer than the {width} inputs"):
+        check_gptq_tokens(plan, tiny_cfg, (4, 10), prefix_len=1)
+    tokens = np.asarray(jax.random.randint(jax.random.key(3), (2, 16), 0, tiny_cfg.vocab_size))
+    state = calibrate(tiny_params, tiny_cfg, plan, tokens)
+    with pytest.raises(QnpuError, match="calibrate on at least 48 tokens"):
+        gptq_round_weights(tiny_params, state, plan, tiny_cfg, tokens)
+
+
 GPTQ_RUN = {
     "method": "quarot", "w_bits": 4, "a_bits": 8, "mixed_precision": 0.0, "seq_len": 32,
-    "calib_windows": 2, "eval_windows": 2, "weight_rounding": "gptq",
+    "calib_windows": 48, "eval_windows": 2, "weight_rounding": "gptq",
 }  # fmt: skip
 
 

@@ -75,6 +75,11 @@ def test_cli_plan_memory_writes_a_report_and_refuses_bad_input(tmp_path, capsys)
     assert row["model"] == "smollm2-135m" and row["mesh"]["devices"] == 1
     assert row["total_gib_per_device"] > 0.5  # SmolLM2's weights alone are 0.5 GiB in f32
     assert report["command"].startswith("qnpu plan-memory")
+    said = capsys.readouterr().out.splitlines()
+    # the settings it assumed, then the breakdown of each total
+    assert said[0].startswith("stage 1's train step (quantnpu W4A8's stage-1 plan): windows of 64")
+    assert "batch 2 x accumulation 2, remat on" in said[0] and "budget of 80 GiB" in said[0]
+    assert " = arguments " in said[1] and "+ temporaries " in said[1]
     assert main(["plan-memory", "--list"]) == 0
     assert "qwen3-1.7b" in capsys.readouterr().out
     assert main(["plan-memory", "--model", str(tmp_path / "nope.json")]) == 2

@@ -290,7 +290,13 @@ def test_cli_exports_a_run_and_evaluates_it_in_onnxruntime(rtn_run, tmp_path, ca
 
     run, out = rtn_run, tmp_path / "onnx"
     export = ["export", "--run", str(run), "--format", "onnx", "--out", str(out)]
+    capsys.readouterr()
     assert main([*export, "--prefill-chunk", "16", "--max-context", "64"]) == 0
+    # every phase of the export announces itself on stderr with the seconds since the start
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    phases = ["reading and verifying the run", "encodings", "float graphs", "qdq graphs"]
+    phases += ["sink prefix's K/V", "writing"]
+    assert [p for line in said for p in phases if p in line] == phases, said
     ev = ["eval", "--data", "wiki", "--seq-len", "32", "--max-windows", "2", "--no-progress"]
     results = {}
     for name, source in (

@@ -10,7 +10,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import engines_agree_with_fake_quant  # tests/ is on sys.path (rootdir conftest)
+from conftest import (  # tests/ is on sys.path (rootdir conftest)
+    SHARED_DATA,
+    engines_agree_with_fake_quant,
+)
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import SHADOW_BITS
@@ -221,7 +224,7 @@ def test_config_and_recipe_carry_the_shadow_step():
     }
     for bad, match in (
         ({"shadow_outliers": 0}, "percentile in"),
-        ({"shadow_outliers": True}, "percentile in"),
+        ({"shadow_outliers": True}, "must be null or a number, got True"),
         ({"shadow_keep": 1.5}, "shadow_keep must be in"),
         ({"muxq_exp": 9}, "muxq_exp must be null or in"),
         ({"muxq_exp": 2, "muxq_threshold": -1}, "muxq_threshold must be positive"),
@@ -251,6 +254,7 @@ def test_cost_model_counts_the_shadow_path():
 def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_path):
     from qnpu_jax.studies import outliers
 
+    shared = str(SHARED_DATA)
     text = tmp_path / "wt2.raw"
     text.write_text(
         " = Heading = \n" + "The river flows past the old mill and on to the sea . " * 60
@@ -310,7 +314,7 @@ def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_pat
     assert statuses == ["reused"] * 8 + ["refused"] * 4
 
     # zero-shot on every row with a perplexity, the post-training rows' models rebuilt
-    tasks = ["--tasks", "piqa", "--limit", "3", "--tasks-rows", "all"]
+    tasks = ["--tasks", "piqa", "--limit", "3", "--tasks-rows", "all", "--task-data", shared]
     assert outliers.main([*argv, *tasks]) == 0
     doc = json.loads(report.read_text())
     scored = [r for r in doc["rows"] if "tasks" in r]
@@ -522,10 +526,11 @@ def test_zero_shot_table_marks_differences_from_float_beyond_two_standard_errors
     assert q == "| Q | 60.0 ±2.0 | 14.0 ±2.0 ▼ | 37.0 ±1.4 ▼ | 300.00 ±5.00 ▲ |"
 
 
-def test_every_recipe_row_is_a_valid_config_with_a_run_directory_of_its_own():
+def test_every_recipe_row_is_a_valid_config_with_a_run_directory_of_its_own(monkeypatch):
     from qnpu_jax.studies import compare_methods as cm
     from qnpu_jax.studies import outliers
 
+    monkeypatch.setenv("QNPU_DATA_DIR", str(SHARED_DATA))  # the default --wikitext's home
     args = outliers.parse_args([])
     base = dataclasses.replace(cm.base_config(args), down_in_bits=8, mixed_precision=0.1)
     dirs = {cm._run_dir(args, "quantnpu", 4, 8, 8, "ours")}

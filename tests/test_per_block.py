@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from conftest import build_int_source, export_int_source
+from conftest import SHARED_DATA, build_int_source, export_int_source
 
 from qnpu_jax.data import sample_windows
 from qnpu_jax.errors import QnpuError
@@ -72,7 +72,7 @@ def test_plan_fields_are_validated():
         QuantizeConfig(weight_block=100)
     with pytest.raises(QnpuError, match="weight_block"):
         QuantizeConfig(weight_block_scale_bits=4)
-    with pytest.raises(QnpuError, match="block must be one of"):
+    with pytest.raises(QnpuError, match=r"weight_block must be null or an integer, got 64\.0"):
         QuantizeConfig(weight_block=64.0)
     with pytest.raises(QnpuError, match="gptq does not support per-block"):
         QuantizeConfig(weight_block=64, weight_rounding="gptq")
@@ -371,10 +371,11 @@ def test_config_keys_make_the_block_plan():
     assert plain.get("layers/q_proj").block is None
 
 
-def test_weight_granularity_rows():
+def test_weight_granularity_rows(monkeypatch):
     from qnpu_jax.studies import compare_methods as cm
     from qnpu_jax.studies import weight_granularity as wg
 
+    monkeypatch.setenv("QNPU_DATA_DIR", str(SHARED_DATA))  # the default --wikitext's home
     args = wg.parse_args(["--block", "32", "--rows", "quantnpu-lpbq,executorch-lpbq"])
     assert args.rows == ["quantnpu-lpbq", "executorch-lpbq"]
     base = cm.base_config(args)

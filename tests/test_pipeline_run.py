@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
-from conftest import run_artifact_ppl  # tests/ is on sys.path (rootdir conftest)
+from conftest import SHARED_DATA, run_artifact_ppl  # tests/ is on sys.path (rootdir conftest)
 
 from qnpu_jax import QnpuError
 from qnpu_jax.cli import main
@@ -330,7 +330,7 @@ def test_ablation_knobs_shape_the_plans():
     assert not any(tq.learnable for _, tq in stage1_plan(build_plan(spin, 4, None), spin).entries)
 
 
-def test_eval_zero_shot_tasks_on_a_run_and_float(two_layer_dir, tmp_path):
+def test_eval_zero_shot_tasks_on_a_run_and_float(two_layer_dir, tmp_path, capsys, monkeypatch):
     config = _config_file(tmp_path / "c.yaml", two_layer_dir, method="quarot", mixed_precision=0.0)
     out = tmp_path / "run"
     assert main(["quantize", "--config", str(config), "--out", str(out), "--no-progress"]) == 0
@@ -338,11 +338,27 @@ def test_eval_zero_shot_tasks_on_a_run_and_float(two_layer_dir, tmp_path):
     for source in (["--run", str(out)], ["--model", str(two_layer_dir)]):
         path = tmp_path / f"{source[0][2:]}.json"
         args = ["eval", *source, "--tasks", "piqa,lambada", "--limit", "4", "--no-progress"]
-        assert main([*args, "--json", str(path)]) == 0
+        assert main([*args, "--task-data", str(SHARED_DATA), "--json", str(path)]) == 0
         reports[source[0]] = json.loads(path.read_text())
     for r in reports.values():
         assert r["tasks"]["piqa"]["n"] == 4 and 0 <= r["tasks"]["piqa"]["metrics"]["acc"] <= 1
         assert r["tasks"]["piqa"]["indices"] == reports["--model"]["tasks"]["piqa"]["indices"]
     assert reports["--run"]["path"] == "fake-quant (static)"
+    assert reports["--run"]["task_data"] == str(SHARED_DATA)
     assert main(["eval", "--model", "x", "--tasks", "mmlu"]) == 2
     assert main(["eval", "--model", "x", "--tasks", "ppl"]) == 2  # needs --data and --seq-len
+    # without task data, a clear error naming both ways, before the model loads ("x" is none)
+    capsys.readouterr()
+    monkeypatch.delenv("QNPU_DATA_DIR", raising=False)
+    assert main(["eval", "--model", "x", "--tasks", "piqa"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qnpu: error: zero-shot tasks piqa need their data")
+    assert "--task-data DIR" in err and "QNPU_DATA_DIR" in err and "--task-data hf" in err
+    # --run: --data and --seq-len default to the run's own, which reproduces its perplexity
+    path = tmp_path / "ppl.json"
+    assert main(["eval", "--run", str(out), "--max-windows", "2", "--json", str(path)]) == 0
+    assert "--data wiki --seq-len 32 (the run's)" in capsys.readouterr().err
+    ppl = json.loads(path.read_text())
+    run_report = json.loads((out / "report.json").read_text())["perplexity"]["wiki"]
+    assert (ppl["data"], ppl["split"], ppl["seq_len"]) == ("wiki", "eval", 32)
+    assert ppl["ppl"] == pytest.approx(run_report["quantized_ppl"], rel=1e-4)

@@ -21,7 +21,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def _readme_recipe() -> str:
     text = README.read_text()
-    marker = text.index("<!-- recipe:")
+    marker = text.index("<!-- example: recipe")
     block = re.search(r"```python\n(.*?)```", text[marker:], re.S)
     assert block is not None
     return block.group(1)
@@ -43,11 +43,15 @@ def _forbid_steps(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_readme_recipe_runs_through_export_and_both_engines(two_layer_dir, tmp_path, monkeypatch):
     code = _readme_recipe()
     recipe_lines = code[code.index("fp = load_model") :].strip().splitlines()
-    assert len(recipe_lines) <= 15, recipe_lines  # the README promises a short recipe
-    code = code.replace('"smollm2-135m"', repr(str(two_layer_dir)))
-    code = code.replace("seq_len=128, windows=4", "seq_len=32, windows=2")
-    code = code.replace('"runs/my-recipe"', repr(str(tmp_path / "run")))
-    code = code.replace('"artifacts/my-recipe"', repr(str(tmp_path / "art")))
+    assert len(recipe_lines) <= 16, recipe_lines  # the README promises a short recipe
+    for old, new in (
+        ('"smollm2-135m"', repr(str(two_layer_dir))),
+        ("seq_len=128, windows=16", "seq_len=32, windows=48"),  # GPTQ: >= 1536 tokens
+        ('"runs/my-recipe"', repr(str(tmp_path / "run"))),
+        ('"artifacts/my-recipe"', repr(str(tmp_path / "art"))),
+    ):
+        assert old in code, old
+        code = code.replace(old, new)
     ns: dict = {}
     exec(compile(code, str(README), "exec"), ns)
     model = ns["model"]
@@ -55,7 +59,7 @@ def test_readme_recipe_runs_through_export_and_both_engines(two_layer_dir, tmp_p
         "fuse_norms", "hadamard_rotations", "smooth_mlp", "plan", "calibrate", "gptq"
     ]  # fmt: skip
     assert model.transforms.rotated and model.weight_codes
-    windows = ns["data"].windows
+    windows = ns["data"].windows[:2]
     fake = model.perplexity(windows)["ppl"]
     emulator, jax_engine = ns["engines"]
     tokens = np.asarray(windows)
@@ -218,3 +222,50 @@ def test_calibrate_paths_recalibrates_those_tensors_and_keeps_the_rest(two_layer
         steps.calibrate(["layers/nope"])(base, data)
     with pytest.raises(QnpuError, match="empty"):
         steps.calibrate([])
+
+
+def test_docs_custom_step_round_trips_and_a_base_change_is_refused_at_save(two_layer_dir, tmp_path):
+    """docs/pipeline.md's custom step (an encoding read and replaced) saves and loads with
+    its record and encodings; a step that changes what `save` does not store (the base
+    params, the model config) is refused at save time, before anything is written."""
+    import dataclasses
+
+    from qnpu_jax.pipeline import Step
+    from qnpu_jax.quant.state import get_entry
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "pipeline.md").read_text()
+    marker = text.index("<!-- custom-step:")
+    block = re.search(r"```python\n(.*?)```", text[marker:], re.S)
+    assert block is not None
+    code = block.group(1).replace('"runs/widened"', repr(str(tmp_path / "widened")))
+    fp = load_model(str(two_layer_dir))
+    windows = (np.arange(64).reshape(2, 32) * 37) % fp.config.vocab_size
+    data = Calibration(np.arange(200), windows)
+    start = QuantizedModel.from_float(fp, prefix="bos")
+    model = chain(steps.fuse_norms(), steps.plan(w_bits=8, a_bits=8), steps.calibrate())(
+        start, data
+    )
+    ns = {"model": model, "data": data, "Path": Path}
+    exec(compile(code, "docs/pipeline.md", "exec"), ns)
+    widened = ns["model"]
+    record = widened.steps[-1]
+    assert record.name == "widen" and record.args == {"path": "layers/down_in", "factor": 1.25}
+    before, after = (get_entry(m.state, "layers/down_in").scale for m in (model, widened))
+    np.testing.assert_allclose(np.asarray(after), np.asarray(before) * 1.25, rtol=1e-6)
+    loaded = QuantizedModel.load(tmp_path / "widened")
+    assert loaded.steps == widened.steps
+    np.testing.assert_array_equal(get_entry(loaded.state, "layers/down_in").scale, after)
+    assert loaded.perplexity(windows)["ppl"] == widened.perplexity(windows)["ppl"]
+    loaded.save(tmp_path / "again")  # a loaded model saves again: its base is the one loaded
+
+    def double_embeddings(m, d, ctx):
+        return m.replace(base={**m.base, "embed_tokens": m.base["embed_tokens"] * 2}), None
+
+    changed = Step("double_embeddings", {}, double_embeddings, "doubling")(widened, data)
+    in_place = widened.replace(base=dict(widened.base))
+    in_place.base["norm"] = in_place.base["norm"] + 1  # a dict edited in place
+    other_cfg = widened.replace(cfg=dataclasses.replace(widened.cfg, rms_norm_eps=1e-3))
+    for bad in (changed, in_place, other_cfg):
+        with pytest.raises(QnpuError, match="a step changed `base` or `cfg`"):
+            bad.save(tmp_path / "bad")
+        assert not (tmp_path / "bad").exists()  # refused before anything was written

@@ -9,7 +9,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from conftest import load_script  # tests/ is on sys.path (rootdir conftest)
+from conftest import SHARED_DATA, load_script  # tests/ is on sys.path (rootdir conftest)
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,8 @@ def ist():
     return load_script("init_study")
 
 
-def test_compare_grid_matches_the_settings(cm, tmp_path):
+def test_compare_grid_matches_the_settings(cm, tmp_path, monkeypatch):
+    monkeypatch.setenv("QNPU_DATA_DIR", str(SHARED_DATA))  # the default --wikitext's home
     args = cm.parse_args(["--runs-dir", str(tmp_path), "--steps", "3"])
     table, ablation = cm.grid(args)
     assert len(table) == 2 * 3 * 4 and len(ablation) == 6
@@ -32,7 +33,7 @@ def test_compare_grid_matches_the_settings(cm, tmp_path):
     for c in table:
         cfg = c.config
         assert cfg.eval_data[0] == "wiki" and cfg.eval_data[1].startswith("wikitext:")
-        assert cfg.eval_data[1].endswith("wikitext-2-raw/wiki.test.raw")
+        assert cfg.eval_data[1] == f"wikitext:{SHARED_DATA / 'wikitext-2-raw/wiki.test.raw'}"
         if c.setting == "table1":
             assert (cfg.down_in_bits, cfg.mixed_precision) == (16, 0.0)
         elif c.method == "quantnpu":
@@ -116,6 +117,7 @@ def test_compare_grid_scores_zero_shot_tasks_and_reads_them_back(
         *("--stage1-batch-size", "1", "--grad-accum", "1", "--checkpoint-every", "1"),
         *("--eval-windows", "2", "--wikitext", str(wikitext_test_path), "--runs-dir", str(runs)),
         *("--out", str(out), "--no-progress", "--tasks", "piqa,lambada", "--limit", "3"),
+        *("--task-data", str(SHARED_DATA)),
     ]
     assert cm.main(argv) == 0
     cell = runs / "rtn-w8a8kv8-table1"
@@ -133,6 +135,7 @@ def test_compare_grid_scores_zero_shot_tasks_and_reads_them_back(
     # exactly what `qnpu eval --run` gives
     e = tmp_path / "e.json"
     ev = ["eval", "--run", str(cell), "--tasks", "piqa", "--limit", "3", "--no-progress"]
+    ev += ["--task-data", str(SHARED_DATA)]
     assert cli.main([*ev, "--json", str(e)]) == 0
     assert (
         json.loads(e.read_text())["tasks"]["piqa"]["metrics"] == docs[1]["tasks"]["piqa"]["metrics"]

@@ -151,7 +151,7 @@ def test_smoothed_run_stores_scales_that_eval_and_export_use(two_layer_dir, tmp_
     assert [r["alpha"] for r in rows] == [None, 0.5]
     assert rows[1]["ppl"] == pytest.approx(wiki["quantized_ppl"], rel=1e-6)
     assert rows[0]["ppl"] != rows[1]["ppl"]
-    # --resume of a finished run without stage 1 runs the recipe again: the same model
+    # --resume of a finished run runs nothing: the run is complete, its model and report kept
     args = ["quantize", "--config", str(tmp_path / "c.yaml"), "--out", str(out), "--resume"]
     assert main([*args, "--no-progress"]) == 0
     with ocp.StandardCheckpointer() as ckpt:

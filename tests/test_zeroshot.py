@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +18,13 @@ from qnpu_jax.eval.zeroshot import (
     Doc,
     encode_requests,
     hellaswag_query,
+    hf_task_docs,
     length_buckets,
     mean_stderr,
     multiple_choice_metrics,
     score_token_requests,
     select_indices,
+    task_source,
 )
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -270,3 +274,97 @@ def test_smollm_piqa(smollm):
         docs, [[scores[2 * j].logprob, scores[2 * j + 1].logprob] for j in range(len(docs))]
     )
     assert 0.25 <= metrics["acc"] <= 1 and 0.25 <= metrics["acc_norm"] <= 1
+
+
+def test_task_data_comes_from_the_flag_or_env_or_a_clear_error(tmp_path, monkeypatch):
+    _write_fake_data(tmp_path)
+    monkeypatch.delenv("QNPU_DATA_DIR", raising=False)
+    with pytest.raises(QnpuError, match="zero-shot task piqa needs its data") as e:
+        load_task("piqa")
+    for way in ("--task-data DIR", "QNPU_DATA_DIR=DIR", "--task-data hf", "datasets"):
+        assert way in str(e.value)
+    assert len(load_task("piqa", tmp_path)) == 2  # the flag's directory
+    monkeypatch.setenv("QNPU_DATA_DIR", str(tmp_path))
+    assert len(load_task("lambada")) == 2  # the environment's
+    assert task_source(["piqa", "lambada"]) == tmp_path
+    with pytest.raises(QnpuError, match=re.escape(str(tmp_path / "arc" / "arc_easy.jsonl"))):
+        task_source(["arc_easy"])  # checked before any model loads: the missing file by name
+    with pytest.raises(QnpuError, match=r"--task-data .*nowhere: no such directory"):
+        load_task("piqa", tmp_path / "nowhere")
+    monkeypatch.setenv("QNPU_DATA_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(QnpuError, match=r"QNPU_DATA_DIR=.*nowhere: no such directory"):
+        load_task("piqa")
+
+
+def _piqa_hf_rows():
+    rows = [json.loads(line) for line in (SHARED_DATA / "piqa" / "valid.jsonl").open()]
+    labels = (SHARED_DATA / "piqa" / "valid-labels.lst").read_text().split()
+    return [{**r, "label": int(label)} for r, label in zip(rows, labels, strict=True)]
+
+
+def _arc_hf_rows(name):
+    out = []
+    for line in (SHARED_DATA / "arc" / f"{name}.jsonl").open():
+        row = json.loads(line)
+        question = row["query"].removeprefix("Question: ").removesuffix("\nAnswer:")
+        keys = list("ABCDE")[: len(row["choices"])]
+        choices = {"text": row["choices"], "label": keys}
+        out.append({"question": question, "choices": choices, "answerKey": keys[row["gold"]]})
+    return out
+
+
+def test_hf_rows_give_the_docs_of_the_local_files():
+    """The `datasets` layout the harness reads (HF_TASKS), formatted by its yaml and
+    utils.py, gives the very Docs of the local files: whole tasks where the local layout
+    holds every field, the first item of the others."""
+    lambada = [json.loads(line) for line in (SHARED_DATA / "lambada" / "lambada_test.jsonl").open()]
+    whole = {
+        "piqa": _piqa_hf_rows(),
+        "arc_easy": _arc_hf_rows("arc_easy"),
+        "arc_challenge": _arc_hf_rows("arc_challenge"),
+        "lambada": lambada,
+    }
+    for name, rows in whole.items():
+        assert hf_task_docs(name, rows) == load_task(name, SHARED_DATA), name
+    local = load_task("hellaswag", SHARED_DATA)[0]
+    row = {
+        "activity_label": "Roof shingle removal",
+        "ctx_a": "A man is sitting on a roof.",
+        "ctx_b": "he",
+        "endings": [continuation.strip() for _, continuation in local.requests],
+        "label": "3",
+    }
+    assert hf_task_docs("hellaswag", [row]) == [local]
+    row = {
+        "sentence": "Sarah was a much better surgeon than Maria so _ always got the easier cases.",
+        "option1": "Sarah",
+        "option2": "Maria",
+        "answer": "2",
+    }
+    assert hf_task_docs("winogrande", [row]) == load_task("winogrande", SHARED_DATA)[:1]
+    with pytest.raises(QnpuError, match="record 0: not the harness's piqa layout"):
+        hf_task_docs("piqa", [{"goal": "g"}])
+
+
+def test_task_data_hf_reads_the_harness_datasets_through_datasets(monkeypatch):
+    calls = []
+
+    def load_dataset(path, name=None, split=None):
+        calls.append((path, name, split))
+        if path == "EleutherAI/lambada_openai":
+            raise ConnectionError("offline and not in the cache")
+        return _piqa_hf_rows()[:3]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    assert task_source(["piqa"], "hf") == "hf"
+    assert load_task("piqa", "hf") == load_task("piqa", SHARED_DATA)[:3]
+    assert calls == [("baber/piqa", None, "validation")]
+    with pytest.raises(QnpuError, match=r"lambada_openai.*ConnectionError.*cache"):
+        load_task("lambada", "hf")
+    monkeypatch.setenv("QNPU_DATA_DIR", "hf")  # the environment may name it too
+    assert len(load_task("piqa")) == 3
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    with pytest.raises(QnpuError, match=re.escape("pip install 'qnpu_jax[data]'")):
+        task_source(["piqa"], "hf")
+    with pytest.raises(QnpuError, match=re.escape("pip install 'qnpu_jax[data]'")):
+        load_task("piqa")

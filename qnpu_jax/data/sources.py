@@ -3,9 +3,12 @@
 Specs:
   wiki                 the embedded Wikipedia corpus (gensim's test dump), split calib/eval/all
   wikitext:PATH        a WikiText raw file, rows joined as GPTQ/QuaRot/SpinQuant join them
+  wikitext2            WikiText-2 raw test from $QNPU_DATA_DIR (`data.locations`): the
+                       `wikitext:` form of $QNPU_DATA_DIR/wikitext-2-raw/wiki.test.raw
   hf:NAME[:CONFIG]:SPLIT   `datasets.load_dataset(NAME, CONFIG, split=SPLIT)`, column "text"
                        (NAME may be a local folder of data files; hub names need a network)
   PATH                 any other existing text file, read whole as one document
+Files are read only when regular, and at most `limits.MAX_TEXT_BYTES` (512 MiB) of them.
 """
 
 from __future__ import annotations
@@ -16,18 +19,17 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from qnpu_jax.data.locations import WIKITEXT2_SPEC, wikitext2_spec
 from qnpu_jax.data.wiki import load_wiki
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.files import read_text
 from qnpu_jax.models.tokenizer import Tokenizer
 
 
 def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError as e:
-        raise QnpuError(f"data file {path} does not exist") from e
-    except (OSError, UnicodeDecodeError) as e:
-        raise QnpuError(f"cannot read data file {path}: {e}") from e
+    """A data file's text: a regular UTF-8 file of at most MAX_TEXT_BYTES (`files.read_text`;
+    a FIFO, a device or a larger file is refused before it is read)."""
+    return read_text(path, what="data file")
 
 
 def wikitext_rows(text: str) -> list[str]:
@@ -56,6 +58,8 @@ def _hf_documents(spec: str) -> list[str]:
 
 def load_documents(spec: str, split: str | None = None) -> list[str]:
     """Documents of a data spec; `split` applies to `wiki` only (default: all)."""
+    if spec == WIKITEXT2_SPEC:  # where the user keeps it (QNPU_DATA_DIR), or a clear error
+        spec = wikitext2_spec()
     if spec == "wiki":
         docs = load_wiki(split or "all")
     else:
@@ -67,10 +71,10 @@ def load_documents(spec: str, split: str | None = None) -> list[str]:
             docs = wikitext_rows(_read_text(Path(spec[len("wikitext:") :]).expanduser()))
         else:
             path = Path(spec).expanduser()
-            if not path.is_file():
+            if not path.exists() or path.is_dir():  # a FIFO or a device: _read_text refuses it
                 raise QnpuError(
-                    f"unknown data {spec!r}: not 'wiki', 'wikitext:PATH', 'hf:NAME[:CONFIG]:SPLIT' "
-                    "or an existing text file"
+                    f"unknown data {spec!r}: not 'wiki', 'wikitext2', 'wikitext:PATH', "
+                    "'hf:NAME[:CONFIG]:SPLIT' or an existing text file"
                 )
             docs = [_read_text(path)]
     if not any(d.strip() for d in docs):

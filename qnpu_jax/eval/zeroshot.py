@@ -31,9 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from qnpu_jax.data.locations import DATA_DIR_ENV, HF, INSTALL_DATASETS, data_location
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.eval.perplexity import NllFn
-from qnpu_jax.files import iter_jsonl
+from qnpu_jax.files import iter_jsonl, read_text
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, forward, next_token_nll, token_nll
 
@@ -46,9 +47,29 @@ _MIN_BUCKET = 32
 _PPL_BOOTSTRAP_ITERS = 1000
 
 
-def default_data_dir() -> Path:
-    """`../shared/data` next to the repository (the evaluation data is never copied in)."""
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+# the files of each task under a task data directory (`qnpu_jax.data.locations`)
+TASK_FILES: dict[str, tuple[str, ...]] = {
+    "piqa": ("piqa/valid.jsonl", "piqa/valid-labels.lst"),
+    "hellaswag": ("hellaswag/hellaswag_val_full.txt",),
+    "arc_easy": ("arc/arc_easy.jsonl",),
+    "arc_challenge": ("arc/arc_challenge.jsonl",),
+    "winogrande": ("winogrande/winogrande.jsonl",),
+    "lambada": ("lambada/lambada_test.jsonl",),
+}
+# what lm-evaluation-harness loads for each task: (dataset path, config, split)
+HF_TASKS: dict[str, tuple[str, str | None, str]] = {
+    "piqa": ("baber/piqa", None, "validation"),
+    "hellaswag": ("Rowan/hellaswag", None, "validation"),
+    "arc_easy": ("allenai/ai2_arc", "ARC-Easy", "test"),
+    "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge", "test"),
+    "winogrande": ("allenai/winogrande", "winogrande_xl", "validation"),
+    "lambada": ("EleutherAI/lambada_openai", "default", "test"),
+}
+HOW_TO_PROVIDE = (
+    f"name a directory holding them with --task-data DIR (or {DATA_DIR_ENV}=DIR), or read "
+    f"the Hugging Face `datasets` cache with --task-data hf (or {DATA_DIR_ENV}=hf; "
+    f"{INSTALL_DATASETS}, and HF_DATASETS_OFFLINE=1 without a network)"
+)
 
 
 class TextEncoder(Protocol):
@@ -117,7 +138,10 @@ class RequestScore:
 
 def _require(path: Path) -> Path:
     if not path.is_file():
-        raise QnpuError(f"task data file not found: {path}")
+        raise QnpuError(
+            f"task data file not found: {path} (a task data directory holds "
+            f"{', '.join(f for files in TASK_FILES.values() for f in files)})"
+        )
     return path
 
 
@@ -155,7 +179,7 @@ def _load_piqa(data_dir: Path) -> list[Doc]:
     path = data_dir / "piqa" / "valid.jsonl"
     rows = _read_jsonl(path)
     labels_path = _require(data_dir / "piqa" / "valid-labels.lst")
-    labels = labels_path.read_text(encoding="utf-8").split()
+    labels = read_text(labels_path, what="task data file").split()
     if len(labels) != len(rows):
         raise QnpuError(f"{labels_path}: {len(labels)} labels for {len(rows)} questions")
     docs = []
@@ -200,7 +224,7 @@ def hellaswag_query(line: str) -> str:
 def _load_hellaswag(data_dir: Path) -> list[Doc]:
     # hellaswag.yaml: doc_to_text "{{query}}", doc_to_choice "choices" (preprocessed endings)
     path = _require(data_dir / "hellaswag" / "hellaswag_val_full.txt")
-    lines = path.read_text(encoding="utf-8").split("\n")
+    lines = read_text(path, what="task data file").split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     if len(lines) % 6:
@@ -261,9 +285,39 @@ def _load_lambada(data_dir: Path) -> list[Doc]:
     return docs
 
 
+def task_source(names: Sequence[str], data_dir: Path | str | None = None) -> Path | str:
+    """Where tasks `names` are read from: `data_dir` (a directory, or "hf" for the `datasets`
+    library), else $QNPU_DATA_DIR; checked without reading the data (every file of a
+    directory must be there; `datasets` must be importable)."""
+    unknown = [t for t in names if t not in TASKS]
+    if unknown:
+        raise QnpuError(f"unknown zero-shot task(s) {unknown}; known: {', '.join(TASKS)}")
+    where = data_location(data_dir)
+    if where is None:
+        raise QnpuError(f"zero-shot tasks {', '.join(names)} need their data: {HOW_TO_PROVIDE}")
+    if where == HF:
+        try:
+            import datasets  # noqa: F401
+        except ImportError as e:
+            raise QnpuError(
+                f"--task-data hf needs the `datasets` package: {INSTALL_DATASETS}"
+            ) from e
+        return HF
+    for name in names:
+        for file in TASK_FILES[name]:
+            _require(Path(where) / file)
+    return Path(where)
+
+
 def load_task(name: str, data_dir: Path | str | None = None) -> list[Doc]:
-    """All items of a task, formatted as the harness formats them (zero-shot)."""
-    root = Path(data_dir) if data_dir is not None else default_data_dir()
+    """All items of a task, formatted as the harness formats them (zero-shot), from
+    `data_dir` (a directory or "hf"; None: $QNPU_DATA_DIR, see `task_source`)."""
+    where = data_location(data_dir)
+    if where is None:
+        raise QnpuError(f"zero-shot task {name} needs its data: {HOW_TO_PROVIDE}")
+    if where == HF:
+        return load_hf_task(name)
+    root = Path(where)
     if name == "piqa":
         return _load_piqa(root)
     if name == "hellaswag":
@@ -275,6 +329,92 @@ def load_task(name: str, data_dir: Path | str | None = None) -> list[Doc]:
     if name == "lambada":
         return _load_lambada(root)
     raise QnpuError(f"unknown zero-shot task {name!r}; known: {', '.join(TASKS)}")
+
+
+def _hf_preprocess(text: str) -> str:
+    # harness hellaswag/utils.py preprocess
+    text = text.strip().replace(" [title]", ". ")
+    return _HELLASWAG_TAGS.sub("", text).replace("  ", " ")
+
+
+def _hf_doc(name: str, row: dict[str, Any], where: str) -> Doc:
+    """One row of the harness's dataset for task `name` as a Doc (the harness's yaml and
+    utils.py: doc_to_text, doc_to_choice, doc_to_target)."""
+    if name == "piqa":
+        choices = [row["sol1"], row["sol2"]]
+        return _choices_doc(
+            f"Question: {row['goal']}\nAnswer:", choices, _gold(row["label"], 2, where)
+        )
+    if name == "hellaswag":
+        ctx = row["ctx_a"] + " " + row["ctx_b"].capitalize()
+        endings = [_hf_preprocess(e) for e in row["endings"]]
+        query = _hf_preprocess(row["activity_label"] + ": " + ctx)
+        return _choices_doc(query, endings, _gold(row["label"], len(endings), where))
+    if name in ("arc_easy", "arc_challenge"):
+        labels = list(row["choices"]["label"])
+        if row["answerKey"] not in labels:
+            raise QnpuError(f"{where}: answerKey {row['answerKey']!r} is not among {labels}")
+        texts = list(row["choices"]["text"])
+        context = f"Question: {row['question']}\nAnswer:"
+        return _choices_doc(context, texts, labels.index(row["answerKey"]))
+    if name == "winogrande":
+        sentence = row["sentence"]
+        if "_" not in sentence:
+            raise QnpuError(f"{where}: the sentence has no blank '_'")
+        cut = sentence.index("_")
+        contexts = [sentence[:cut] + row["option1"], sentence[:cut] + row["option2"]]
+        gold = {"1": 0, "2": 1}.get(str(row["answer"]))
+        if gold is None:
+            raise QnpuError(f"{where}: answer {row['answer']!r} is not '1' or '2'")
+        continuation = sentence[cut + 1 :].strip()
+        return Doc(
+            requests=tuple((c, " " + continuation) for c in contexts),
+            gold=gold,
+            choice_lengths=tuple(len(c) for c in contexts),
+        )
+    if name == "lambada":
+        text = row["text"]
+        if " " not in text:
+            raise QnpuError(f"{where}: no space to split the last word at")
+        context, target = text.rsplit(" ", 1)
+        return Doc(requests=((context, " " + target),), gold=0, choice_lengths=(len(target),))
+    raise QnpuError(f"unknown zero-shot task {name!r}; known: {', '.join(TASKS)}")
+
+
+def hf_task_docs(name: str, rows: Any) -> list[Doc]:
+    """Task `name`'s Docs from the rows of its Hugging Face dataset (`HF_TASKS`), formatted as
+    the harness formats them; a row without a field the task reads is an error naming it."""
+    path, config, split = HF_TASKS[name]
+    docs = []
+    for i, row in enumerate(rows):
+        where = f"hf:{path}{f':{config}' if config else ''}:{split} record {i}"
+        try:
+            docs.append(_hf_doc(name, dict(row), where))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise QnpuError(f"{where}: not the harness's {name} layout ({e!r})") from e
+    return docs
+
+
+def load_hf_task(name: str) -> list[Doc]:
+    """Task `name` from the Hugging Face dataset the harness uses (`HF_TASKS`), through the
+    `datasets` library: its local cache, or a download when online."""
+    if name not in HF_TASKS:
+        raise QnpuError(f"unknown zero-shot task {name!r}; known: {', '.join(TASKS)}")
+    try:
+        import datasets
+    except ImportError as e:
+        raise QnpuError(f"--task-data hf needs the `datasets` package: {INSTALL_DATASETS}") from e
+    path, config, split = HF_TASKS[name]
+    try:
+        rows = datasets.load_dataset(path, config, split=split)
+    except Exception as e:  # datasets raises many unrelated types for a missing/offline dataset
+        raise QnpuError(
+            f"task {name}: cannot load the dataset {path}"
+            f"{f' ({config})' if config else ''} split {split} through `datasets` "
+            f"({type(e).__name__}: {e}); offline, it must be in the `datasets` cache already, "
+            f"or name a directory holding the task files with --task-data DIR"
+        ) from e
+    return hf_task_docs(name, rows)
 
 
 # ----------------------------------------------------------------------------- tokenizing

@@ -22,6 +22,7 @@ it runs next to the numpy-only emulator.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -33,7 +34,7 @@ import numpy as np
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import GRAPH, Graph, Op
-from qnpu_jax.files import write_json_atomic
+from qnpu_jax.files import read_bytes_bounded, write_bytes_atomic
 
 VERSIONS = ("1.0.0", "0.6.1")
 NAMINGS = ("hf", "native")
@@ -352,6 +353,40 @@ def aimet_encodings(
     return {"version": version, "activation_encodings": act_map, "param_encodings": param_map}
 
 
+# The top-level keys of each version's file as `write_aimet` writes them, in order.
+_WRITTEN_KEYS = (
+    ["version", "activation_encodings", "param_encodings", "excluded_layers"],
+    ["version", "activation_encodings", "param_encodings"],
+)
+
+
+def _dump(obj: Mapping[str, Any]) -> bytes:
+    return (json.dumps(obj, indent=2) + "\n").encode()
+
+
+def check_encodings_destination(path: Path) -> None:
+    """Refuse to replace `path` unless it is absent or an encodings file `write_aimet` wrote:
+    AIMET encodings in exactly its layout (keys, order, indentation). A user's file, AIMET's
+    own export or a hand-edited file is left alone."""
+    path = Path(path)
+    if not (path.exists() or path.is_symlink()):
+        return
+    refuse = (
+        f"{path} exists and is not an encodings file that qnpu wrote ({{}}); refusing to "
+        "replace it (move it away, or choose another --out)"
+    )
+    if path.is_symlink():
+        raise QnpuError(refuse.format("it is a symlink"))
+    try:
+        data = read_bytes_bounded(path, what="encodings file")
+        doc = json.loads(data)
+    except (QnpuError, ValueError) as e:
+        raise QnpuError(refuse.format(e)) from e
+    ours = isinstance(doc, dict) and list(doc) in _WRITTEN_KEYS and _dump(doc) == data
+    if not ours:
+        raise QnpuError(refuse.format("not in the layout qnpu writes"))
+
+
 def write_aimet(
     path: Path,
     encodings: Mapping[str, Mapping[str, Any]],
@@ -362,4 +397,4 @@ def write_aimet(
     """Write `aimet_encodings(encodings, version=..., names=...)` to `path` atomically (the
     file for `qnn-onnx-converter --quantization_overrides`)."""
     obj = aimet_encodings(encodings, version=version, names=names)
-    return write_json_atomic(Path(path), obj)
+    return write_bytes_atomic(Path(path), _dump(obj))

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError, some_of
-from qnpu_jax.files import current_umask, write_bytes_atomic
+from qnpu_jax.files import check_name_length, current_umask, temp_stem, write_bytes_atomic
 from qnpu_jax.integrity import (
     DIGEST_KEY,
     check_record,
@@ -43,6 +43,8 @@ from qnpu_jax.integrity import (
     remove_stale_siblings,
     safe_relative_path,
     seal,
+    sibling_prefix,
+    stale_siblings,
 )
 
 FORMAT = "qnpu-int-artifact"
@@ -219,6 +221,7 @@ def check_destination(out_dir: Path) -> None:
     """Refuse to replace anything but one of our own artifacts: a manifest of this format
     (sealed, from version 2 on) that lists every file in the directory."""
     where = f"cannot write artifact {out_dir}"
+    check_name_length(out_dir, "cannot write artifact")
     if out_dir.is_symlink():
         raise QnpuError(f"{where}: it is a symlink; refusing to replace it")
     if not out_dir.exists():
@@ -258,9 +261,7 @@ def _swap_into_place(new: Path, out_dir: Path) -> None:
         return
     # Rename the old artifact aside (inside a fresh temp dir, so the name is free), move the new
     # one in, then delete the old. Between the two renames out_dir briefly does not exist.
-    aside_root = Path(
-        tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-{os.getpid()}-")
-    )
+    aside_root = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=sibling_prefix(out_dir, "old")))
     aside = aside_root / "old"
     try:
         os.rename(out_dir, aside)
@@ -316,9 +317,7 @@ def write_artifact(
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_siblings(out_dir)  # what a killed export left behind
-        tmp = Path(
-            tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-{os.getpid()}-")
-        )
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=sibling_prefix(out_dir, "tmp")))
     except OSError as e:
         raise QnpuError(f"{where}: {e}") from e
     try:
@@ -572,7 +571,18 @@ def read_artifact(path: Path) -> Artifact:
     """
     root = Path(path)
     if not root.exists():
-        raise QnpuError(f"artifact directory {root} does not exist")
+        aside = [
+            p / "old"
+            for p in stale_siblings(root.absolute().parent, temp_stem(root.name), ("old",))
+            if (p / "old").is_dir()
+        ]
+        where = (
+            f" (an export was killed while it replaced it: the previous artifact is at "
+            f"{aside[-1]}; move it back, or export again)"
+            if aside
+            else ""
+        )
+        raise QnpuError(f"artifact directory {root} does not exist{where}")
     if not root.is_dir():
         raise QnpuError(f"artifact path {root} is not a directory")
     root_real = root.resolve()

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.artifact import write_artifact
+from qnpu_jax.export.artifact import check_destination, write_artifact
 from qnpu_jax.export.graph import (
     FORMAT_GRAPH,
     FORMAT_GRAPH_CHANNELS,
@@ -33,6 +33,7 @@ from qnpu_jax.export.graph import (
     SOFTMAX_ROLE,
     Graph,
 )
+from qnpu_jax.files import check_outside
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import (
     Params,
@@ -679,10 +680,9 @@ def _check_multipliers(tensors: Mapping[str, np.ndarray]) -> None:
 
 def export_run(run_dir: Path, out_dir: Path, **kwargs: Any) -> Path:
     """Export a finished `qnpu quantize` run to an integer artifact at `out_dir`."""
-    from qnpu_jax.export.artifact import check_destination
     from qnpu_jax.pipeline.run import load_run
 
-    check_destination(Path(os.path.abspath(out_dir)))  # refuse before the slow part, too
+    check_export_destination(run_dir, out_dir)  # refuse before the slow part, too
     run = load_run(Path(run_dir))
     source = {"run": Path(run_dir).name, "method": run.config.method, "model": run.model.source}
     return export_quantized(run.model, out_dir, run.tokenizer, source=source, **kwargs)
@@ -698,8 +698,6 @@ def export_quantized(
 ) -> Path:
     """Export a `QuantizedModel` (calibrated) to an integer artifact at `out_dir`; `kwargs`
     as `export_model` takes them (max_context, prefill_chunk, ...)."""
-    from qnpu_jax.export.artifact import check_destination
-
     check_destination(Path(os.path.abspath(out_dir)))
     exported = export_model(
         model.params(),
@@ -716,19 +714,25 @@ def export_quantized(
 
 def export_run_aimet(run_dir: Path, out_dir: Path, *, version: str = "1.0.0") -> Path:
     """AIMET encodings of a run's tensors: OUT/<run name>.encodings (HF module names)."""
-    from qnpu_jax.export.aimet import write_aimet
+    from qnpu_jax.export.aimet import check_encodings_destination, write_aimet
     from qnpu_jax.pipeline.run import load_run
 
     out = Path(out_dir)
+    check_outside(out, {"--run": run_dir}, "--out")
     if out.exists() and not out.is_dir():
         raise QnpuError(f"{out} exists and is not a directory")
+    target = out / f"{Path(run_dir).resolve().name}.encodings"
+    check_encodings_destination(target)
     model = load_run(Path(run_dir)).model
     encodings = run_encodings(model.require_plan(), model.require_state(), model.cfg)
-    return write_aimet(
-        out / f"{Path(run_dir).resolve().name}.encodings",
-        encodings,
-        version=version,
-    )
+    return write_aimet(target, encodings, version=version)
+
+
+def check_export_destination(run_dir: Path | str, out_dir: Path | str) -> None:
+    """Refuse an export's `out_dir` inside the run it exports (the export would change the
+    run), or anything there but one of our artifacts (`check_destination`)."""
+    check_destination(Path(os.path.abspath(out_dir)))
+    check_outside(Path(out_dir), {"--run": run_dir}, "--out")
 
 
 def tokenizer_info(tokenizer: Any) -> dict[str, Any]:

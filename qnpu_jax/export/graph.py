@@ -43,7 +43,7 @@ OPS = ("embed", "layers", "rmsnorm", "linear", "rope", "attention", "add", "lut"
 # The default bit-width of a tensor: a plan option (`w_bits`, `a_bits`, `kv_bits`,
 # `down_in_bits` for the unrotated input), fixed bits, or the softmax output's fixed encoding.
 UNROTATED_ROLE = "unrotated"
-SOFTMAX_ROLE = "softmax"  # 16-bit unsigned, scale 1/65535 (DESIGN §3)
+SOFTMAX_ROLE = "softmax"  # 16-bit unsigned, scale 1/65535 (docs/design.md §3)
 BITS_ROLES = ("weight", "act", "kv", UNROTATED_ROLE, "8", "16", SOFTMAX_ROLE)
 
 

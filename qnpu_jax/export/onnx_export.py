@@ -12,7 +12,7 @@ every file hashed in manifest.json, written to a temporary sibling and renamed i
     model.encodings       AIMET encodings; every name is a tensor of model.onnx
     embed_tokens.npy      the embedding table, float [V, D] (for the float graphs)
     embed_tokens_codes.npy  its integer codes [V, D] and per-row scales [V]: the lookup
-    embed_tokens_scale.npy  the host does for the QDQ graphs (DESIGN §3: 8 bits per row)
+    embed_tokens_scale.npy  the host does for the QDQ graphs (docs/design.md §3: 8 bits per row)
     prefix_kv.npy         the sink prefix's K/V [2, 2, L, Hkv, P, hd]: float, then fake-quant
     tokenizer.json
 
@@ -33,10 +33,11 @@ Linear weights are stored transposed ([in, out], MatMul's B): their channel axis
 
 from __future__ import annotations
 
+import importlib
 import io
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,8 @@ GRAPH_FILES = {
     ("qdq", "decode"): "model_qdq_decode.onnx",
 }
 DATA_FILES = {"float": "model.data", "qdq": "model_qdq.data"}
+# what installs onnx and onnxruntime (pyproject.toml's optional dependencies)
+EXPORT_EXTRA = "pip install 'qnpu_jax[export]'"
 ENCODINGS_FILE = "model.encodings"
 PREFIX_FILE = "prefix_kv.npy"
 # The caches hold K and V: graph inputs past_<kind>.i and outputs present_<kind>.i carry the
@@ -604,6 +607,22 @@ def serialize(models: Mapping[str, Any], data_file: str) -> dict[str, bytes]:
     return files
 
 
+def require_export_extra(*modules: str) -> None:
+    """A QnpuError naming EXPORT_EXTRA when any of `modules` ("onnx", "onnxruntime") does not
+    import: checked before a command's slow part, not as a traceback in the middle of it."""
+    missing = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise QnpuError(
+            f"ONNX export and evaluation need {' and '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not installed: {EXPORT_EXTRA}"
+        )
+
+
 def _digest(data: bytes) -> bytes:
     import hashlib
 
@@ -680,8 +699,10 @@ def export_onnx(
     max_context: int | None = None,
     version: str = "1.0.0",
     source: Mapping[str, Any] | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> Path:
-    """Write the ONNX export of a calibrated `QuantizedModel` to `out_dir` (module docstring)."""
+    """Write the ONNX export of a calibrated `QuantizedModel` to `out_dir` (module docstring).
+    `announce` is told when each phase starts (the CLI prints it)."""
     from qnpu_jax.export.artifact import check_destination, write_artifact
     from qnpu_jax.export.exporter import context_positions, run_encodings, tokenizer_info
 
@@ -695,10 +716,13 @@ def export_onnx(
             f"the prefill chunk must be in 1..{max_context - len(prefix)} (the context of "
             f"{max_context} after a {len(prefix)}-token prefix), got {chunk}"
         )
+    say = announce or (lambda message: None)
+    say("the encodings and the transformed weights")
     table = run_encodings(model.require_plan(), model.require_state(), cfg)
     params = model.params()
     files: dict[str, bytes] = {}
     for kind in ("float", "qdq"):
+        say(f"the {kind} graphs: prefill of {chunk} tokens and decode, {max_context} positions")
         graphs = {}
         for role, c in (("prefill", chunk), ("decode", 1)):
             plan = OnnxPlan(c, max_context, table if kind == "qdq" else None)
@@ -718,6 +742,7 @@ def export_onnx(
         }
     else:
         files[ENCODINGS_FILE] = _json_bytes(onnx_encodings(table, cfg.num_layers, version))
+    say("the sink prefix's K/V, the embeddings and the tokenizer")
     files[PREFIX_FILE] = _npy_bytes(prefix_kv(model))
     files |= embedding_files(model, table)
     files["tokenizer.json"] = tokenizer.backend.to_str().encode()
@@ -741,15 +766,17 @@ def export_onnx(
         "tokenizer": tokenizer_info(tokenizer),
         "source": dict(source or {"model": model.source}),
     }
+    say(f"writing {len(files)} files ({sum(map(len, files.values())) / 2**20:.0f} MiB) to {out}")
     return write_artifact(out, manifest, {}, files=files)
 
 
 def export_run_onnx(run_dir: Path | str, out_dir: Path | str, **kwargs: Any) -> Path:
     """The ONNX export of a finished `qnpu quantize` run (`kwargs` as `export_onnx`)."""
-    from qnpu_jax.export.artifact import check_destination
+    from qnpu_jax.export.exporter import check_export_destination
     from qnpu_jax.pipeline.run import load_run
 
-    check_destination(Path(os.path.abspath(out_dir)))  # refuse before the slow part, too
+    check_export_destination(run_dir, out_dir)  # refuse before the slow part, too
+    (kwargs.get("announce") or (lambda message: None))(f"reading and verifying the run {run_dir}")
     run = load_run(Path(run_dir))
     source = {"run": Path(run_dir).name, "method": run.config.method, "model": run.model.source}
     return export_onnx(run.model, out_dir, run.tokenizer, source=source, **kwargs)

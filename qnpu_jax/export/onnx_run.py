@@ -1,7 +1,9 @@
 """Run an ONNX export (`qnpu export --format onnx`) with onnxruntime on the CPU.
 
-`OnnxModel(directory, qdq=...)` verifies the export (manifest digest and every file's hash),
-opens the prefill and decode graphs at graph optimization level BASIC (level ALL fuses
+`OnnxModel(directory, qdq=...)` reads the export's files once and verifies those bytes
+(manifest digest and every file's hash), then builds the onnxruntime sessions from the same
+bytes, never reopening a file by path (a re-export landing in between cannot mix in), at graph
+optimization level BASIC (level ALL fuses
 QuantizeLinear/DequantizeLinear pairs into integer kernels whose int8 products saturate on
 CPUs without VNNI, so their results are not the reference) and feeds them as a device would:
 the sink prefix's K/V as the caches' initial contents, the tokens in chunks of C (the last one
@@ -20,6 +22,7 @@ import numpy as np
 
 from qnpu_jax.errors import QnpuError, some_of
 from qnpu_jax.export.onnx_export import (
+    DATA_FILES,
     EMBED_FILES,
     ENCODINGS_FILE,
     FORMAT,
@@ -47,8 +50,6 @@ class OnnxModel:
         optional) replaces the onnxruntime sessions by others with the same inputs and
         outputs in the same order, e.g. AIMET QuantSim's over model.onnx (with `qdq=True`:
         its quantizers take the fake-quant inputs)."""
-        import onnxruntime as ort
-
         from qnpu_jax.export.artifact import read_artifact
 
         if level not in LEVELS:
@@ -68,8 +69,9 @@ class OnnxModel:
         self.prefix = tuple(int(t) for t in info["prefix_tokens"])
         self.manifest = art.manifest
         self.files = {k: v for k, v in art.files.items() if k == "tokenizer.json"}
+        graph_file = GRAPH_FILES[("float", "prefill")]
         if ENCODINGS_FILE in art.files:  # absent when the plan has no AIMET form
-            check_encodings(self.path, art.files[ENCODINGS_FILE])
+            check_encodings(self.path, art.files[ENCODINGS_FILE], _file(art, graph_file))
         kv = _npy(art.files[PREFIX_FILE])
         self.prefix_kv = kv[1 if qdq else 0]  # [2 (K, V), L, Hkv, P, hd]
         if qdq:  # the fake-quant rows: codes · per-row scale
@@ -78,19 +80,11 @@ class OnnxModel:
         else:
             self.table = _npy(art.files[EMBED_FILES["float"]])
         self.input_name = str(info["input"])
-        options = ort.SessionOptions()
-        options.graph_optimization_level = {
-            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-        }[level]
         kind = "qdq" if qdq else "float"
+        data_file = DATA_FILES[kind]
+        data = _file(art, data_file)
         self.sessions = sessions or {
-            role: ort.InferenceSession(
-                str(self.path / GRAPH_FILES[(kind, role)]),
-                options,
-                providers=["CPUExecutionProvider"],
-            )
+            role: _session(_file(art, GRAPH_FILES[(kind, role)]), data_file, data, level)
             for role in ("prefill", "decode")
         }
         self.num_layers = int(info["num_layers"])
@@ -179,15 +173,62 @@ class OnnxModel:
         return stored_tokenizer(self.files, self.manifest.get("tokenizer", {}), self.path)
 
 
-def check_encodings(directory: Path, data: bytes) -> None:
-    """The export's AIMET encodings name only tensors of its float prefill graph, each in its
-    section (activations: node outputs; parameters: initializers); QnpuError otherwise."""
+def _file(art: Any, name: str) -> bytes:
+    if name not in art.files:
+        raise QnpuError(f"{art.path}: the manifest does not list {name}, which the export needs")
+    return bytes(art.files[name])
+
+
+def _session(graph: bytes, data_file: str, data: bytes, level: str) -> Any:
+    """An onnxruntime CPU session over a graph's verified bytes, its external data (in
+    `data_file`) supplied from the verified `data`: nothing is read from disk."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = {
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }[level]
+    if hasattr(options, "add_external_initializers_from_files_in_memory"):
+        options.add_external_initializers_from_files_in_memory([data_file], [data], [len(data)])
+    else:  # an onnxruntime without it: the initializers put inline (graphs under 2 GiB)
+        graph = _inlined(graph, data_file, data)
+    return ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+
+
+def _inlined(graph: bytes, data_file: str, data: bytes) -> bytes:
+    """`graph` with every initializer stored in `data_file` copied in from `data`."""
+    import onnx
+
+    model = onnx.load_from_string(graph)
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        if info.get("location") != data_file:
+            raise QnpuError(f"initializer {t.name} is stored in {info.get('location')!r}")
+        offset = int(info.get("offset", 0))
+        t.raw_data = data[offset : offset + int(info["length"])]
+        del t.external_data[:]
+        t.data_location = onnx.TensorProto.DEFAULT
+    return bytes(model.SerializeToString())
+
+
+def check_encodings(directory: Path, data: bytes, graph: bytes | None = None) -> None:
+    """The export's AIMET encodings name only tensors of its float prefill graph (`graph`: its
+    verified bytes; None: read from `directory`), each in its section (activations: node
+    outputs; parameters: initializers); QnpuError otherwise."""
     import json
 
     import onnx
 
     graph_path = directory / GRAPH_FILES[("float", "prefill")]
-    model = onnx.load(str(graph_path), load_external_data=False)
+    model = (
+        onnx.load(str(graph_path), load_external_data=False)
+        if graph is None
+        else onnx.load_from_string(graph)
+    )
     acts, inits = graph_tensor_names(model)
     try:
         enc = json.loads(data)

@@ -16,7 +16,7 @@ import numpy as np
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import EMBED_TABLE, FINAL_NORM, GRAPH, LM_HEAD
-from qnpu_jax.files import current_umask
+from qnpu_jax.files import current_umask, read_text
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import layer_param_shapes
 from qnpu_jax.models.tokenizer import Tokenizer, tokenizer_from_file
@@ -118,11 +118,11 @@ def state_dict_from_params(params: Mapping[str, Any], cfg: ModelConfig) -> dict[
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise QnpuError(f"missing {path}") from e
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    if not path.exists():
+        raise QnpuError(f"missing {path}")
+    try:  # a regular file of at most MAX_TEXT_BYTES (a FIFO or a device is refused)
+        data = json.loads(read_text(path, what="model file"))
+    except json.JSONDecodeError as e:
         raise QnpuError(f"cannot read {path}: {e}") from e
     if not isinstance(data, dict):
         raise QnpuError(f"{path} must hold a JSON object")
@@ -141,30 +141,40 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
         raise QnpuError(f"cannot read weight file {path}: {e}") from e
 
 
-def load_state_dict(directory: Path) -> dict[str, np.ndarray]:
-    """All tensors of `model.safetensors` or of the shards its index lists."""
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards its index lists, or model.safetensors."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise QnpuError(f"{index} has no weight_map")
-        state: dict[str, np.ndarray] = {}
+        shards = []
         for shard in sorted(set(weight_map.values())):
             shard_path = (directory / shard).resolve()
             if directory.resolve() not in shard_path.parents:
                 raise QnpuError(f"{index} names a shard outside the checkpoint: {shard!r}")
-            state |= _read_safetensors(shard_path)
-        missing = sorted(set(weight_map) - set(state))
-        if missing:
-            raise QnpuError(f"shards listed in {index} lack tensors, e.g. {missing[:3]}")
-        return state
+            shards.append(shard_path)
+        return shards
     single = directory / "model.safetensors"
     if not single.exists():
         raise QnpuError(
             f"{directory} has neither model.safetensors nor model.safetensors.index.json "
             "(only safetensors checkpoints are supported)"
         )
-    return _read_safetensors(single)
+    return [single]
+
+
+def load_state_dict(directory: Path) -> dict[str, np.ndarray]:
+    """All tensors of `model.safetensors` or of the shards its index lists."""
+    state: dict[str, np.ndarray] = {}
+    for path in weight_files(directory):
+        state |= _read_safetensors(path)
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        missing = sorted(set(_read_json(index)["weight_map"]) - set(state))
+        if missing:
+            raise QnpuError(f"shards listed in {index} lack tensors, e.g. {missing[:3]}")
+    return state
 
 
 def load_hf_dir(directory: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:

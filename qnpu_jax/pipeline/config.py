@@ -13,8 +13,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from qnpu_jax.errors import QnpuError
+import yaml
+
+from qnpu_jax.errors import QnpuError, shown
 from qnpu_jax.export.graph import MUXQ_MAX_EXP, SIMULATIONS
+from qnpu_jax.fieldtypes import check_field_types
+from qnpu_jax.files import read_text
+from qnpu_jax.limits import MAX_CALIB_WINDOWS, MAX_CONFIG_BYTES, check_seed
 from qnpu_jax.mesh import MeshConfig
 from qnpu_jax.pipeline.stage1 import Stage1Config
 from qnpu_jax.quant.plan import QuantRule, check_block_fields
@@ -41,7 +46,6 @@ PREFIXES = ("none", "bos")
 INIT_SCHEMES = ("aware", "max_min")
 SCOPES = ("full", "linears")
 WEIGHT_ROUNDINGS = ("rtn", "gptq")
-MAX_CALIB_WINDOWS = 4096  # 2M tokens at seq_len 512; the paper calibrates on 128 windows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -127,8 +131,9 @@ class QuantizeConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # every key's type first: the checks below compare values
         if self.method not in METHODS:
-            raise QnpuError(f"unknown method {self.method!r}; known: {', '.join(METHODS)}")
+            raise QnpuError(f"unknown method {shown(self.method)}; known: {', '.join(METHODS)}")
         defaults = MOBILEQUANT_DEFAULTS if self.method == "mobilequant" else METHOD_OFF
         for name, default in defaults.items():
             if getattr(self, name) is None:  # null: the method's default, recorded as such
@@ -138,10 +143,12 @@ class QuantizeConfig:
             or not isinstance(self.equalize, int | float)
             or not 0 < self.equalize < 1
         ):
-            raise QnpuError(f"equalize must be null or in (0, 1), got {self.equalize!r}")
+            raise QnpuError(f"equalize must be null or in (0, 1), got {shown(self.equalize)}")
         for name in ("weight_clipping", "asymmetric_activations", "asymmetric_weights"):
             if not isinstance(getattr(self, name), bool):
-                raise QnpuError(f"{name} must be true, false or null, got {getattr(self, name)!r}")
+                raise QnpuError(
+                    f"{name} must be true, false or null, got {shown(getattr(self, name))}"
+                )
         if self.weight_clipping and self.method not in SCALE_LEARNING_METHODS:
             raise QnpuError(
                 f"weight_clipping is learned with the static scales in stage 1, which method "
@@ -152,21 +159,21 @@ class QuantizeConfig:
         if self.asymmetric_activations and self.muxq_exp is not None:
             raise QnpuError("muxq_exp needs a symmetric down_proj input (asymmetric_activations)")
         if self.init_scheme not in INIT_SCHEMES:
-            raise QnpuError(f"unknown init_scheme {self.init_scheme!r}; known: {INIT_SCHEMES}")
+            raise QnpuError(f"unknown init_scheme {shown(self.init_scheme)}; known: {INIT_SCHEMES}")
         if self.scope not in SCOPES:
-            raise QnpuError(f"unknown scope {self.scope!r}; known: {SCOPES}")
+            raise QnpuError(f"unknown scope {shown(self.scope)}; known: {SCOPES}")
         if self.weight_rounding not in WEIGHT_ROUNDINGS:
             raise QnpuError(
-                f"unknown weight_rounding {self.weight_rounding!r}; known: {WEIGHT_ROUNDINGS}"
+                f"unknown weight_rounding {shown(self.weight_rounding)}; known: {WEIGHT_ROUNDINGS}"
             )
         if not isinstance(self.gptq_damp, int | float) or not 0 < self.gptq_damp < 1:
-            raise QnpuError(f"gptq_damp must be in (0, 1), got {self.gptq_damp!r}")
+            raise QnpuError(f"gptq_damp must be in (0, 1), got {shown(self.gptq_damp)}")
         if self.smooth_mlp is not None and (
             isinstance(self.smooth_mlp, bool)
             or not isinstance(self.smooth_mlp, int | float)
             or not 0 < self.smooth_mlp < 1
         ):
-            raise QnpuError(f"smooth_mlp must be null or in (0, 1), got {self.smooth_mlp!r}")
+            raise QnpuError(f"smooth_mlp must be null or in (0, 1), got {shown(self.smooth_mlp)}")
         if self.shadow_outliers is not None and (
             isinstance(self.shadow_outliers, bool)
             or not isinstance(self.shadow_outliers, int | float)
@@ -174,31 +181,33 @@ class QuantizeConfig:
         ):
             raise QnpuError(
                 f"shadow_outliers must be null or a percentile in (0, 100], got "
-                f"{self.shadow_outliers!r}"
+                f"{shown(self.shadow_outliers)}"
             )
         if (
             isinstance(self.shadow_keep, bool)
             or not isinstance(self.shadow_keep, int | float)
             or not 0 < self.shadow_keep <= 1
         ):
-            raise QnpuError(f"shadow_keep must be in (0, 1], got {self.shadow_keep!r}")
+            raise QnpuError(f"shadow_keep must be in (0, 1], got {shown(self.shadow_keep)}")
         if self.muxq_exp is not None and (
             isinstance(self.muxq_exp, bool)
             or not isinstance(self.muxq_exp, int)
             or not 1 <= self.muxq_exp <= MUXQ_MAX_EXP
         ):
-            raise QnpuError(f"muxq_exp must be null or in 1..{MUXQ_MAX_EXP}, got {self.muxq_exp!r}")
+            raise QnpuError(
+                f"muxq_exp must be null or in 1..{MUXQ_MAX_EXP}, got {shown(self.muxq_exp)}"
+            )
         if (
             isinstance(self.muxq_threshold, bool)
             or not isinstance(self.muxq_threshold, int | float)
             or not self.muxq_threshold > 0
         ):
-            raise QnpuError(f"muxq_threshold must be positive, got {self.muxq_threshold!r}")
+            raise QnpuError(f"muxq_threshold must be positive, got {shown(self.muxq_threshold)}")
         if self.muxq_exp is not None and self.shadow_outliers is not None:
             raise QnpuError("shadow_outliers and muxq_exp both change down_in: choose one")
         for name in ("learn_down_in", "selective"):
             if not isinstance(getattr(self, name), bool):
-                raise QnpuError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise QnpuError(f"{name} must be true or false, got {shown(getattr(self, name))}")
         try:  # the plan's own validation, with the config's names
             check_block_fields(self.weight_block, self.weight_block_scale_bits)
         except QnpuError as e:
@@ -211,21 +220,22 @@ class QuantizeConfig:
         if blocked and self.weight_clipping:
             raise QnpuError("weight_clipping learns per-row clip factors: not per-block weights")
         if self.prefix not in PREFIXES:
-            raise QnpuError(f"unknown prefix {self.prefix!r}; known: {', '.join(PREFIXES)}")
+            raise QnpuError(f"unknown prefix {shown(self.prefix)}; known: {', '.join(PREFIXES)}")
         if self.simulation not in SIMULATIONS:
             raise QnpuError(
-                f"unknown simulation {self.simulation!r}; known: {', '.join(SIMULATIONS)}"
+                f"unknown simulation {shown(self.simulation)}; known: {', '.join(SIMULATIONS)}"
             )
         for name in ("w_bits", "a_bits", "kv_bits", "down_in_bits"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 16:
-                raise QnpuError(f"{name} must be an integer in [2, 16], got {value!r}")
+                raise QnpuError(f"{name} must be an integer in [2, 16], got {shown(value)}")
         if self.down_in_bits < 8:
             raise QnpuError("down_in_bits: the unrotated down_proj input is never below 8 bits")
-        for name in ("seq_len", "calib_windows", "seed"):
+        check_seed(self.seed)
+        for name in ("seq_len", "calib_windows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise QnpuError(f"{name} must be a non-negative integer, got {value!r}")
+                raise QnpuError(f"{name} must be a non-negative integer, got {shown(value)}")
         if self.seq_len < 2 or self.calib_windows < 1:
             raise QnpuError("seq_len must be >= 2 and calib_windows >= 1")
         if self.calib_windows > MAX_CALIB_WINDOWS:
@@ -236,7 +246,7 @@ class QuantizeConfig:
         for name in ("mixed_precision", "down_out_mixed_precision"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-                raise QnpuError(f"{name} must be in [0, 1], got {value!r}")
+                raise QnpuError(f"{name} must be in [0, 1], got {shown(value)}")
         if self.down_out_mixed_precision > 0 and not self.selective:
             raise QnpuError(
                 "down_out_mixed_precision needs selective: true (the scan runs after stage 1, "
@@ -248,12 +258,12 @@ class QuantizeConfig:
             or self.eval_windows < 1
         ):
             raise QnpuError(
-                f"eval_windows must be a positive integer or null, got {self.eval_windows!r}"
+                f"eval_windows must be a positive integer or null, got {shown(self.eval_windows)}"
             )
         if not isinstance(self.eval_data, tuple) or not all(
             isinstance(d, str) for d in self.eval_data
         ):
-            raise QnpuError(f"eval_data must be a list of data specs, got {self.eval_data!r}")
+            raise QnpuError(f"eval_data must be a list of data specs, got {shown(self.eval_data)}")
         if not isinstance(self.stage1, Stage1Config):
             raise QnpuError("stage1 must be a Stage1Config")
         if not isinstance(self.mesh, MeshConfig):
@@ -314,7 +324,8 @@ class QuantizeConfig:
             for rule in rules:
                 if not isinstance(rule, Mapping) or set(rule) - r_known:
                     raise QnpuError(
-                        f"bad rule {rule!r}: a rule is a mapping with keys from {sorted(r_known)}"
+                        f"bad rule {shown(rule)}: a rule is a mapping with keys from "
+                        f"{sorted(r_known)}"
                     )
                 parsed.append(QuantRule(**rule))
             values["rules"] = tuple(parsed)
@@ -344,7 +355,7 @@ def _mesh_config(value: Any) -> MeshConfig:
     if isinstance(value, str):
         return MeshConfig.parse(value)
     if not isinstance(value, Mapping):
-        raise QnpuError(f"mesh must be a mapping {{data, fsdp}} or DATAxFSDP, got {value!r}")
+        raise QnpuError(f"mesh must be a mapping {{data, fsdp}} or DATAxFSDP, got {shown(value)}")
     known = {f.name for f in dataclasses.fields(MeshConfig)}
     if set(value) - known:
         raise QnpuError(f"unknown mesh key(s) {sorted(set(value) - known)}; known: {sorted(known)}")
@@ -367,13 +378,44 @@ def shipped_configs() -> dict[str, Any]:
     }
 
 
-def read_config_data(spec: str | Path) -> tuple[str, dict[str, Any]]:
-    """(where, mapping) of a config: a YAML (or JSON) file, or a shipped config's name."""
-    import yaml
+def _expanded_size(data: Any, limit: int) -> int:
+    """The size of `data` with every alias expanded (each value 1, a string its length too),
+    counted only until it passes `limit`: an alias bomb is never walked whole."""
+    size, stack = 0, [data]
+    while stack and size <= limit:
+        item = stack.pop()
+        size += 1
+        if isinstance(item, str | bytes):
+            size += len(item)
+        elif isinstance(item, Mapping):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple | set):
+            stack.extend(item)
+    return size
 
+
+def load_yaml(text: str, where: str) -> Any:
+    """`yaml.safe_load(text)` (YAML or JSON); a document that its aliases expand past
+    MAX_CONFIG_BYTES (`qnpu_jax.limits`: an alias bomb) is a QnpuError naming `where`."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise QnpuError(f"{where}: not YAML ({e})") from e
+    if _expanded_size(data, MAX_CONFIG_BYTES) > MAX_CONFIG_BYTES:
+        raise QnpuError(
+            f"{where}: more than {MAX_CONFIG_BYTES} bytes of values once YAML aliases are "
+            "expanded, the most a config may hold (qnpu_jax.limits)"
+        )
+    return data
+
+
+def read_config_data(spec: str | Path) -> tuple[str, dict[str, Any]]:
+    """(where, mapping) of a config: a YAML (or JSON) file of at most MAX_CONFIG_BYTES, or a
+    shipped config's name."""
     path = Path(spec)
-    if path.is_file():
-        where, read = str(path), path.read_text
+    if path.exists() and not path.is_dir():  # a FIFO or a device is refused, never read
+        where, text = str(path), read_text(path, what="config file", limit=MAX_CONFIG_BYTES)
     else:
         shipped = shipped_configs()
         name = str(spec).removesuffix(".yaml")
@@ -382,13 +424,8 @@ def read_config_data(spec: str | Path) -> tuple[str, dict[str, Any]]:
                 f"config file not found: {spec} (nor a shipped config of that name; shipped: "
                 f"{', '.join(sorted(shipped))})"
             )
-        where, read = f"shipped config {name}", shipped[name].read_text
-    try:
-        data = yaml.safe_load(read())
-    except yaml.YAMLError as e:
-        raise QnpuError(f"{where}: not valid YAML: {e}") from e
-    except OSError as e:
-        raise QnpuError(f"{where}: cannot read ({e})") from e
+        where, text = f"shipped config {name}", shipped[name].read_text()
+    data = load_yaml(text, where)
     if data is None:
         raise QnpuError(
             f"{where}: the config file is empty (name at least the model and the method; "
@@ -413,26 +450,21 @@ def parse_bits(text: str) -> dict[str, int]:
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """`data` with each "KEY=VALUE" applied: VALUE is YAML, KEY may be dotted ("stage1.steps").
     Unknown keys are left for the config's own validation to name."""
-    import yaml
-
     out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
-            raise QnpuError(f"--set {item!r}: expected KEY=VALUE (e.g. stage1.steps=120)")
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise QnpuError(f"--set {item!r}: the value is not YAML ({e})") from e
+            raise QnpuError(f"--set {shown(item)}: expected KEY=VALUE (e.g. stage1.steps=120)")
+        value = load_yaml(text, f"--set {shown(item)}")
         parts = key.strip().split(".")
         if len(parts) > 2 or (len(parts) == 2 and parts[0] not in ("stage1", "mesh")):
-            raise QnpuError(f"--set {item!r}: only stage1.KEY and mesh.KEY may be dotted")
+            raise QnpuError(f"--set {shown(item)}: only stage1.KEY and mesh.KEY may be dotted")
         if len(parts) == 2:
             inner = out.get(parts[0]) or {}
             if isinstance(inner, str) and parts[0] == "mesh":
                 inner = _mesh_config(inner).to_dict()
             if not isinstance(inner, Mapping):
-                raise QnpuError(f"--set {item!r}: {parts[0]} is not a mapping")
+                raise QnpuError(f"--set {shown(item)}: {parts[0]} is not a mapping")
             out[parts[0]] = {**inner, parts[1]: value}
         else:
             out[parts[0]] = value

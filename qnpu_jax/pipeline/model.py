@@ -7,20 +7,25 @@ rounding step chose them, the sink prefix and the record of the steps that made 
 (`pipeline.steps`) map a QuantizedModel to a new one; recipes (`pipeline.recipes`) chain steps.
 
 `save(dir)` writes
-    model.json   format, base model spec and config, sink prefix, static transform facts,
-                 the step records; written last (its presence marks a complete save)
+    model.json   format, base model spec and config, the base weights' identity (location and
+                 sha256 of each weights file), sink prefix, static transform facts, the step
+                 records; written last (its presence marks a complete save)
     plan.json    the plan
     learned/     orbax: the quantizer state, R1/R2, the smoothing and equivalent scales,
                  GPTQ's codes
 and `QuantizedModel.load(dir)` restores the value without running any step: the base model is
-loaded from its spec and the stored transforms are applied to it.
+loaded from its spec, refused unless its weights files have the recorded sha256 (a model.json
+saved before weights were recorded has none, and any base of the same config loads), and the
+stored transforms are applied to it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,7 @@ from qnpu_jax.errors import QnpuError, first_line
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
+from qnpu_jax.models.load import WeightsIdentity
 from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, tapped_token_nll
 from qnpu_jax.pipeline.weight_rounding import weights_from_codes
 from qnpu_jax.quant.plan import QuantPlan
@@ -113,9 +119,16 @@ class QuantizedModel(struct.PyTreeNode):
     trained: dict[str, Any] | None = None
     cfg: ModelConfig = struct.field(pytree_node=False, kw_only=True)
     source: str = struct.field(pytree_node=False, kw_only=True)  # the base model's spec
+    # the base weights' files and digests (None: a base made in memory, or an older save)
+    base_weights: WeightsIdentity | None = struct.field(
+        pytree_node=False, default=None, kw_only=True
+    )
     prefix: tuple[int, ...] = struct.field(pytree_node=False, default=(), kw_only=True)
     plan: QuantPlan | None = struct.field(pytree_node=False, default=None, kw_only=True)
     steps: tuple[StepRecord, ...] = struct.field(pytree_node=False, default=(), kw_only=True)
+    # `base_fingerprint` of the base params and model config as loaded (None: unknown): `save`
+    # stores neither (`load` rebuilds them from `source`), so it refuses a model whose differ
+    base_fingerprint: str | None = struct.field(pytree_node=False, default=None, kw_only=True)
 
     @classmethod
     def from_float(cls, loaded: Any, *, prefix: str | tuple[int, ...] = ()) -> QuantizedModel:
@@ -129,7 +142,9 @@ class QuantizedModel(struct.PyTreeNode):
             Transforms(),
             cfg=loaded.config,
             source=loaded.source,
+            base_weights=getattr(loaded, "weights", None),
             prefix=tuple(int(i) for i in ids),
+            base_fingerprint=base_fingerprint(loaded.params, loaded.config),
         )
 
     def params(self) -> Params:
@@ -172,11 +187,30 @@ class QuantizedModel(struct.PyTreeNode):
         """{"ppl", "windows", "tokens"} of the fake-quant model over token `windows` [N, T]."""
         return nll_perplexity(self.nll_fn(), windows, progress=progress)
 
+    def check_base_unchanged(self) -> None:
+        """Refuse a model whose base params or model config differ from those it was made
+        from (`from_float`, `load`): `save` stores neither, `load` would rebuild them from
+        `source`, so a step's change to them would be lost. Such a change belongs in a
+        transform, an encoding or the weight codes (docs/pipeline.md, "Custom steps")."""
+        if self.base_fingerprint is None:
+            return
+        now = base_fingerprint(self.base, self.cfg)
+        if now is not None and now != self.base_fingerprint:
+            after = [r.name for r in self.steps]
+            raise QnpuError(
+                "the model's base params or model config are not those it was made from "
+                f"({self.source}): a step changed `base` or `cfg` (steps: "
+                f"{', '.join(after) or 'none'}), which `save` does not store, so loading would "
+                "lose the change. Change the model through its transforms, encodings (state) or "
+                "weight codes instead (docs/pipeline.md, 'Custom steps')"
+            )
+
     def save(self, directory: Path) -> Path:
         """Write the model to `directory` (see the module docstring); model.json goes last.
         In a multi-host job every process calls it and the primary one writes."""
         from qnpu_jax.mesh import is_primary, sync
 
+        self.check_base_unchanged()  # before anything is written
         directory = Path(directory)
         primary = is_primary()
         if primary:
@@ -202,6 +236,7 @@ class QuantizedModel(struct.PyTreeNode):
                     "format": MODEL_FORMAT,
                     "version": MODEL_VERSION,
                     "source": self.source,
+                    **self._weights_json(),
                     "config": _config_json(self.cfg),
                     "prefix": list(self.prefix),
                     "fused_norms": t.fused_norms,
@@ -213,6 +248,9 @@ class QuantizedModel(struct.PyTreeNode):
             )
         sync("qnpu: model saved")
         return directory
+
+    def _weights_json(self) -> dict[str, Any]:
+        return {} if self.base_weights is None else {"weights": self.base_weights.to_json()}
 
     @classmethod
     def load(cls, directory: Path, base: Any = None) -> QuantizedModel:
@@ -229,6 +267,7 @@ class QuantizedModel(struct.PyTreeNode):
                 f"{directory}: the base model {meta['source']!r} is not the one this model was "
                 "made on (its config differs)"
             )
+        check_base_weights(directory, meta, base)
         steps = tuple(
             StepRecord.of(s["name"], s.get("args", {}), s.get("info")) for s in meta["steps"]
         )
@@ -244,8 +283,42 @@ class QuantizedModel(struct.PyTreeNode):
         )
 
 
+def check_base_weights(directory: Path, meta: Mapping[str, Any], base: Any) -> None:
+    """Refuse a `base` whose weights files differ from those model.json records (a model.json
+    without them, saved before they were recorded, accepts any base)."""
+    if "weights" not in meta:
+        return
+    where = str(Path(directory) / "model.json")
+    recorded = WeightsIdentity.from_json(meta["weights"], where)
+    actual = getattr(base, "weights", None)
+    if actual is None:
+        raise QnpuError(
+            f"{where} records its base weights {recorded.describe()}, but the base model given "
+            "was not loaded from files (load it with load_model), so it cannot be checked"
+        )
+    if not actual.same_weights(recorded):
+        raise QnpuError(
+            f"{directory} was made from the base weights {recorded.describe()}, not from "
+            f"{actual.describe()}: other weights; point the model at the original files"
+        )
+
+
 def _config_json(cfg: ModelConfig) -> Any:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def base_fingerprint(params: Params, cfg: ModelConfig) -> str | None:
+    """A fingerprint of base params and their model config: every leaf's path, dtype, shape
+    and CRC-32 of its bytes (fast: a change a step makes is caught; a forged one could pass),
+    and the config. None where the params are not all on this host (a multi-host array)."""
+    parts = [json.dumps(_config_json(cfg), sort_keys=True)]
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not getattr(leaf, "is_fully_addressable", True):
+            return None
+        a = np.ascontiguousarray(np.asarray(leaf))
+        crc = zlib.crc32(a.view(np.uint8).reshape(-1).data) if a.size else 0
+        parts.append(f"{jax.tree_util.keystr(path)} {a.dtype} {a.shape} {crc:08x}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def _read_model_json(path: Path) -> dict[str, Any]:
@@ -257,7 +330,8 @@ def _read_model_json(path: Path) -> dict[str, Any]:
         raise QnpuError(f"{path}: not readable JSON ({e})") from e
     keys = {"format", "version", "source", "config", "prefix", "fused_norms", "rotated"}
     keys |= {"mlp_smoothing_alpha", "steps"}
-    optional = {"equalized"}  # written since equivalent scaling; older files lack it
+    optional = {"equalized", "weights"}  # written since equivalent scaling / since weights
+    # were recorded; older files lack them
     if not isinstance(meta, dict) or meta.get("format") != MODEL_FORMAT:
         raise QnpuError(f"{path}: not a {MODEL_FORMAT} file")
     if meta.get("version") != MODEL_VERSION:
@@ -450,7 +524,9 @@ def assemble(
         trained=None if trained is None else jax.tree.map(jnp.asarray, trained),
         cfg=base.config,
         source=base.source,
+        base_weights=getattr(base, "weights", None),
         prefix=prefix,
         plan=plan,
         steps=steps,
+        base_fingerprint=base_fingerprint(base.params, base.config),
     )

@@ -1,10 +1,14 @@
 """`qnpu quantize`: a method's recipe end to end, into a run directory.
 
 run_dir/
+  .qnpu.lock         held (`flock`) by the one `qnpu quantize` that writes the run, holding its
+                     pid; a second writer is refused by name. Removed at the end, never sealed
   config.yaml        the QuantizeConfig (a resumed run must match it)
   model.json, plan.json, learned/
-                     the QuantizedModel (`pipeline.model`): the steps that made it, the final
-                     plan, and in orbax the rotations R1/R2, the quantizer state, the MLP
+                     the QuantizedModel (`pipeline.model`): the steps that made it, the base
+                     weights' location and sha256 (a run loads only on those weights; runs
+                     made before they were recorded load on any base of the same config), the
+                     final plan, and in orbax the rotations R1/R2, the quantizer state, the MLP
                      smoothing scales and GPTQ's weight codes where the recipe made them
   sensitivity.json   eq. (4) per layer and the promoted layers of the down_proj inputs;
                      sensitivity_TENSOR.json for any other promoted tensor
@@ -13,15 +17,18 @@ run_dir/
   report.json        float and quantized perplexity, wall time of every step
   manifest.json      written last: sha256 and size of every file, sealed with one digest
                      (`run_manifest`); a run without it is unfinished, and every reader
-                     verifies it before use
+                     verifies it before use. `--resume` of a run that has it does nothing: the
+                     run is complete
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,7 +44,7 @@ from qnpu_jax.data import (
 from qnpu_jax.environment import environment_info
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
-from qnpu_jax.files import write_json_atomic
+from qnpu_jax.files import exclusive_lock, make_output_dir, remove_empty_dirs, write_json_atomic
 from qnpu_jax.mesh import check_batch, is_primary, make_mesh, place_params, sync
 from qnpu_jax.mesh import describe as describe_mesh
 from qnpu_jax.models.config import ModelConfig
@@ -46,7 +53,13 @@ from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, sink_prefix, ta
 from qnpu_jax.pipeline.config import QuantizeConfig, load_config
 from qnpu_jax.pipeline.model import QuantizedModel, StepRecord, nll_perplexity
 from qnpu_jax.pipeline.recipes import Recipe, for_config, run_keys
-from qnpu_jax.pipeline.run_manifest import seal_run, unseal_run, verify_run
+from qnpu_jax.pipeline.run_manifest import (
+    RUN_LOCK,
+    RUN_MANIFEST,
+    seal_run,
+    unseal_run,
+    verify_run,
+)
 from qnpu_jax.pipeline.steps import Calibration, Context
 from qnpu_jax.quant.plan import QuantPlan
 
@@ -108,6 +121,19 @@ def _without_eval(config: QuantizeConfig) -> QuantizeConfig:
     return dataclasses.replace(config, **{k: getattr(defaults, k) for k in EVAL_ONLY_KEYS})
 
 
+@contextmanager
+def claimed(run_dir: Path) -> Iterator[None]:
+    """Hold `run_dir`'s lock (RUN_LOCK) for the block, creating the directory: a second
+    `qnpu quantize` on it is refused by name. Directories made here and left empty are
+    removed again."""
+    made = make_output_dir(run_dir, "--out")
+    try:
+        with exclusive_lock(run_dir / RUN_LOCK, f"run directory {run_dir}"):
+            yield
+    finally:
+        remove_empty_dirs(made)
+
+
 def _check_run_dir(run_dir: Path, config: QuantizeConfig, resume: bool) -> None:
     saved = run_dir / "config.yaml"
     if run_dir.exists() and not run_dir.is_dir():
@@ -120,8 +146,27 @@ def _check_run_dir(run_dir: Path, config: QuantizeConfig, resume: bool) -> None:
                 f"--resume: the config differs from the one in {saved} (only "
                 f"{', '.join(EVAL_ONLY_KEYS)} may change on resume)"
             )
-    elif run_dir.exists() and any(run_dir.iterdir()):
+    elif run_dir.exists() and any(p.name != RUN_LOCK for p in run_dir.iterdir()):
         raise QnpuError(f"{run_dir} is not empty; pass --resume to continue that run")
+
+
+def _complete_report(run_dir: Path, config: QuantizeConfig) -> dict[str, Any]:
+    """The report of the finished run that `--resume` names: nothing is left to run. Its
+    evaluation can no longer change this way (only its mesh may differ)."""
+    verify_run(run_dir)
+    saved = load_config(run_dir / "config.yaml")
+    if dataclasses.replace(saved, mesh=config.mesh) != config:
+        raise QnpuError(
+            f"--resume: {run_dir} is a finished run, and its evaluation settings differ from "
+            "this config's; evaluate the run with `qnpu eval --run` instead"
+        )
+    try:
+        report = json.loads((run_dir / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise QnpuError(f"{run_dir / 'report.json'}: not a readable report ({e})") from e
+    if not isinstance(report, dict):
+        raise QnpuError(f"{run_dir / 'report.json'}: not a run report")
+    return report
 
 
 def evaluation_sets(
@@ -161,17 +206,52 @@ def quantize(
     `float_reference` ({eval spec: {"ppl", "windows", "tokens"}}) is the float model measured
     on the same evaluation windows (e.g. a comparison's FP32 row): it replaces the float
     evaluation of those specs, and must cover the same windows and tokens as the run's.
-    `announce` is told when each phase starts (the CLI prints it)."""
+    `announce` is told when each phase starts (the CLI prints it).
+
+    The writing process holds the run directory's lock throughout (`claimed`); `resume` of a
+    finished run returns its report without running anything."""
+    run_dir = Path(run_dir)
+    go = partial(
+        _quantize,
+        config,
+        run_dir,
+        recipe,
+        float_reference,
+        resume=resume,
+        progress=progress,
+        command=command,
+        announce=announce,
+    )
+    if not is_primary():  # in a multi-host job process 0 holds the run directory
+        return go()
+    with claimed(run_dir):
+        return go()
+
+
+def _quantize(
+    config: QuantizeConfig,
+    run_dir: Path,
+    recipe: Recipe | None,
+    float_reference: Mapping[str, Mapping[str, Any]] | None,
+    *,
+    resume: bool,
+    progress: bool,
+    command: str | None,
+    announce: Callable[[str], None] | None,
+) -> dict[str, Any]:
     import yaml
 
     from qnpu_jax.files import write_bytes_atomic
     from qnpu_jax.models import load_model
 
-    run_dir = Path(run_dir)
     _check_run_dir(run_dir, config, resume)
+    say = announce or (lambda message: None)
+    if resume and (run_dir / RUN_MANIFEST).is_file():
+        report = _complete_report(run_dir, config)
+        say(f"{run_dir} is a finished run (its {RUN_MANIFEST} is sealed): nothing to resume")
+        return report
     recipe = for_config(config) if recipe is None else recipe
     seconds: dict[str, float] = {}
-    say = announce or (lambda message: None)
     t0 = time.perf_counter()
     say(f"loading {config.model}; then the calibration and evaluation text")
     mesh = make_mesh(config.mesh)

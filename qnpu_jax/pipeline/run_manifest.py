@@ -25,6 +25,9 @@ from qnpu_jax.integrity import (
 )
 
 RUN_MANIFEST = "manifest.json"
+# The lock `qnpu quantize` holds while it writes the run (`files.exclusive_lock`): not part of
+# the run, so never sealed, and removed when the run ends.
+RUN_LOCK = ".qnpu.lock"
 RUN_FORMAT = "qnpu-run"
 RUN_VERSION = 1
 # Directories whose every file is read as a whole by a loader (orbax): a file the manifest
@@ -33,11 +36,14 @@ CLOSED_DIRS = ("learned",)
 
 
 def _run_files(run_dir: Path) -> list[str]:
-    """Every regular file below `run_dir` but the manifest (links are not followed)."""
+    """Every regular file below `run_dir` but the manifest and the lock (links are not
+    followed)."""
     return [
         rel
         for rel in relative_files(run_dir)
-        if rel != RUN_MANIFEST and not (run_dir / rel).is_symlink() and (run_dir / rel).is_file()
+        if rel not in (RUN_MANIFEST, RUN_LOCK)
+        and not (run_dir / rel).is_symlink()
+        and (run_dir / rel).is_file()
     ]
 
 

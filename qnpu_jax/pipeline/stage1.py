@@ -34,7 +34,9 @@ from tqdm import tqdm
 from qnpu_jax.data import sample_windows
 from qnpu_jax.errors import QnpuError, first_line
 from qnpu_jax.export.graph import EMBED_TABLE, LM_HEAD
+from qnpu_jax.fieldtypes import check_field_types
 from qnpu_jax.files import iter_jsonl
+from qnpu_jax.limits import MAX_CALIB_WINDOWS, check_at_most
 from qnpu_jax.mesh import (
     batch_sharding,
     check_batch,
@@ -87,10 +89,17 @@ class Stage1Config:
     objective: str = "end_to_end"  # OBJECTIVES
 
     def __post_init__(self) -> None:
+        check_field_types(self, "stage 1 ")
         for name in ("steps", "batch_size", "grad_accum", "checkpoint_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise QnpuError(f"stage 1 {name} must be a positive integer, got {value!r}")
+        check_at_most(
+            self.batch_size * self.grad_accum,
+            MAX_CALIB_WINDOWS,
+            "stage 1 batch_size x grad_accum",
+            "the windows one step draws from the calibration text",
+        )
         for name in ("lr_rotation", "lr_scale", "local_loss_weight", "lr_equalization"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value >= 0:

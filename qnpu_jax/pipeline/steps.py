@@ -235,7 +235,7 @@ def plan(
     rules: Sequence[QuantRule] = (),
     simulation: str = "device",
 ) -> Step:
-    """The deployment plan: DESIGN §3's table at these bit-widths, then `rules` in order;
+    """The deployment plan: docs/design.md §3's table at these bit-widths, then `rules` in order;
     `simulation`: what the fake-quant forward computes between quantizers (`QuantPlan`)."""
 
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:

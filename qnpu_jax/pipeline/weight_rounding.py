@@ -78,6 +78,27 @@ def collect_hessians(
     return totals
 
 
+def check_gptq_tokens(
+    plan: QuantPlan, cfg: ModelConfig, windows_shape: tuple[int, ...], prefix_len: int = 0
+) -> None:
+    """Refuse a calibration of fewer tokens (windows × (prefix + length)) than the widest
+    input of a linear that GPTQ rounds."""
+    widths = layer_widths(cfg.dims)
+    inputs = {n: widths[LINEAR_INPUT[n]] for n in rounded_weights(plan)}
+    if not inputs:
+        return
+    widest = max(inputs, key=lambda n: inputs[n])
+    n, t = int(windows_shape[0]), int(windows_shape[1])
+    tokens = n * (t + prefix_len)
+    if tokens < inputs[widest]:
+        raise QnpuError(
+            f"gptq: {n} calibration windows of {t} tokens (+{prefix_len} prefix) give {tokens} "
+            f"token rows, fewer than the {inputs[widest]} inputs of {widest}: its Hessian is "
+            f"singular and GPTQ would fit the calibration text; calibrate on at least "
+            f"{inputs[widest]} tokens (more windows or a longer seq_len)"
+        )
+
+
 def gptq_weight_codes(
     params: Params,
     state: QuantState,
@@ -117,7 +138,11 @@ def gptq_round_weights(
     prefix: tuple[int, ...] = (),
     progress: bool = False,
 ) -> dict[str, np.ndarray]:
-    """`gptq_weight_codes` with Hessians from `windows` (calibration) of the fake-quant model."""
+    """`gptq_weight_codes` with Hessians from `windows` (calibration) of the fake-quant model.
+    Fewer calibration tokens than a linear's inputs leave its Hessian singular: GPTQ then fits
+    the calibration text, not the model (README's recipe on 4 × 128 tokens gave perplexity
+    525,980 against RTN's 159), so that is refused."""
+    check_gptq_tokens(plan, cfg, np.asarray(windows).shape, len(prefix))
     hessians = collect_hessians(params, state, plan, cfg, windows, prefix=prefix, progress=progress)
     return gptq_weight_codes(params, state, plan, hessians, damp=damp, progress=progress)
 

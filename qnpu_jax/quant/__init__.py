@@ -1,5 +1,6 @@
 """Quantizer math: specs, fake quantization with LSQ/LSQ+ gradients, static-range initializers
-and the integer primitives of the integer contract (DESIGN §3). Imports only jax and numpy."""
+and the integer primitives of the integer contract (docs/artifact.md). Imports only jax and
+numpy."""
 
 from qnpu_jax.quant.fake_quant import (
     MIN_SCALE,

@@ -6,7 +6,7 @@ Conventions shared by every function here:
 - `qmin`/`qmax` are numbers or arrays broadcastable to `x`, so layers stacked on a leading axis
   can carry different bit-widths through one `vmap`/`scan` without recompiling.
 - The zero point is rounded half-to-even in the forward pass and passes gradients straight
-  through (DESIGN §3: zero points are integers).
+  through (docs/artifact.md: zero points are integers).
 - Arithmetic runs in at least float32 (bfloat16 cannot hold 16-bit codes); the output has the
   dtype of `x` when `x` is floating.
 

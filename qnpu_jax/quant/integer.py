@@ -1,4 +1,4 @@
-"""Integer primitives of the integer contract (DESIGN §3 "Arithmetic"), shared by the numpy
+"""Integer primitives of the integer contract (docs/artifact.md), shared by the numpy
 exporter, the numpy NPU emulator and the JAX integer forward.
 
 Requantization: y = clamp(z + ((acc·M + 2^(sh−1)) >> sh), qmin, qmax), with M an int32 in

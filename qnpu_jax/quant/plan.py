@@ -5,7 +5,7 @@ axis) and a bare `NAME` for the rest. One encoding per tensor, not per consumer:
 their input quantizer (`layers/attn_in`), gate/up share theirs (`layers/mlp_in`), the K cache
 is `layers/k_rope` and the V cache is `layers/v_out`.
 
-A plan is built from the default table of DESIGN.md §3 and rules matched on the path
+A plan is built from the default table of docs/design.md §3 and rules matched on the path
 (`QuantRule`), in the style of Qwix's regex-selected rules. Per-layer bit-widths (mixed
 precision) live in `TensorQuant.layer_bits`, which becomes qmin/qmax arrays, so one compiled
 program serves every layer.
@@ -37,6 +37,7 @@ from qnpu_jax.export.graph import (
     Tensor,
     channel_mask,
 )
+from qnpu_jax.fieldtypes import check_field_types
 from qnpu_jax.quant.spec import QuantSpec, qrange
 from qnpu_jax.quant.state import is_layer_path
 
@@ -176,8 +177,9 @@ class QuantRule:
             re.compile(self.pattern)
         except re.error as e:
             raise QnpuError(f"bad rule pattern {self.pattern!r}: {e}") from e
-        if self.layer_bits is not None and not isinstance(self.layer_bits, tuple):
+        if isinstance(self.layer_bits, list):
             object.__setattr__(self, "layer_bits", tuple(self.layer_bits))
+        check_field_types(self, "rule ")
         if self.block not in (None, 0):
             check_block_fields(self.block, None)
         if self.block_scale_bits not in (None, 0):
@@ -400,7 +402,7 @@ def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
 
 
 def _default_quant(t: Tensor, weight: bool, bits_of: dict[str, int]) -> TensorQuant:
-    """DESIGN.md §3: a tensor's default quantizer from its role in the graph; weights are
+    """docs/design.md §3: a tensor's default quantizer from its role in the graph; weights are
     per output channel (the embedding table per row)."""
     if t.bits == SOFTMAX_ROLE:
         return TensorQuant(bits=16, signed=False, init="fixed")
@@ -431,7 +433,7 @@ def default_plan(
     graph: Graph = GRAPH,
     simulation: str = "device",
 ) -> QuantPlan:
-    """DESIGN.md §3's table at W`w_bits` A`a_bits` KV`kv_bits` for the tensors of `graph`,
+    """docs/design.md §3's table at W`w_bits` A`a_bits` KV`kv_bits` for the tensors of `graph`,
     then `rules`."""
     table = _default_table(w_bits, a_bits, kv_bits, down_in_bits, graph)
     return QuantPlan(tuple(sorted(table)), num_layers, graph, simulation).apply(rules)

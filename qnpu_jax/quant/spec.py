@@ -1,6 +1,6 @@
 """QuantSpec: bit-width, signedness, symmetry and granularity of one quantizer.
 
-Integer contract (DESIGN §3): signed b-bit codes span [-2^(b-1), 2^(b-1) - 1], unsigned codes
+Integer contract (docs/artifact.md): signed b-bit codes span [-2^(b-1), 2^(b-1) - 1], unsigned codes
 [0, 2^b - 1]; zero points are integers. The full signed range is used (no "narrow" range
 that would drop -2^(b-1)), so the grid matches what int8/int16 NPU kernels store.
 """

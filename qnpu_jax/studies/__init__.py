@@ -14,6 +14,7 @@ import importlib.util
 from collections.abc import Sequence
 from pathlib import Path
 
+from qnpu_jax.argtypes import HelpFormatter
 from qnpu_jax.errors import QnpuError
 
 STUDIES = (
@@ -72,7 +73,9 @@ def study_parser(
     `--eval-windows N` (default `eval_windows`) and `--json` (default reports/NAME.json)."""
     name = module.rsplit(".", 1)[-1]
     parser = argparse.ArgumentParser(
-        prog=f"qnpu study {name}", description=(doc or "").split("\n")[0]
+        prog=f"qnpu study {name}",
+        description=(doc or "").split("\n")[0],
+        formatter_class=HelpFormatter,
     )
     if run:
         parser.add_argument("--run", type=Path, required=True, help="a finished run directory")

@@ -162,7 +162,12 @@ class Cell:
 
 
 def eval_specs(args: argparse.Namespace) -> dict[str, str]:
-    """Display name -> data spec of the two evaluation sets."""
+    """Display name -> data spec of the two evaluation sets (WikiText-2: --wikitext, else the
+    `wikitext2` spec's file under $QNPU_DATA_DIR)."""
+    from qnpu_jax.data.locations import wikitext2_spec
+
+    if args.wikitext is None:
+        return {"wiki": "wiki", "wikitext2": wikitext2_spec()}
     path = Path(args.wikitext).expanduser().resolve()  # a relative path: from the cwd
     return {"wiki": "wiki", "wikitext2": f"wikitext:{path}"}
 
@@ -471,6 +476,7 @@ def score_tasks(
                     seed=args.task_seed,
                     batch_size=args.task_batch_size,
                     progress=args.progress,
+                    data_dir=args.task_data,
                 )
                 tasks = {**(doc or {}).get("tasks", {}), **part["tasks"]}
                 doc = {**(doc or {}), **source.report, **part, "tasks": tasks}
@@ -763,8 +769,9 @@ def add_protocol_args(parser: argparse.ArgumentParser, *, eval_windows: int, pre
     )
     parser.add_argument(
         "--wikitext",
-        default="../shared/data/wikitext-2-raw/wiki.test.raw",
-        help="WikiText-2 test file (relative paths: to the repository root)",
+        default=None,
+        help="WikiText-2 raw test file (default: $QNPU_DATA_DIR/wikitext-2-raw/wiki.test.raw, "
+        "the `wikitext2` data spec)",
     )
     parser.add_argument("--prefix", choices=("none", "bos"), default=prefix)
     parser.add_argument("--seed", type=int, default=0)
@@ -793,6 +800,12 @@ def add_task_args(parser: argparse.ArgumentParser) -> None:
         help="zero-shot: a seeded subset of N items per task (default: all of them)",
     )
     parser.add_argument("--task-seed", type=int, default=0, help="zero-shot subset seed")
+    parser.add_argument(
+        "--task-data",
+        metavar="DIR|hf",
+        default=None,
+        help="zero-shot task data, as `qnpu eval --task-data` (default: $QNPU_DATA_DIR)",
+    )
     parser.add_argument("--task-batch-size", type=positive_int, default=8)
 
 
@@ -800,11 +813,12 @@ def check_tasks(args: argparse.Namespace) -> str | None:
     """Why the selected tasks cannot be scored (missing data), checked before any long run;
     None when they can."""
     from qnpu_jax.errors import QnpuError
-    from qnpu_jax.eval import load_task
+    from qnpu_jax.eval.zeroshot import task_source
 
+    if not args.tasks:
+        return None
     try:
-        for name in args.tasks:
-            load_task(name)
+        task_source(args.tasks, args.task_data)
     except QnpuError as e:
         return str(e)
     return None
@@ -852,9 +866,13 @@ def main(argv: list[str] | None = None) -> int:
     from qnpu_jax.report import write_report
 
     start = time.perf_counter()
-    specs = eval_specs(args)
+    try:
+        specs = eval_specs(args)
+    except QnpuError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     wikitext = Path(specs["wikitext2"].removeprefix("wikitext:"))
-    if not wikitext.is_file():
+    if specs["wikitext2"].startswith("wikitext:") and not wikitext.is_file():
         print(
             f"error: WikiText-2 test file not found: {wikitext} (see --wikitext)", file=sys.stderr
         )

@@ -17,7 +17,7 @@ from typing import Any
 
 from qnpu_jax.export.graph import KV_TENSORS, LINEAR_OUTPUTS, ROTATED_INPUTS, UNROTATED_INPUT
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import run_summary, write_study_json
+from qnpu_jax.studies.harness import run_summary, say, write_study_json
 
 
 def _name(path: str) -> str:
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from qnpu_jax.pipeline.run import evaluate, load_run, wiki_eval_windows
 
+    say(f"reading and verifying the run {args.run}")
     run = load_run(args.run)
     config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
     params, model = run.model.params(), run.loaded

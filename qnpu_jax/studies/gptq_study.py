@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import run_summary, write_study_json
+from qnpu_jax.studies.harness import run_summary, say, write_study_json
 
 GRIDS = ("learned", "mse", "max_min")
 
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         weights_from_codes,
     )
 
+    say(f"reading and verifying the run {args.run}")
     run = load_run(args.run)
     config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
     params, model = run.model.params(), run.loaded

@@ -3,6 +3,7 @@ seconds), the atomic write, and the summary of the run a study reads."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Mapping, Sized
 from pathlib import Path
@@ -40,3 +41,12 @@ def run_summary(run_path: Path | str, config: Any, windows: Sized) -> dict[str, 
         **config.summary(),
         "eval": {"data": "wiki (eval split)", "windows": len(windows)},
     }
+
+
+_STARTED = time.perf_counter()
+
+
+def say(message: str) -> None:
+    """A study's phase line on stderr, with the seconds since its start (as `qnpu quantize`
+    announces its phases), so a long study does not run silent."""
+    print(f"[{time.perf_counter() - _STARTED:7.1f} s] {message}", file=sys.stderr, flush=True)

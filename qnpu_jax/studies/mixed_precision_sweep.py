@@ -28,7 +28,7 @@ from qnpu_jax.pipeline.mixed_precision import down_proj_sensitivity, mixed_layer
 from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
 from qnpu_jax.quant.plan import QuantPlan, TensorQuant
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import run_summary, write_study_json
+from qnpu_jax.studies.harness import run_summary, say, write_study_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0")
     args = parser.parse_args(argv)
 
+    say(f"reading and verifying the run {args.run}")
     run = load_run(args.run)
     config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
     params, model = run.model.params(), run.loaded

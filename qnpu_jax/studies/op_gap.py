@@ -30,7 +30,7 @@ import numpy as np
 
 from qnpu_jax.export.graph import SIMULATIONS
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import write_study_json
+from qnpu_jax.studies.harness import say, write_study_json
 
 # per tensor: [codes that differ, Σ (fake − device), max |fake − device|, codes compared]
 STAT_FIELDS = ("differ", "signed_sum", "max_abs", "count")
@@ -172,9 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--simulations", nargs="+", choices=SIMULATIONS, default=list(SIMULATIONS))
     args = parser.parse_args(argv)
+    say(f"reading and verifying the run {args.run}")
     loaded = load_run(args.run)
     art = args.artifact or Path("artifacts") / args.run.resolve().name
     if not (art / "manifest.json").exists():
+        say(f"exporting the integer artifact to {art}")
         export_run(args.run, art)
     model = loaded.model
     ids = tokenize_documents(load_documents("wiki", "eval"), loaded.loaded.tokenizer)
@@ -182,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     int_model = load_int_model(art)
     simulations = tuple(args.simulations)
     plan, state, params = model.require_plan(), model.require_state(), model.params()
+    say(f"{len(windows)} windows of {args.seq_len}: every op's codes against the device's")
     stats = [
         window_stats(params, model.cfg, plan, state, model.prefix, int_model, w, simulations)
         for w in windows

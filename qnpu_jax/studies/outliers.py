@@ -1,4 +1,4 @@
-"""Answers to activation outliers side by side, each with the cost model's figures (issue 21).
+"""Answers to activation outliers side by side, each with the cost model's figures.
 
 Rows, for each bit-width of `--bits` (W8A8, W4A8, W4A4): Quant.npu in setting (b) (down_proj
 inputs 8-bit, `--mixed-fraction` of them promoted to 16 bits), run as the compare grid runs

@@ -46,7 +46,7 @@ from qnpu_jax.report.plots import (
     share_inside,
 )
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import write_study_json
+from qnpu_jax.studies.harness import say, write_study_json
 
 # (the first linear reading it, a distinct linear input activation) in graph order: the
 # figures' four panels (attention input, o_proj input, MLP input, down_proj input)
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, command: str) -> int:
+    say(f"reading and verifying the run {args.run}")
     run = load_run(args.run)
     config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
     params, model = run.model.params(), run.loaded

@@ -2,7 +2,7 @@
 
 Perplexity on the `wiki` eval split of: the float model; every tensor of the integer graph
 fake-quantized at 16 bits; and static round-to-nearest W8A8 / W4A8 / W4A4 (KV8; per-channel
-Max-Min weights, per-tensor Max-Min activations, the rest of DESIGN.md §3's table), each with
+Max-Min weights, per-tensor Max-Min activations, the rest of docs/design.md §3's table), each with
 and without randomized-Hadamard R1/R2 rotations (QuaRot-style, fused offline). Calibration
 windows come from the `wiki` calib split only.
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from qnpu_jax.export.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import write_study_json
+from qnpu_jax.studies.harness import say, write_study_json
 
 
 def changed_entries(old: Any, new: Any) -> list[str]:
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from qnpu_jax.pipeline.steps import STAGE1_TENSORS, Calibration, calibrate, promote
 
     try:
+        say(f"reading and verifying the run {args.run}")
         run = load_run(args.run)
         config, plan, model = run.config, run.model.require_plan(), run.loaded
         data = Calibration(*calibration_data(config, model.tokenizer))

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import write_study_json
+from qnpu_jax.studies.harness import say, write_study_json
 
 # stage 1 keeps learned scales at max(raw, 1e-8) (`positive_scale`); below this is that floor
 FLOOR = 1e-7
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     from qnpu_jax.pipeline.run import calibration_data, load_run
 
     try:
+        say(f"reading and verifying the run {args.run}")
         run = load_run(args.run)
         config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
         params, model = run.model.params(), run.loaded

@@ -54,7 +54,7 @@ from qnpu_jax.export.graph import SIMULATIONS
 from qnpu_jax.export.int_model import load_int_model, open_engine
 from qnpu_jax.pipeline.run import load_run
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import write_study_json
+from qnpu_jax.studies.harness import say, write_study_json
 
 
 def _ppl(nll_fn: Any, windows: np.ndarray) -> dict[str, Any]:
@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     command = study_command("simulation_gap", argv)
     for run in args.runs:
+        say(f"reading and verifying the run {run}")
         loaded_run = load_run(run)
         config, model = loaded_run.config, loaded_run.loaded
         plan = loaded_run.model.require_plan()
@@ -178,11 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         export_s = None  # None: an existing artifact was reused
 
         if not (art / "manifest.json").exists():
+            say(f"exporting the integer artifact to {art}")
             t0 = time.perf_counter()
             export_run(run, art)
             export_s = time.perf_counter() - t0
         ids = tokenize_documents(load_documents("wiki", "eval"), model.tokenizer)
         windows = eval_windows(ids, args.seq_len, args.windows)
+        say(f"fake-quant perplexity ({', '.join(simulations)}), then the integer engines")
         fakes = {sim: _ppl(m.nll_fn(), windows) for sim, m in under.items()}
         fake = fakes[simulations[0]]
         int_model = load_int_model(art)

@@ -1,6 +1,6 @@
 """Perplexity cost of the embedding and lm_head precisions of a finished run -> JSON + markdown.
 
-DESIGN.md §3 quantizes the embedding table at 8 bits per row and lm_head at W8 per row with a
+docs/design.md §3 quantizes the embedding table at 8 bits per row and lm_head at W8 per row with a
 16-bit input (final_norm_out); the embedding's output (embed_out) is 16-bit. This script
 re-evaluates one finished `qnpu quantize` run with only those tensors changed: each of them
 back in float, all of them in float, and each table at 4 and 16 bits per row (Max-Min from
@@ -22,10 +22,10 @@ from typing import Any
 
 from qnpu_jax.export.graph import EMBED_TABLE, GRAPH, LM_HEAD
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import run_summary, write_study_json
+from qnpu_jax.studies.harness import run_summary, say, write_study_json
 
 TABLES = (EMBED_TABLE, LM_HEAD)
-# the tensors around the tables whose precision DESIGN.md §3 fixes
+# the tensors around the tables whose precision docs/design.md §3 fixes
 TABLE_TENSORS = tuple(t.name for t in GRAPH.global_tensors)
 TABLE_BITS = (4, 16)
 
@@ -65,7 +65,7 @@ def table_variants(plan: Any, state: Any, params: Any, cfg: Any) -> list[Variant
             strict=True,
         )
     )
-    out = [Variant("run", "as the run (DESIGN.md §3)", plan, state)]
+    out = [Variant("run", "as the run (docs/design.md §3)", plan, state)]
     for path in TABLE_TENSORS:
         out.append(Variant(f"float-{path}", f"{names[path]} in float", *without(path)))
     out.append(Variant("float-all", "all four in float", *without(*TABLE_TENSORS)))
@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from qnpu_jax.pipeline.run import evaluate, load_run, wiki_eval_windows
 
     try:
+        say(f"reading and verifying the run {args.run}")
         run = load_run(args.run)
         config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
         params, model = run.model.params(), run.loaded

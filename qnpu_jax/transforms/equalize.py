@@ -77,10 +77,18 @@ def _reader_scale(name: str, s: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 def equalize(params: Params, cfg: ModelConfig | None, scales: Mapping[str, ArrayLike]) -> Params:
     """`params` with each pair's s [L, C] folded in (producer / s, readers · s);
-    model-equivalent and differentiable in `scales`. `cfg` is needed for attn_out (heads)."""
+    model-equivalent and differentiable in `scales`. `cfg` is needed for attn_out (heads).
+
+    The pairs fold in `EQUALIZED`'s order whatever the mapping's order: pairs share tensors
+    (up_proj is mlp_in's reader and down_in's producer), so the order moves their last bits,
+    and a mapping's order does not survive a pytree (sorted keys) or a checkpoint."""
+    unknown = sorted(set(scales) - set(EQUALIZED))
+    if unknown:
+        raise QnpuError(f"no equalized pair divides {unknown[0]!r}; known: {sorted(EQUALIZED)}")
     out = params
-    for name, s in scales.items():
-        out = fold_pair(out, name, s, cfg)
+    for name in EQUALIZED:
+        if name in scales:
+            out = fold_pair(out, name, scales[name], cfg)
     return out
 
 

@@ -1,0 +1,281 @@
+"""What every config key means: `qnpu config show` prints a resolved config with it, and
+docs/config.md is generated from it (`python3 -m qnpu_jax.pipeline.config_doc docs/config.md`;
+tests/test_config.py checks that the file is current and that every key has a meaning)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qnpu_jax.export.graph import MUXQ_MAX_EXP
+from qnpu_jax.mesh import MeshConfig
+from qnpu_jax.pipeline.config import (
+    INIT_SCHEMES,
+    MAX_CALIB_WINDOWS,
+    METHODS,
+    MOBILEQUANT_DEFAULTS,
+    PREFIXES,
+    SCALE_LEARNING_METHODS,
+    SCOPES,
+    WEIGHT_ROUNDINGS,
+    QuantizeConfig,
+)
+from qnpu_jax.pipeline.stage1 import ACTIVATION_MODES, OBJECTIVES, SCALE_PARAMS, Stage1Config
+from qnpu_jax.quant.plan import BLOCK_SIZES, INIT_METHODS, QuantRule
+
+_OR = " | "
+
+# QuantizeConfig's keys, in its field order
+CONFIG_KEYS: dict[str, str] = {
+    "model": "the base model: smollm2-135m, a .gguf file, an HF directory or a hub id org/name",
+    "method": f"the recipe: {_OR.join(METHODS)} (README `qnpu quantize`)",
+    "w_bits": "bits of the decoder linears' weights (2..16)",
+    "a_bits": "bits of the activations (2..16)",
+    "kv_bits": "bits of the K/V cache (2..16)",
+    "down_in_bits": "base bits of the unrotated down_proj input (8 or 16; 16 is the paper's "
+    "Table 1)",
+    "mixed_precision": "share of layers whose down_proj input is promoted to 16 bits by eq. "
+    "(4)'s sensitivity scan (0: none; applies when down_in_bits is 8)",
+    "down_out_mixed_precision": "share of layers whose down_proj output is promoted to 16 bits "
+    "by a scan of the final model (0: none; not in the paper; needs selective: true)",
+    "learn_down_in": "stage 1 learns the down_proj input's scale too (§4.3.1's literal text)",
+    "init_scheme": f"quantnpu's initialization: {_OR.join(INIT_SCHEMES)} (aware: mean ± 3σ "
+    "for rotated 4-bit tensors, Max-Min elsewhere; max_min: Max-Min everywhere)",
+    "selective": "stage 1 learns only the linears' inputs and weights (false: the linear "
+    "outputs and K/V too); null: the method's default (mobilequant false, others true)",
+    "scope": f"what is quantized: {_OR.join(SCOPES)} (linears: only the linears' weights, "
+    "inputs and outputs, Table 2)",
+    "weight_rounding": f"how weights are rounded after stage 2: {_OR.join(WEIGHT_ROUNDINGS)} "
+    "(gptq: GPTQ's codes on the same grid)",
+    "gptq_damp": "GPTQ's dampening, a share of the Hessian's mean diagonal, in (0, 1)",
+    "smooth_mlp": "α of up→down channel smoothing (MobileQuant's SmoothQuant-Edge), in (0, 1); "
+    "null: off",
+    "weight_block": "the linear weights' scales per block of B inputs "
+    f"({', '.join(map(str, BLOCK_SIZES))}); null: one scale per output channel",
+    "weight_block_scale_bits": "with weight_block: integer block scales of k bits times a float "
+    "per row (AIMET's LPBQ); null: float block scales",
+    "shadow_outliers": "mllm-NPU: clip percentile (0, 100] of the down_proj input, its "
+    "overflowing channels on a shadow path; null: off",
+    "shadow_keep": "share of layers that keep a shadow path (with shadow_outliers)",
+    "muxq_exp": "MUXQ: bits the down_proj input's outlier channels are shifted right by "
+    f"(1..{MUXQ_MAX_EXP}); null: off",
+    "muxq_threshold": "MUXQ: |x| above which a channel is an outlier",
+    "equalize": "SmoothQuant α initializing every linear pair's equivalent scales, in (0, 1); "
+    f"null: the method's default (mobilequant {MOBILEQUANT_DEFAULTS['equalize']}, others off)",
+    "weight_clipping": "learnable weight clipping in stage 1 (OmniQuant's LWC; methods "
+    f"{', '.join(SCALE_LEARNING_METHODS)}); null: the method's default",
+    "asymmetric_activations": "a zero point on every activation but the softmax output; null: "
+    "the method's default (mobilequant true, others false)",
+    "asymmetric_weights": "a zero point per linear weight row; null: the method's default "
+    "(mobilequant true, others false)",
+    "prefix": f"sink prefix computed offline before every sequence: {_OR.join(PREFIXES)} "
+    "(none: the paper's setting)",
+    "simulation": "what the fake-quant forward computes between quantizers: device (the "
+    "integer contract's softmax and RoPE tables) | fake (plain float32)",
+    "seed": "seeds the calibration windows, the Hadamard rotations and stage 1's batches",
+    "calib_data": "calibration text: wiki (its calib split) or any data spec (README `Data`)",
+    "seq_len": "window length in tokens, for calibration, stage 1 and evaluation",
+    "calib_windows": f"calibration windows (stage 2 and the scans), 1..{MAX_CALIB_WINDOWS}",
+    "eval_data": "evaluation sets, a list of data specs (wiki: its eval split; wikitext2: "
+    "$QNPU_DATA_DIR's WikiText-2 test)",
+    "eval_windows": "at most this many windows per evaluation set; null: every window",
+    "stage1": "stage 1's schedule (the stage1.* keys); used by "
+    f"{', '.join(m for m in METHODS if m not in ('rtn', 'quarot'))}",
+    "rules": "plan rules applied after the method's defaults, in order (the rules.* keys)",
+    "mesh": "the device mesh {data, fsdp}, DATAxFSDP or auto (the mesh.* keys)",
+}
+
+STAGE1_KEYS: dict[str, str] = {
+    "steps": "optimizer steps",
+    "batch_size": "windows per micro-batch (a multiple of the mesh's data axis)",
+    "grad_accum": "micro-batches accumulated per step",
+    "lr_rotation": "Cayley SGD's learning rate for R1/R2 (cosine decay)",
+    "lr_scale": "SGD's learning rate for the learned scales (cosine decay)",
+    "momentum": "SGD momentum, in [0, 1) (the paper: 0)",
+    "local_loss_fraction": "share of the first steps trained with eq. (3)'s local loss too",
+    "local_loss_weight": "weight of the local loss in those steps",
+    "lsq_grad_scaling": "LSQ's gradient scale on the learned scales",
+    "learn_rotations": "learn R1/R2 (false: they stay as initialized)",
+    "activation_mode": f"activation quantization while training: {_OR.join(ACTIVATION_MODES)} "
+    "(dynamic: per token, SpinQuant)",
+    "scale_param": f"how a learned scale is parameterized: {_OR.join(SCALE_PARAMS)}",
+    "remat": "recompute each layer's activations in the backward pass (less memory)",
+    "checkpoint_every": "steps between checkpoints (what --resume continues from)",
+    "compute_dtype": "the linears' matmul operands: float32 | bfloat16 (float32 accumulation)",
+    "lr_equalization": "Adam's learning rate for equivalent scales and clip factors",
+    "objective": f"what stage 1 minimizes: {_OR.join(OBJECTIVES)} (block: each layer's output "
+    "error against the float layer)",
+}
+
+MESH_KEYS: dict[str, str] = {
+    "data": "devices that split each batch; null: automatic",
+    "fsdp": "devices that split the weights and learned parameters; null: automatic",
+}
+
+RULE_KEYS: dict[str, str] = {
+    "pattern": "a regex matched in full against tensor paths (e.g. layers/down_in)",
+    "bits": "the tensor's bits",
+    "symmetric": "symmetric (true) or with a zero point (false)",
+    "axis": "the scale's channel axis; null: per tensor; -1: leave it unchanged",
+    "init": f"the initializer: {_OR.join(INIT_METHODS)}",
+    "learnable": "stage 1 learns its scale",
+    "layer_bits": "bits per layer, a list of one entry per decoder layer",
+    "block": "weights: a scale per block of B inputs (0: per channel again)",
+    "block_scale_bits": "weights: LPBQ integer block scales of k bits (0: float again)",
+    "quantize": "false: keep the tensor in float",
+}
+
+SECTIONS: tuple[tuple[str, type, Mapping[str, str]], ...] = (
+    ("", QuantizeConfig, CONFIG_KEYS),
+    ("stage1", Stage1Config, STAGE1_KEYS),
+    ("mesh", MeshConfig, MESH_KEYS),
+    ("rules", QuantRule, RULE_KEYS),
+)
+
+
+def undocumented() -> list[str]:
+    """Keys without a meaning here, and meanings of keys that do not exist (empty: in step)."""
+    out = []
+    for prefix, cls, meanings in SECTIONS:
+        names = [f.name for f in dataclasses.fields(cls)]
+        dotted = f"{prefix}." if prefix else ""
+        out += [f"{dotted}{n} (no meaning)" for n in names if n not in meanings]
+        out += [f"{dotted}{n} (not a key)" for n in meanings if n not in names]
+    return out
+
+
+def _value(value: Any) -> str:
+    """A value as YAML flow text (JSON is YAML): strings bare where YAML reads them back."""
+    if isinstance(value, str):
+        return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _line(key: str, value: Any, meaning: str, indent: str = "") -> str:
+    left = f"{indent}{key}: {_value(value)}"
+    return f"{left:40s} # {meaning}"
+
+
+def show_config(config: QuantizeConfig, where: str) -> str:
+    """`config` as YAML that `qnpu quantize --config FILE` reads back, every key with its
+    resolved value and a comment saying what it means."""
+    data = config.to_dict()
+    lines = [f"# {where}, resolved: every key (`qnpu quantize --config FILE` reads this back)"]
+    for key, meaning in CONFIG_KEYS.items():
+        value = data[key]
+        if key == "stage1":
+            lines.append(f"{'stage1:':40s} # {meaning}")
+            lines += [_line(k, value[k], m, "  ") for k, m in STAGE1_KEYS.items()]
+        elif key == "mesh":
+            lines.append(f"{'mesh:':40s} # {meaning}")
+            lines += [_line(k, value[k], m, "  ") for k, m in MESH_KEYS.items()]
+        else:
+            lines.append(_line(key, value, meaning))
+    return "\n".join(lines) + "\n"
+
+
+def settings_summary(config: QuantizeConfig, where: str, recipe: Iterable[Any]) -> list[str]:
+    """The settings `qnpu quantize` prints before it starts: where they came from and the
+    ones that decide the result and its cost (`recipe`: the steps it will run)."""
+    names = [s.name for s in recipe]
+    s1 = config.stage1
+    stage1 = (
+        f"stage 1 {s1.steps} steps of {s1.batch_size} x {s1.grad_accum} windows"
+        if "stage1" in names
+        else f"no stage 1 ({config.method} learns nothing)"
+    )
+    promoted = (
+        f"mixed precision {config.mixed_precision:g} (that share of down_proj inputs at 16 "
+        "bits, by the sensitivity scan)"
+        if "promote" in names and config.mixed_precision > 0
+        else "mixed precision 0 (no down_proj input promoted to 16 bits)"
+    )
+    cap = "every window" if config.eval_windows is None else f"at most {config.eval_windows}"
+    return [
+        f"settings from {where} (`qnpu config show` explains every key):",
+        f"  model {config.model}, method {config.method}, bits {config.bits_name}, {stage1}",
+        f"  calibration {config.calib_data}: {config.calib_windows} windows of {config.seq_len} "
+        f"tokens; evaluation {', '.join(config.eval_data)}: {cap} windows per set",
+        f"  {promoted}, prefix {config.prefix}, seed {config.seed}",
+    ]
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """{field: its default as written in the class} (MISSING where it has none)."""
+    return {
+        f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        for f in dataclasses.fields(cls)
+    }
+
+
+def _table(rows: Mapping[str, str], cls: type, prefix: str = "") -> list[str]:
+    defaults = _defaults(cls)
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for key, meaning in rows.items():
+        default = defaults[key]
+        if default is dataclasses.MISSING:
+            shown = "(required)"
+        elif dataclasses.is_dataclass(default):
+            shown = "(below)"
+        else:
+            shown = f"`{_value(default)}`"
+        lines.append(f"| `{prefix}{key}` | {shown} | {meaning.replace('|', '&#124;')} |")
+    return lines
+
+
+def reference_markdown() -> str:
+    """docs/config.md: every config key, its default and its meaning."""
+    lines = [
+        "# Config keys",
+        "",
+        "<!-- generated by `python3 -m qnpu_jax.pipeline.config_doc docs/config.md` from",
+        "qnpu_jax/pipeline/config_doc.py; tests/test_config.py checks it is current -->",
+        "",
+        "A `qnpu quantize` config is a YAML mapping of these keys (`qnpu configs` lists the",
+        "shipped ones; `--set KEY=VALUE` overrides one, dotted for `stage1.KEY` and",
+        "`mesh.KEY`). Unknown keys are errors. `qnpu config show NAME|FILE` prints a config",
+        "resolved, every key with its value and meaning; `qnpu quantize` prints the settings it",
+        "chose before it starts.",
+        "",
+        "## Top level",
+        "",
+        *_table(CONFIG_KEYS, QuantizeConfig),
+        "",
+        "## `stage1` (methods with a stage 1)",
+        "",
+        *_table(STAGE1_KEYS, Stage1Config, "stage1."),
+        "",
+        "## `mesh`",
+        "",
+        *_table(MESH_KEYS, MeshConfig, "mesh."),
+        "",
+        "## `rules` (a list; each rule a mapping)",
+        "",
+        "A rule changes the plan entries whose path `pattern` matches in full; a key left out",
+        "(null) leaves that field of them as it was.",
+        "",
+        *_table(RULE_KEYS, QuantRule),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write docs/config.md (the path given) or print it."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    text = reference_markdown()
+    if args:
+        Path(args[0]).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

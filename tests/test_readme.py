@@ -1,0 +1,72 @@
+"""README's Python examples run as written, at full size, and print what README says they print.
+
+Each example is a ```python block after `<!-- example: NAME -->`; what it printed is the plain
+``` block after `<!-- output: NAME -->`. Every example runs in a fresh interpreter in an empty
+directory (the examples write runs/ and artifacts/ there). Text must match exactly; numbers
+to a relative 1e-6 (the last digits of a float32 perplexity may move with the BLAS build).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+_NUMBER = re.compile(r"-?\d+\.\d+(?:e[-+]?\d+)?")
+
+
+def readme_examples(text: str) -> dict[str, tuple[str, str | None]]:
+    """{name: (code, printed output or None)} of README's marked examples."""
+    examples: dict[str, tuple[str, str | None]] = {}
+    for m in re.finditer(r"<!-- example: (\S+).*?-->\n```python\n(.*?)```", text, re.S):
+        out = re.search(rf"<!-- output: {re.escape(m.group(1))} -->\n```\n(.*?)```", text, re.S)
+        examples[m.group(1)] = (m.group(2), out.group(1) if out else None)
+    return examples
+
+
+def same_output(got: str, want: str, rel: float = 1e-6) -> bool:
+    """Equal line by line: the text between numbers exactly, the numbers to `rel`."""
+    got_lines, want_lines = got.strip("\n").splitlines(), want.strip("\n").splitlines()
+    if len(got_lines) != len(want_lines):
+        return False
+    for g, w in zip(got_lines, want_lines, strict=True):
+        if _NUMBER.split(g) != _NUMBER.split(w):
+            return False
+        pairs = zip(_NUMBER.findall(g), _NUMBER.findall(w), strict=True)  # same split: same count
+        if not all(math.isclose(float(a), float(b), rel_tol=rel) for a, b in pairs):
+            return False
+    return True
+
+
+EXAMPLES = readme_examples(README.read_text())
+
+
+def test_the_examples_are_found_and_each_has_its_output() -> None:
+    assert set(EXAMPLES) == {"quick-start", "recipe"}
+    assert all(out is not None for _, out in EXAMPLES.values()), EXAMPLES.keys()
+
+
+def test_output_comparison_catches_a_changed_number_or_word() -> None:
+    want = "plan: quantnpu W4A8KV8 29 tensors\nrun: 10.313888519433728\n"
+    assert same_output("plan: quantnpu W4A8KV8 29 tensors\nrun: 10.31388852\n", want)
+    assert not same_output("plan: quantnpu W4A8KV8 29 tensor paths\nrun: 10.313888519\n", want)
+    assert not same_output("plan: quantnpu W4A8KV8 29 tensors\nrun: 10.197112661941082\n", want)
+    assert not same_output("plan: quantnpu W4A8KV8 29 tensors\n", want)
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_readme_example_prints_what_readme_says(name: str, tmp_path: Path) -> None:
+    code, want = EXAMPLES[name]
+    (tmp_path / "example.py").write_text(code)
+    done = subprocess.run(
+        [sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=1500
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert want is not None and same_output(done.stdout, want), (
+        f"README's {name} example printed\n{done.stdout}\nREADME says\n{want}"
+    )
