@@ -25,7 +25,7 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import temp_stem
 
 DIGEST_KEY = "digest"
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a sha256 digest as hex, lower case
 
 
 def canonical_json(doc: Mapping[str, Any]) -> bytes:
@@ -48,7 +48,7 @@ def seal(doc: Mapping[str, Any]) -> dict[str, Any]:
 def check_sealed(doc: Mapping[str, Any], where: str) -> None:
     """Raise unless `doc` carries the digest of its own content."""
     digest = doc.get(DIGEST_KEY)
-    if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+    if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
         raise QnpuError(
             f"{where}: no valid {DIGEST_KEY!r} (not sealed, or written by an older qnpu)"
         )

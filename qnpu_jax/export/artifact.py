@@ -36,6 +36,7 @@ from qnpu_jax.errors import QnpuError, some_of
 from qnpu_jax.files import check_name_length, current_umask, temp_stem, write_bytes_atomic
 from qnpu_jax.integrity import (
     DIGEST_KEY,
+    SHA256_HEX,
     check_record,
     check_sealed,
     file_record,
@@ -60,7 +61,6 @@ INT4_MIN, INT4_MAX = -8, 7
 
 _TENSOR_NAME = re.compile(r"[A-Za-z0-9_.]+")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 # Top-level names an extra file may not take (compared lower-cased: case-insensitive filesystems).
 _RESERVED_FILE_NAMES = frozenset({MANIFEST, TENSOR_DIR, ".", ".."})
 
@@ -454,7 +454,7 @@ def _safe_path(root_real: Path, rel: object, where: str) -> tuple[Path, Path]:
 
 def _check_hash_fields(entry: Mapping[str, Any], where: str) -> tuple[str, int]:
     sha = entry["sha256"]
-    if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+    if not isinstance(sha, str) or not SHA256_HEX.fullmatch(sha):
         raise QnpuError(f"{where}: sha256 must be 64 lower-case hex digits, got {sha!r}")
     nbytes = entry["nbytes"]
     if type(nbytes) is not int or nbytes < 0:

