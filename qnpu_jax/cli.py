@@ -31,6 +31,7 @@ from qnpu_jax.limits import (
     check_at_most,
     check_seed,
 )
+from qnpu_jax.models.quantized import SINK_PREFIXES, prefix_name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--no-progress", action="store_true", help="no progress bars")
     ev.add_argument(
         "--prefix",
-        choices=("none", "bos"),
+        choices=SINK_PREFIXES,
         default=None,
         help="sink prefix before every window (default: none; a run's own prefix with --run)",
     )
@@ -379,12 +380,12 @@ def scored_model(
         config, loaded = finished.config, finished.loaded
         params, state = finished.model.params(), finished.model.state
         taps: Any = FakeQuantTaps(finished.model.require_plan())
-        prefix_name = prefix or config.prefix
+        prefix_spec = prefix or config.prefix
         label = f"run {run} ({config.method} W{config.w_bits}A{config.a_bits})"
     elif model is not None:
         loaded = load_model(model)
         params, state, taps = loaded.params, None, None
-        prefix_name = prefix or "none"
+        prefix_spec = prefix or "none"
         label = model
     else:
         raise QnpuError("score a model or a run: neither was given")
@@ -392,7 +393,7 @@ def scored_model(
         params,
         state,
         taps,
-        sink_prefix(prefix_name, loaded.tokenizer),
+        sink_prefix(prefix_spec, loaded.tokenizer),
         loaded.config,
         loaded.tokenizer,
         label=label,
@@ -400,7 +401,7 @@ def scored_model(
             "model": model if run is None else None,
             "run": str(run) if run is not None else None,
             "path": "float" if run is None else "fake-quant (static)",
-            "prefix": prefix_name,
+            "prefix": prefix_spec,
         },
     )
 
@@ -465,16 +466,17 @@ def _scored_artifact(args: argparse.Namespace) -> Scored:
     model = load_int_model(args.artifact)
     engine = open_engine(args.engine, model)
     prefix = model.graph["prefix_tokens"]
+    tokenizer = artifact_tokenizer(model)
     return Scored(
         label=f"artifact {args.artifact} ({args.engine})",
         nll_fn=engine.token_nll,
         nll_argmax_fn=engine.token_nll_argmax,
-        tokenizer=artifact_tokenizer(model),
+        tokenizer=tokenizer,
         max_length=int(model.graph["max_context"]) - len(prefix),
         report={
             "artifact": str(args.artifact),
             "path": f"integer ({args.engine})",
-            "prefix": "bos" if prefix else "none",
+            "prefix": prefix_name(prefix, tokenizer),
             "source": model.source,
         },
     )
@@ -490,16 +492,17 @@ def _scored_onnx(args: argparse.Namespace) -> Scored:
         raise QnpuError("--prefix does not apply to an ONNX export: its sink prefix is built in")
     model = OnnxModel(args.onnx, qdq=args.qdq)
     kind = "QDQ" if args.qdq else "float"
+    tokenizer = model.tokenizer()
     return Scored(
         label=f"ONNX {args.onnx} ({kind}, onnxruntime CPU)",
         nll_fn=model.token_nll,
         nll_argmax_fn=model.token_nll_argmax,
-        tokenizer=model.tokenizer(),
+        tokenizer=tokenizer,
         max_length=model.max_context - len(model.prefix),
         report={
             "onnx": str(args.onnx),
             "path": f"onnxruntime ({kind})",
-            "prefix": "bos" if model.prefix else "none",
+            "prefix": prefix_name(model.prefix, tokenizer),
             "source": model.manifest.get("source", {}),
         },
     )

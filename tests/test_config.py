@@ -200,3 +200,24 @@ def test_wikitext2_is_read_from_qnpu_data_dir_or_a_clear_error(tmp_path, monkeyp
         load_documents("wikitext2")
     monkeypatch.setenv("QNPU_DATA_DIR", "hf")
     assert wikitext2_spec() == WIKITEXT2_HF
+
+
+def test_each_random_source_takes_its_own_seed_else_the_runs():
+    """`rotation_seed`, `calib_seed`, `data_seed` move one key each; unset, the keys are
+    `run_keys(seed)`'s, so configs without them run as before."""
+    import jax
+    import numpy as np
+
+    from qnpu_jax.pipeline.config import QuantizeConfig
+    from qnpu_jax.pipeline.recipes import config_keys, run_keys
+
+    def data(keys):
+        return [np.asarray(jax.random.key_data(k)).tolist() for k in keys]
+
+    assert data(config_keys(QuantizeConfig(seed=1))) == data(run_keys(1))
+    crossed = data(config_keys(QuantizeConfig(seed=1, rotation_seed=0)))
+    assert crossed == [data(run_keys(1))[0], data(run_keys(0))[1], data(run_keys(1))[2]]
+    crossed = data(config_keys(QuantizeConfig(seed=1, calib_seed=0, data_seed=2)))
+    assert crossed == [data(run_keys(0))[0], data(run_keys(1))[1], data(run_keys(2))[2]]
+    with pytest.raises(QnpuError, match="data_seed"):
+        QuantizeConfig(data_seed=-1)

@@ -142,3 +142,69 @@ def test_sixteen_bit_fake_quant_equals_float_with_rotation_and_bos_prefix(smollm
         wide = float(jnp.max(plain["layers"][name].scale))
         narrow = float(jnp.max(state["layers"][name].scale))
         assert wide > 5 * narrow, (name, wide, narrow)
+
+
+def test_bos_newline_names_bos_then_the_newline_tokens(smollm):
+    from qnpu_jax.models.quantized import prefix_name
+
+    tok = smollm.tokenizer
+    ids = sink_prefix("bos_newline", tok)
+    assert ids == (tok.bos_token_id, *tok.encode("\n", add_bos=False)) and len(ids) == 2
+    assert [prefix_name(sink_prefix(n, tok), tok) for n in ("none", "bos", "bos_newline")] == [
+        "none",
+        "bos",
+        "bos_newline",
+    ]
+    assert prefix_name((5, 6), tok) == "tokens [5, 6]"
+
+
+def test_a_newline_after_bos_keeps_a_first_token_from_becoming_a_second_sink(smollm):
+    """Some first tokens after BOS become a second attention sink: " Salem" (a calibration
+    window's first token under seed 0) puts |down_proj output| above 10,000 where every other
+    token stays near 1,000, and Max-Min ranges then follow it. After BOS + newline it is an
+    ordinary token (docs/results.md, "Seed stability")."""
+    from qnpu_jax.models.quantized import CaptureTaps, tapped_forward
+
+    tok = smollm.tokenizer
+    ids = jnp.asarray([tok.encode(" Salem, Illinois. Although the town", add_bos=False)])
+    taps = CaptureTaps(frozenset({"down_out"}))
+
+    def peak(name):
+        _, aux = tapped_forward(
+            smollm.params,
+            {"layers": None, "outer": None},
+            ids,
+            cfg=smollm.config,
+            taps=taps,
+            prefix=sink_prefix(name, tok),
+        )
+        return float(jnp.max(jnp.abs(aux["layers"]["down_out"])))
+
+    assert peak("bos") > 5000
+    assert peak("bos_newline") < 2000
+
+
+def test_a_two_token_prefix_goes_through_save_load_the_artifact_and_both_engines(
+    two_layer_dir, tmp_path
+):
+    from conftest import engines_agree_with_fake_quant  # tests/ is on sys.path
+
+    from qnpu_jax.export.exporter import export_quantized
+    from qnpu_jax.export.int_model import load_int_model
+    from qnpu_jax.models import load_model
+    from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
+
+    fp = load_model(str(two_layer_dir))
+    data = Calibration.from_text("wiki", fp.tokenizer, seq_len=32, windows=2, key=jax.random.key(0))
+    model = chain(
+        steps.fuse_norms(),
+        steps.hadamard_rotations(jax.random.key(1)),
+        steps.plan(w_bits=8, a_bits=8),
+        steps.calibrate(),
+    )(QuantizedModel.from_float(fp, prefix="bos_newline"), data)
+    assert model.prefix == sink_prefix("bos_newline", fp.tokenizer)
+    model.save(tmp_path / "run")
+    assert QuantizedModel.load(tmp_path / "run").prefix == model.prefix
+    art = load_int_model(export_quantized(model, tmp_path / "art", fp.tokenizer))
+    assert [int(t) for t in art.graph["prefix_tokens"]] == list(model.prefix)
+    engines_agree_with_fake_quant(art, model, np.asarray(data.windows[:1]))

@@ -209,3 +209,39 @@ def test_stage1_step_records_new_keys_only_off_their_default():
     assert "compute_dtype" not in old
     new = stage1_step(Stage1Config(compute_dtype="bfloat16"), jax.random.key(0)).args["config"]
     assert new["compute_dtype"] == "bfloat16"
+
+
+def test_distillation_objective_is_the_kl_from_the_float_model_and_training_lowers_it(
+    tiny_cfg, setup
+):
+    """objective "kl": the fit term is the mean KL(float || fake-quant) of the next-token
+    distributions (checked against a direct computation), 0 between equal distributions,
+    and the jitted step trains on it while reporting the cross-entropy. (Whether it trains
+    a better model is measured on SmolLM2, docs/results.md: on this 2-layer model at W4A4
+    the loss moves by the rounding noise either way.)"""
+    from qnpu_jax.models.quantized import FakeQuantTaps, tapped_forward
+    from qnpu_jax.pipeline.stage1 import distillation_kl, stage1_loss, transformed_params
+
+    ids, fused, r1, r2, plan, state = setup
+    config = _config(steps=8, objective="kl", local_loss_fraction=0.0, lr_rotation=0.2)
+    ts = init_train_state(r1, r2, state, plan, config)
+    batch = jnp.asarray(step_batch(ids, 0, config, 16, jax.random.key(1)))
+    taps = FakeQuantTaps(plan, cfg=tiny_cfg)
+    student, _ = tapped_forward(
+        transformed_params(fused, tiny_cfg, ts["params"]), state, batch[0], cfg=tiny_cfg, taps=taps
+    )
+    teacher, _ = tapped_forward(fused, None, batch[0], cfg=tiny_cfg, taps=None)
+    log_t, log_s = jax.nn.log_softmax(teacher), jax.nn.log_softmax(student)
+    direct = float(jnp.mean(jnp.sum(jnp.exp(log_t) * (log_t - log_s), axis=-1)))
+    loss, parts = stage1_loss(
+        ts["params"], fused, state, batch[0], jnp.float32(0.0), cfg=tiny_cfg, taps=taps,
+        prefix=(), remat=False, objective="kl",
+    )  # fmt: skip
+    assert direct > 1e-3 and float(loss) == pytest.approx(direct, rel=1e-4)
+    assert float(parts["ce"]) > float(loss)  # the cross-entropy is still what it reports
+    assert float(jnp.max(jnp.abs(distillation_kl(teacher, teacher)))) < 1e-6
+    step = make_train_step(tiny_cfg, plan, config)
+    new, metrics = step(ts, batch, fused, state)
+    assert np.isfinite(float(metrics["grad_norm"])) and float(metrics["grad_norm"]) > 0
+    assert float(metrics["ce"]) > float(metrics["loss"]) > 0
+    assert not np.allclose(new["params"]["r1"], ts["params"]["r1"])

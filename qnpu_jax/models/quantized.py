@@ -11,7 +11,7 @@ per-layer bit-widths share one compiled program.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -480,12 +480,38 @@ class HessianTaps:
         return self.inner.embed(state, table, tokens)
 
 
+# Sink prefixes (PrefixQuant): tokens placed before every sequence, their K/V computed
+# offline. "bos_newline" adds a newline after BOS: without it, some first tokens after BOS
+# become a second attention sink (|down_proj output| up to ~15,000 on SmolLM2 against ~1,100
+# elsewhere), and one such window in the calibration set sets every static range after it
+# (docs/results.md, "Seed stability").
+SINK_PREFIXES = ("none", "bos", "bos_newline")
+
+
 def sink_prefix(name: str, tokenizer: Any) -> tuple[int, ...]:
-    """The sink prefix a name stands for: "none" → (), "bos" → (the tokenizer's BOS id,)."""
+    """The sink prefix a name stands for: "none" → (), "bos" → (the tokenizer's BOS id,),
+    "bos_newline" → BOS then the tokens of "\\n"."""
     if name == "none":
         return ()
-    if name == "bos":
-        if tokenizer.bos_token_id is None:
-            raise QnpuError("prefix 'bos': the tokenizer has no BOS token")
-        return (int(tokenizer.bos_token_id),)
-    raise QnpuError(f"unknown sink prefix {name!r}; known: none, bos")
+    if name not in SINK_PREFIXES:
+        raise QnpuError(f"unknown sink prefix {name!r}; known: {', '.join(SINK_PREFIXES)}")
+    if tokenizer.bos_token_id is None:
+        raise QnpuError(f"prefix {name!r}: the tokenizer has no BOS token")
+    ids: tuple[int, ...] = (int(tokenizer.bos_token_id),)
+    if name == "bos_newline":
+        newline = tuple(int(t) for t in tokenizer.encode("\n", add_bos=False))
+        if not newline:
+            raise QnpuError(f"prefix {name!r}: the tokenizer encodes a newline as no token")
+        ids += newline
+    return ids
+
+
+def prefix_name(ids: Sequence[int], tokenizer: Any) -> str:
+    """The name of `SINK_PREFIXES` whose tokens are `ids`, else "tokens [ids]"."""
+    for name in SINK_PREFIXES:
+        try:
+            if sink_prefix(name, tokenizer) == tuple(int(i) for i in ids):
+                return name
+        except QnpuError:
+            continue
+    return f"tokens {[int(i) for i in ids]}"

@@ -21,6 +21,7 @@ from qnpu_jax.fieldtypes import check_field_types
 from qnpu_jax.files import read_text
 from qnpu_jax.limits import MAX_CALIB_WINDOWS, MAX_CONFIG_BYTES, check_seed
 from qnpu_jax.mesh import MeshConfig
+from qnpu_jax.models.quantized import SINK_PREFIXES
 from qnpu_jax.pipeline.stage1 import Stage1Config
 from qnpu_jax.quant.plan import QuantRule, check_block_fields
 
@@ -42,10 +43,12 @@ METHOD_OFF = {
     "asymmetric_weights": False,
     "selective": True,
 }
-PREFIXES = ("none", "bos")
+PREFIXES = SINK_PREFIXES
 INIT_SCHEMES = ("aware", "max_min")
 SCOPES = ("full", "linears")
 WEIGHT_ROUNDINGS = ("rtn", "gptq")
+# The random sources a run draws from, each seeded by `seed` unless its own key is set.
+SOURCE_SEEDS = ("rotation_seed", "calib_seed", "data_seed")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,6 +122,11 @@ class QuantizeConfig:
     # "device" the integer contract's softmax and RoPE tables; "fake" plain float32
     simulation: str = "device"
     seed: int = 0
+    # one random source seeded apart from `seed` (None: `seed`): the Hadamard signs, the
+    # calibration windows, stage 1's batches; for crossing the sources (docs/results.md)
+    rotation_seed: int | None = None
+    calib_seed: int | None = None
+    data_seed: int | None = None
     calib_data: str = "wiki"  # the `wiki` calib split, or a user's calibration text
     seq_len: int = 512
     calib_windows: int = 16  # stage 2 calibration and the sensitivity scan
@@ -232,6 +240,9 @@ class QuantizeConfig:
         if self.down_in_bits < 8:
             raise QnpuError("down_in_bits: the unrotated down_proj input is never below 8 bits")
         check_seed(self.seed)
+        for name in SOURCE_SEEDS:
+            if getattr(self, name) is not None:
+                check_seed(getattr(self, name), name)
         for name in ("seq_len", "calib_windows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -268,6 +279,11 @@ class QuantizeConfig:
             raise QnpuError("stage1 must be a Stage1Config")
         if not isinstance(self.mesh, MeshConfig):
             raise QnpuError("mesh must be a MeshConfig")
+
+    def source_seed(self, name: str) -> int:
+        """The seed of one random source (`SOURCE_SEEDS`): its own, else `seed`."""
+        value = getattr(self, name)
+        return self.seed if value is None else int(value)
 
     @property
     def bits_name(self) -> str:

@@ -23,6 +23,7 @@ from qnpu_jax.pipeline.config import (
     PREFIXES,
     SCALE_LEARNING_METHODS,
     SCOPES,
+    SOURCE_SEEDS,
     WEIGHT_ROUNDINGS,
     QuantizeConfig,
 )
@@ -75,10 +76,14 @@ CONFIG_KEYS: dict[str, str] = {
     "asymmetric_weights": "a zero point per linear weight row; null: the method's default "
     "(mobilequant true, others false)",
     "prefix": f"sink prefix computed offline before every sequence: {_OR.join(PREFIXES)} "
-    "(none: the paper's setting)",
+    "(none: the paper's setting; bos_newline: BOS then a newline, so that no first token "
+    "after BOS becomes a second sink)",
     "simulation": "what the fake-quant forward computes between quantizers: device (the "
     "integer contract's softmax and RoPE tables) | fake (plain float32)",
     "seed": "seeds the calibration windows, the Hadamard rotations and stage 1's batches",
+    "rotation_seed": "seeds the Hadamard signs alone (null: seed); for crossing the sources",
+    "calib_seed": "seeds the calibration windows alone (null: seed)",
+    "data_seed": "seeds stage 1's batches alone (null: seed)",
     "calib_data": "calibration text: wiki (its calib split) or any data spec (README `Data`)",
     "seq_len": "window length in tokens, for calibration, stage 1 and evaluation",
     "calib_windows": f"calibration windows (stage 2 and the scans), 1..{MAX_CALIB_WINDOWS}",
@@ -110,7 +115,8 @@ STAGE1_KEYS: dict[str, str] = {
     "compute_dtype": "the linears' matmul operands: float32 | bfloat16 (float32 accumulation)",
     "lr_equalization": "Adam's learning rate for equivalent scales and clip factors",
     "objective": f"what stage 1 minimizes: {_OR.join(OBJECTIVES)} (block: each layer's output "
-    "error against the float layer)",
+    "error against the float layer; kl: distillation from the float model's next-token "
+    "distributions)",
 }
 
 MESH_KEYS: dict[str, str] = {
@@ -196,13 +202,20 @@ def settings_summary(config: QuantizeConfig, where: str, recipe: Iterable[Any]) 
         if "promote" in names and config.mixed_precision > 0
         else "mixed precision 0 (no down_proj input promoted to 16 bits)"
     )
-    cap = "every window" if config.eval_windows is None else f"at most {config.eval_windows}"
+    cap = (
+        "every window" if config.eval_windows is None else f"at most {config.eval_windows} windows"
+    )
     return [
         f"settings from {where} (`qnpu config show` explains every key):",
         f"  model {config.model}, method {config.method}, bits {config.bits_name}, {stage1}",
         f"  calibration {config.calib_data}: {config.calib_windows} windows of {config.seq_len} "
-        f"tokens; evaluation {', '.join(config.eval_data)}: {cap} windows per set",
-        f"  {promoted}, prefix {config.prefix}, seed {config.seed}",
+        f"tokens; evaluation {', '.join(config.eval_data)}: {cap} per set",
+        f"  {promoted}, prefix {config.prefix}, seed {config.seed}"
+        + "".join(
+            f", {name} {getattr(config, name)}"
+            for name in SOURCE_SEEDS
+            if getattr(config, name) is not None
+        ),
     ]
 
 

@@ -95,6 +95,16 @@ def run_keys(seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     return calib_key, rotation_key, data_key
 
 
+def config_keys(config: QuantizeConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`run_keys` of a config, each source from its own seed (`QuantizeConfig.source_seed`):
+    with none set, `run_keys(config.seed)`."""
+    return (
+        run_keys(config.source_seed("calib_seed"))[0],
+        run_keys(config.source_seed("rotation_seed"))[1],
+        run_keys(config.source_seed("data_seed"))[2],
+    )
+
+
 def init_rules(w_bits: int, a_bits: int) -> list[QuantRule]:
     """Rotation-and-bit-width-aware initialization (§4.2, Tables 4–6): mean ± 3σ for rotated
     activations and per-channel weights at 4 bits, Max-Min at 8 bits and for every unrotated
@@ -148,7 +158,7 @@ def plan_options(config: QuantizeConfig) -> dict[str, Any]:
 
 
 def _before_stage1(config: QuantizeConfig, rotated: bool) -> list[Step]:
-    _, rotation_key, _ = run_keys(config.seed)
+    _, rotation_key, _ = config_keys(config)
     steps = [fuse_norms(), hadamard_rotations(rotation_key)] if rotated else []
     if config.smooth_mlp is not None:
         steps.append(smooth_mlp(config.smooth_mlp))
@@ -188,7 +198,7 @@ def _stage1(config: QuantizeConfig, *, learn_scales: bool) -> Step:
         s1 = dataclasses.replace(s1, activation_mode="dynamic", lr_scale=0.0)
     return stage1(
         s1,
-        run_keys(config.seed)[2],
+        config_keys(config)[2],
         learn_scales=learn_scales,
         selective=bool(config.selective),
         learn_down_in=config.learn_down_in,

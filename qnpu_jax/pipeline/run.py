@@ -52,7 +52,7 @@ from qnpu_jax.models.llama import Params
 from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline.config import QuantizeConfig, load_config
 from qnpu_jax.pipeline.model import QuantizedModel, StepRecord, nll_perplexity
-from qnpu_jax.pipeline.recipes import Recipe, for_config, run_keys
+from qnpu_jax.pipeline.recipes import Recipe, config_keys, for_config
 from qnpu_jax.pipeline.run_manifest import (
     RUN_LOCK,
     RUN_MANIFEST,
@@ -77,7 +77,7 @@ def calibration_data(config: QuantizeConfig, tokenizer: Any) -> tuple[np.ndarray
         tokenizer,
         seq_len=config.seq_len,
         windows=config.calib_windows,
-        key=run_keys(config.seed)[0],
+        key=config_keys(config)[0],
     )
     return data.ids, data.windows
 

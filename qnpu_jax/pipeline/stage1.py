@@ -59,7 +59,9 @@ ACTIVATION_MODES = ("static", "dynamic")
 # "end_to_end": the model's next-token cross-entropy (Quant.npu, MobileQuant); "block": the
 # mean over layers of each decoder layer's output MSE against the float layer on the same
 # float input (OmniQuant's block-wise objective, trained in parallel over the layers)
-OBJECTIVES = ("end_to_end", "block")
+# "kl": distillation, the mean KL(float model || fake-quant model) of each token's next-token
+# distribution (the float model's logits computed in the step, without gradient)
+OBJECTIVES = ("end_to_end", "block", "kl")
 # "linear": the parameter is the scale (the paper; eq. (1) and LSQ gradients as written).
 # "log": the parameter is log s, so a step is relative to s and s stays positive: one lr then
 # suits scales of very different sizes (W4 weight rows ~1e-3, activations ~1e-1).
@@ -316,6 +318,13 @@ def init_train_state(
     }
 
 
+def distillation_kl(teacher_logits: jax.Array, logits: jax.Array) -> jax.Array:
+    """KL(teacher || student) of each position's next-token distribution [..., V] -> [...]."""
+    log_t = jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1)
+    log_s = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.sum(jnp.exp(log_t) * (log_t - log_s), axis=-1)
+
+
 def stage1_loss(
     trainable: dict[str, Any],
     base_params: Params,
@@ -333,7 +342,9 @@ def stage1_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Next-token cross-entropy of the fake-quant model plus `local_weight` × eq. (3); with
     `objective` "block", the mean block error against the float layers replaces the
-    cross-entropy (which is still reported: the float teacher's, a constant).
+    cross-entropy (which is still reported: the float teacher's, a constant); with "kl", the
+    mean KL divergence from the float model's next-token distributions does (distillation;
+    the fake-quant model's cross-entropy is still reported).
 
     `float_tables` (the plan quantizes neither embed_tokens nor lm_head): R1 rotates the
     gathered embedding rows and the final hidden state instead of both [V, D] tables, the
@@ -358,7 +369,15 @@ def stage1_loss(
     ce = jnp.mean(next_token_nll(logits, tokens))
     errors = [jnp.mean(e) for e in jax.tree.leaves(aux.get("layers", {}).get("local_error", {}))]
     local = jnp.mean(jnp.stack(errors)) if errors else jnp.zeros((), jnp.float32)
-    fit = jnp.mean(aux["layers"]["block_error"]) if objective == "block" else ce
+    if objective == "block":
+        fit = jnp.mean(aux["layers"]["block_error"])
+    elif objective == "kl":
+        teacher_logits, _ = tapped_forward(
+            jax.lax.stop_gradient(base_params), None, tokens, cfg=cfg, taps=None, prefix=prefix
+        )
+        fit = jnp.mean(distillation_kl(jax.lax.stop_gradient(teacher_logits), logits))
+    else:
+        fit = ce
     return fit + local_weight * local, {"ce": ce, "local": local}
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
 from qnpu_jax.environment import study_command
 from qnpu_jax.models import load_model
-from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix, tapped_token_nll
+from qnpu_jax.models.quantized import SINK_PREFIXES, FakeQuantTaps, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.quant import QuantPlan, uniform_plan
 from qnpu_jax.quant.state import get_entry
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--calib-windows", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prefix", choices=("none", "bos"), default="none")
+    parser.add_argument("--prefix", choices=SINK_PREFIXES, default="none")
     parser.add_argument("--bits", type=int, default=16)
     parser.add_argument("--rotations", choices=("both", "none", "hadamard"), default="both")
     args = parser.parse_args(argv)

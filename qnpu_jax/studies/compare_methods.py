@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any
 
 from qnpu_jax.argtypes import comma_choices, positive_int
 from qnpu_jax.eval import TASKS
+from qnpu_jax.models.quantized import SINK_PREFIXES
 from qnpu_jax.report.table import HEADLINE, METHOD_LABELS, TASK_LABELS, TaskResult, pct
 from qnpu_jax.studies import study_parser
 
@@ -773,7 +774,7 @@ def add_protocol_args(parser: argparse.ArgumentParser, *, eval_windows: int, pre
         help="WikiText-2 raw test file (default: $QNPU_DATA_DIR/wikitext-2-raw/wiki.test.raw, "
         "the `wikitext2` data spec)",
     )
-    parser.add_argument("--prefix", choices=("none", "bos"), default=prefix)
+    parser.add_argument("--prefix", choices=SINK_PREFIXES, default=prefix)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=s1.steps, help="stage 1 steps")
     parser.add_argument("--stage1-batch-size", type=int, default=s1.batch_size)

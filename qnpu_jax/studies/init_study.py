@@ -38,6 +38,7 @@ import numpy as np
 
 from qnpu_jax.argtypes import comma_choices
 from qnpu_jax.export.graph import LINEARS, ROTATED_INPUTS
+from qnpu_jax.models.quantized import SINK_PREFIXES
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import write_study_json
 
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--calib-windows", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prefix", choices=("none", "bos"), default="none")
+    parser.add_argument("--prefix", choices=SINK_PREFIXES, default="none")
     parser.add_argument("--bits", type=parse_bits, default=BITS, help="e.g. 4,8")
     parser.add_argument("--inits", type=comma_choices(tuple(INITS)), default=tuple(INITS))
     parser.add_argument("--targets", type=comma_choices(tuple(TARGETS)), default=tuple(TARGETS))
