@@ -43,7 +43,6 @@ METHOD_OFF = {
     "asymmetric_weights": False,
     "selective": True,
 }
-PREFIXES = SINK_PREFIXES
 INIT_SCHEMES = ("aware", "max_min")
 SCOPES = ("full", "linears")
 WEIGHT_ROUNDINGS = ("rtn", "gptq")
@@ -227,8 +226,10 @@ class QuantizeConfig:
             raise QnpuError("asymmetric_weights: per-block weights are symmetric")
         if blocked and self.weight_clipping:
             raise QnpuError("weight_clipping learns per-row clip factors: not per-block weights")
-        if self.prefix not in PREFIXES:
-            raise QnpuError(f"unknown prefix {shown(self.prefix)}; known: {', '.join(PREFIXES)}")
+        if self.prefix not in SINK_PREFIXES:
+            raise QnpuError(
+                f"unknown prefix {shown(self.prefix)}; known: {', '.join(SINK_PREFIXES)}"
+            )
         if self.simulation not in SIMULATIONS:
             raise QnpuError(
                 f"unknown simulation {shown(self.simulation)}; known: {', '.join(SIMULATIONS)}"

@@ -15,12 +15,12 @@ import yaml
 
 from qnpu_jax.export.graph import MUXQ_MAX_EXP
 from qnpu_jax.mesh import MeshConfig
+from qnpu_jax.models.quantized import SINK_PREFIXES
 from qnpu_jax.pipeline.config import (
     INIT_SCHEMES,
     MAX_CALIB_WINDOWS,
     METHODS,
     MOBILEQUANT_DEFAULTS,
-    PREFIXES,
     SCALE_LEARNING_METHODS,
     SCOPES,
     SOURCE_SEEDS,
@@ -75,7 +75,7 @@ CONFIG_KEYS: dict[str, str] = {
     "the method's default (mobilequant true, others false)",
     "asymmetric_weights": "a zero point per linear weight row; null: the method's default "
     "(mobilequant true, others false)",
-    "prefix": f"sink prefix computed offline before every sequence: {_OR.join(PREFIXES)} "
+    "prefix": f"sink prefix computed offline before every sequence: {_OR.join(SINK_PREFIXES)} "
     "(none: the paper's setting; bos_newline: BOS then a newline, so that no first token "
     "after BOS becomes a second sink)",
     "simulation": "what the fake-quant forward computes between quantizers: device (the "
