@@ -84,24 +84,23 @@ PROFILE_SKIP = ("ThunkExecutor::", "SlinkyThreadPool::", "ThreadpoolListener::",
 PROFILE_THREADS = ("tf_XLAEigen", "tf_XLAPjRtCpuClient")
 
 
-def _thunk_kind(op: str, shape: str, attention_elements: int) -> str:
+def _thunk_kind(op: str, shape: str, attention_elements: int, vocab_size: int) -> str:
     """`attention_elements`: B·heads·T·T, the size of the scores and probabilities."""
-    last = op.split("/")[-1]
-    if "dot_general" in last:
-        if "bkgts" in op or "btkgd" in op:
-            return "attention matmul"
-        if "ji,ljk" in op or "jvp()" in op:
-            return "R1 rotating the weights"
-        return "lm_head matmul" if re.search(r"\b49152\b", shape) else "linear matmul"
+    dims = [int(x) for x in re.findall(r"\d+", shape.split("[")[-1].split("]")[0])]
     if "ji,ljk" in op or "jvp()" in op:
         return "R1 rotating the weights"
-    dims = [int(x) for x in re.findall(r"\d+", shape.split("[")[-1].split("]")[0])]
+    if "dot_general" in op.split("/")[-1]:
+        if "bkgts" in op or "btkgd" in op:
+            return "attention matmul"
+        return "lm_head matmul" if vocab_size in dims else "linear matmul"
     if "bkgts" in op or "btkgd" in op or math.prod(dims) == attention_elements:
         return "attention elementwise"
     return "other elementwise"
 
 
-def profile_step(compiled: Any, args: tuple[Any, ...], attention_elements: int) -> dict[str, Any]:
+def profile_step(
+    compiled: Any, args: tuple[Any, ...], attention_elements: int, vocab_size: int
+) -> dict[str, Any]:
     """One step under `jax.profiler`: the seconds of each kind of thunk (`_thunk_kind`; each
     thunk's duration on the thread that ran it, so concurrent thunks both count, while the
     partitions a thunk hands to the other worker are inside its own duration), their share,
@@ -130,7 +129,7 @@ def profile_step(compiled: Any, args: tuple[Any, ...], attention_elements: int) 
                 if ev.name.startswith(PROFILE_SKIP):
                     continue
                 shape, op = meta.get(ev.name, ("", ev.name))
-                kind = _thunk_kind(op, shape, attention_elements)
+                kind = _thunk_kind(op, shape, attention_elements, vocab_size)
                 kinds[kind] += ev.duration_ns
                 if "rematted_computation" in op:
                     remat[kind] += ev.duration_ns
@@ -191,13 +190,13 @@ def main() -> int:
     calib = sample_windows(ids, args.seq_len, 2, jax.random.key(1))
     state = calibrate(apply_rotations(base, cfg, r1, r2), cfg, plan, calib)
     train_state = init_train_state(r1, r2, state, plan, s1)
+    step = make_train_step(cfg, plan, s1)
     shape = (args.grad_accum, args.batch_size, args.seq_len)
     batch = jnp.asarray(
         sample_windows(ids, args.seq_len, int(np.prod(shape[:2])), jax.random.key(2))
     )
     batch = batch.reshape(shape)
 
-    step = make_train_step(cfg, plan, s1)
     t0 = time.perf_counter()
     compiled = step.lower(train_state, batch, base, state).compile()
     compile_s = time.perf_counter() - t0
@@ -216,7 +215,9 @@ def main() -> int:
     seconds = float(np.median(times))
     attention_elements = args.batch_size * cfg.num_heads * args.seq_len**2
     profile = (
-        profile_step(compiled, (train_state, batch, base, state), attention_elements)
+        profile_step(
+            compiled, (train_state, batch, base, state), attention_elements, cfg.vocab_size
+        )
         if args.profile
         else None
     )

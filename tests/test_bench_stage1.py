@@ -36,18 +36,25 @@ def test_step_matmul_flops_of_smollm2_at_two_windows(bench):
 def test_thunk_kinds(bench):
     kind = bench._thunk_kind
     fwd = "jit(step)/while/body/closed_call/jvp(jit(tapped_forward))/while/body/closed_call/"
-    assert kind(fwd + "...i,oi->...o/dot_general", "f32[1024,1536]{1,0}", 8) == "linear matmul"
-    assert kind(fwd + "...i,oi->...o/dot_general", "f32[1024,49152]", 8) == "lm_head matmul"
-    assert kind(fwd + "btkgd,bksd->bkgts/dot_general", "f32[2,3,512,64]", 8) == "attention matmul"
-    assert kind(fwd + "add", "f32[2,2,2]{2,1,0}", 8) == "attention elementwise"
-    assert kind(fwd + "add", "f32[2,5]{1,0}", 8) == "other elementwise"
-    assert kind("jit(step)/jvp()/dot_general", "f32[46080,576]", 8) == "R1 rotating the weights"
+    assert (
+        kind(fwd + "...i,oi->...o/dot_general", "f32[1024,1536]{1,0}", 8, 49152) == "linear matmul"
+    )
+    assert kind(fwd + "...i,oi->...o/dot_general", "f32[1024,49152]", 8, 49152) == "lm_head matmul"
+    assert (
+        kind(fwd + "btkgd,bksd->bkgts/dot_general", "f32[2,3,512,64]", 8, 49152)
+        == "attention matmul"
+    )
+    assert kind(fwd + "add", "f32[2,2,2]{2,1,0}", 8, 49152) == "attention elementwise"
+    assert kind(fwd + "add", "f32[2,5]{1,0}", 8, 49152) == "other elementwise"
+    assert (
+        kind("jit(step)/jvp()/dot_general", "f32[46080,576]", 8, 49152) == "R1 rotating the weights"
+    )
 
 
 def test_profile_step_sorts_the_thunks(bench):
     a = jnp.ones((256, 256))
     compiled = jax.jit(lambda a: jnp.tanh(a @ a)).lower(a).compile()
-    profile = bench.profile_step(compiled, (a,), attention_elements=7)
+    profile = bench.profile_step(compiled, (a,), attention_elements=7, vocab_size=49152)
     assert "linear matmul" in profile["by_kind"]
     assert profile["thunk_seconds"] > 0 and profile["process_cpu_seconds"] > 0
     assert sum(v["share"] for v in profile["by_kind"].values()) == pytest.approx(1.0)
