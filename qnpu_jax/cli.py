@@ -379,12 +379,13 @@ def scored_model(
         finished = load_run(run)
         config, loaded = finished.config, finished.loaded
         params, state = finished.model.params(), finished.model.state
+        prefix_params = finished.model.prefix_params()
         taps: Any = FakeQuantTaps(finished.model.require_plan())
         prefix_spec = prefix or config.prefix
         label = f"run {run} ({config.method} W{config.w_bits}A{config.a_bits})"
     elif model is not None:
         loaded = load_model(model)
-        params, state, taps = loaded.params, None, None
+        params, state, taps, prefix_params = loaded.params, None, None, None
         prefix_spec = prefix or "none"
         label = model
     else:
@@ -397,6 +398,7 @@ def scored_model(
         loaded.config,
         loaded.tokenizer,
         label=label,
+        prefix_params=prefix_params,
         report={
             "model": model if run is None else None,
             "run": str(run) if run is not None else None,
@@ -422,6 +424,7 @@ def scored_quantized(
         model.cfg,
         tokenizer,
         label=label,
+        prefix_params=model.prefix_params(),
         report={"path": "fake-quant (static)", **report},
     )
 
@@ -436,12 +439,13 @@ def _scored(
     *,
     label: str,
     report: dict[str, object],
+    prefix_params: Any = None,
 ) -> Scored:
     from qnpu_jax.models.quantized import tapped_nll_argmax, tapped_token_nll
 
     prefix = tuple(prefix_ids)
     fns = {
-        f: partial(f, params, state, cfg=cfg, taps=taps, prefix=prefix)
+        f: partial(f, params, state, cfg=cfg, taps=taps, prefix=prefix, prefix_params=prefix_params)
         for f in (tapped_token_nll, tapped_nll_argmax)
     }
     return Scored(

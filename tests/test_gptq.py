@@ -190,12 +190,46 @@ def test_gptq_run_stores_codes_that_eval_and_export_use(gptq_run, tmp_path):
         np.testing.assert_array_equal(read_artifact(art).tensor(f"layers.{name}.weight"), q)
 
 
+def test_the_sink_prefix_runs_on_the_weights_before_rounding(gptq_run, tmp_path):
+    """The prefix is computed offline in float, so weight codes must not reach it: codes
+    equal to round-to-nearest's give exactly the model without codes (whose taps round the
+    weights of the tokens only), in the fake-quant NLL and in the artifact's prefix K/V."""
+    from qnpu_jax.export.artifact import read_artifact
+    from qnpu_jax.export.exporter import export_quantized
+    from qnpu_jax.pipeline.run import load_run
+
+    run = load_run(gptq_run)
+    model = run.model
+    assert model.prefix and model.weight_codes
+    unrounded = model.prefix_params()
+    state = model.require_state()["layers"]
+    rtn = {}
+    for name in model.weight_codes:
+        s, w = state[name], unrounded["layers"][name]
+        lo, hi = s.qmin[:, None, None], s.qmax[:, None, None]
+        rtn[name] = jnp.clip(jnp.round(w / s.scale) + s.zero_point, lo, hi)
+    coded, plain = model.replace(weight_codes=rtn), model.replace(weight_codes=None)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 16)))
+    got, want = coded.nll_fn()(tokens), plain.nll_fn()(tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # without the fix the prefix ran on the rounded weights: the two would differ
+    arts = {}
+    for label, m in (("coded", coded), ("plain", plain)):
+        art = export_quantized(
+            m, tmp_path / label, run.loaded.tokenizer, max_context=64, prefill_chunk=16
+        )
+        arts[label] = read_artifact(art)
+    for kv in ("layers.prefix.k", "layers.prefix.v"):
+        np.testing.assert_array_equal(arts["coded"].tensor(kv), arts["plain"].tensor(kv))
+
+
 def test_gptq_study_on_a_gptq_run(gptq_run, tmp_path):
     """The run's weights are on the grid already, so GPTQ keeps every code: both columns of
     `qnpu study gptq_study` give the run's own perplexity on the run's windows."""
     from qnpu_jax import cli
 
     args = ["--run", str(gptq_run), "--grids", "learned,max_min", "--eval-windows", "2"]
+    args.append("--weights-only")
     # through the CLI: `qnpu study gptq_study ...`, which the report records to re-run it
     assert cli.main(["study", "gptq_study", *args, "--json", str(tmp_path / "g.json")]) == 0
     doc = json.loads((tmp_path / "g.json").read_text())
@@ -206,6 +240,11 @@ def test_gptq_study_on_a_gptq_run(gptq_run, tmp_path):
     assert rows["learned"]["rtn_ppl"] == pytest.approx(wiki, rel=1e-6)
     assert rows["learned"]["gptq_ppl"] == pytest.approx(wiki, rel=1e-6)
     assert rows["max_min"]["gptq_ppl"] != rows["max_min"]["rtn_ppl"]
+    # the weight floor: the same codes with every activation float
+    learned = rows["learned"]
+    assert learned["gptq_weights_only_ppl"] == pytest.approx(learned["rtn_weights_only_ppl"])
+    assert learned["rtn_weights_only_ppl"] != pytest.approx(wiki, rel=1e-6)
+    assert doc["float_ppl"] != pytest.approx(learned["rtn_weights_only_ppl"], rel=1e-6)
 
 
 def test_restage2_recalibrates_only_what_the_rules_change(gptq_run, two_layer_dir, tmp_path):

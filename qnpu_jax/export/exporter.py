@@ -434,9 +434,12 @@ def export_model(
     tokenizer_info: Mapping[str, Any] | None = None,
     source: Mapping[str, Any] | None = None,
     graph: Graph = GRAPH,
+    prefix_params: Params | None = None,
 ) -> ExportedModel:
     """The integer artifact of a fake-quant model (`params` as the fake-quant forward uses
-    them: fused and rotated for rotated methods): the constants of each op of `graph`."""
+    them: fused and rotated for rotated methods): the constants of each op of `graph`.
+    `prefix_params`: what the offline sink prefix runs on where not `params`
+    (`QuantizedModel.prefix_params`)."""
     n = cfg.num_layers
     if plan.num_layers != n:
         raise QnpuError(f"plan has {plan.num_layers} layers, the model {n}")
@@ -588,7 +591,14 @@ def export_model(
             tensors["layers.pv.M"], tensors["layers.pv.shift"] = _requant(real, "layers.pv")
             if prefix:
                 k_codes, v_codes = prefix_cache_codes(
-                    params, cfg, plan, state, prefix, acts[k_in], acts[v_in], graph
+                    params if prefix_params is None else prefix_params,
+                    cfg,
+                    plan,
+                    state,
+                    prefix,
+                    acts[k_in],
+                    acts[v_in],
+                    graph,
                 )
                 tensors["layers.prefix.k"], tensors["layers.prefix.v"] = k_codes, v_codes
         elif op.kind == "add":  # two inputs rescaled into the output with one shared shift
@@ -705,6 +715,7 @@ def export_quantized(
         model.require_plan(),
         model.require_state(),
         prefix=model.prefix,
+        prefix_params=model.prefix_params(),
         tokenizer_info=tokenizer_info(tokenizer),
         source=dict(source or {"model": model.source, "steps": [s.name for s in model.steps]}),
         **kwargs,

@@ -785,7 +785,7 @@ def export_run_onnx(run_dir: Path | str, out_dir: Path | str, **kwargs: Any) -> 
 def prefix_kv(model: Any) -> np.ndarray:
     """The sink prefix's K/V [2 (float, fake-quant), 2 (K, V), L, Hkv, P, hd] as the float
     and the fake-quant model compute them (the prefix runs in float; fake-quant quantizes only
-    its K/V)."""
+    its K/V, and runs it on the weights before GPTQ's rounding where the model has such)."""
     import jax
     import jax.numpy as jnp
 
@@ -796,11 +796,14 @@ def prefix_kv(model: Any) -> np.ndarray:
     if not p:
         return np.zeros((2, 2, cfg.num_layers, cfg.num_kv_heads, 0, cfg.head_dim), np.float32)
     params = model.params()
+    unrounded = model.prefix_params()
     plan = model.require_plan()
     state = effective_state(plan, model.require_state())
     tokens = jnp.asarray([model.prefix], jnp.int32)
     out = []
     for taps in (None, CacheOnlyTaps(FakeQuantTaps(plan))):
+        if taps is not None and unrounded is not None:
+            params = unrounded
         _, cache, _ = jax.jit(
             lambda params, state, tokens, taps=taps: forward_tapped(
                 params, tokens, init_cache(cfg, 1, p), jnp.int32(0), state, cfg=cfg, taps=taps

@@ -284,6 +284,7 @@ def tapped_forward(
     residual_rotation: jax.Array | None = None,
     graph: Graph = GRAPH,
     teacher: Params | None = None,
+    prefix_params: Params | None = None,
 ) -> tuple[jax.Array, Any]:
     """Full-sequence forward under `taps`: logits [B, T, V] and the taps' auxiliary output.
 
@@ -294,6 +295,9 @@ def tapped_forward(
     `taps=None` is the float model; `remat` recomputes layers in the backward pass;
     `residual_rotation` as in `forward_tapped` (tables left unrotated, rotated on the fly);
     `teacher` as there (block-wise errors against float params, the prefix included).
+    `prefix_params`: the float params the offline prefix runs on, where `params` hold
+    weights rounded off the grid's nearest codes (GPTQ's; default: `params`, whose weights
+    the prefix then takes in float since its taps quantize only the K/V cache).
     """
     b, t = tokens.shape
     n = len(prefix)
@@ -305,7 +309,7 @@ def tapped_forward(
         sink = jnp.broadcast_to(jnp.asarray(prefix, jnp.int32), (b, n))
         prefix_taps = CacheOnlyTaps(taps) if taps is not None else None
         _, cache, prefix_aux = forward_tapped(
-            params,
+            params if prefix_params is None else prefix_params,
             sink,
             cache,
             start,
@@ -345,6 +349,7 @@ def tapped_token_nll(
     taps: Any,
     prefix: tuple[int, ...] = (),
     graph: Graph = GRAPH,
+    prefix_params: Params | None = None,
 ) -> jax.Array:
     """Next-token NLL [B, T-1] of tokens[:, 1:] under `taps` (logits never leave the jit).
 
@@ -352,7 +357,14 @@ def tapped_token_nll(
     runs with and without a prefix predict the same tokens.
     """
     logits, _ = tapped_forward(
-        params, tap_state, tokens, cfg=cfg, taps=taps, prefix=prefix, graph=graph
+        params,
+        tap_state,
+        tokens,
+        cfg=cfg,
+        taps=taps,
+        prefix=prefix,
+        graph=graph,
+        prefix_params=prefix_params,
     )
     return next_token_nll(logits, tokens)
 
@@ -367,10 +379,18 @@ def tapped_nll_argmax(
     taps: Any,
     prefix: tuple[int, ...] = (),
     graph: Graph = GRAPH,
+    prefix_params: Params | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """NLL of tokens[:, 1:] and the argmax prediction at each of those positions [B, T-1]."""
     logits, _ = tapped_forward(
-        params, tap_state, tokens, cfg=cfg, taps=taps, prefix=prefix, graph=graph
+        params,
+        tap_state,
+        tokens,
+        cfg=cfg,
+        taps=taps,
+        prefix=prefix,
+        graph=graph,
+        prefix_params=prefix_params,
     )
     return next_token_nll(logits, tokens), jnp.argmax(logits[:, :-1], axis=-1)
 

@@ -27,6 +27,7 @@ import json
 import shutil
 import zlib
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh
 
 from qnpu_jax.errors import QnpuError, first_line
 from qnpu_jax.files import write_json_atomic
+from qnpu_jax.mesh import place_params
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
 from qnpu_jax.models.load import WeightsIdentity
@@ -154,6 +157,14 @@ class QuantizedModel(struct.PyTreeNode):
             params = weights_from_codes(params, self.require_state(), self.weight_codes)
         return params
 
+    def prefix_params(self) -> Params | None:
+        """The float params the offline sink prefix runs on where they differ from
+        `params()` (GPTQ's codes in place): the transformed weights before rounding. None:
+        `params()` serve (the prefix's taps leave weights in float)."""
+        if not self.weight_codes:
+            return None
+        return self.transforms.apply(self.base, self.cfg)
+
     def require_plan(self) -> QuantPlan:
         if self.plan is None:
             raise QnpuError("the model has no quantization plan yet: add a plan step first")
@@ -174,14 +185,21 @@ class QuantizedModel(struct.PyTreeNode):
                 return rec.info
         return None
 
-    def nll_fn(self, params: Params | None = None) -> Any:
+    def nll_fn(self, mesh: Mesh | None = None) -> Any:
         """tokens [B, T] -> next-token NLL [B, T-1] of the static fake-quant model (the float
-        model while there is no state). `params`: precomputed `self.params()`."""
-        from functools import partial
-
-        p = self.params() if params is None else params
+        model while there is no state), with the params placed on `mesh` (if any). The sink
+        prefix runs on `prefix_params()` where those differ."""
         taps = FakeQuantTaps(self.require_plan()) if self.state is not None else None
-        return partial(tapped_token_nll, p, self.state, cfg=self.cfg, taps=taps, prefix=self.prefix)
+        prefix_params = self.prefix_params()
+        return partial(
+            tapped_token_nll,
+            place_params(mesh, self.params()),
+            self.state,
+            cfg=self.cfg,
+            taps=taps,
+            prefix=self.prefix,
+            prefix_params=None if prefix_params is None else place_params(mesh, prefix_params),
+        )
 
     def perplexity(self, windows: np.ndarray, *, progress: bool = False) -> dict[str, Any]:
         """{"ppl", "windows", "tokens"} of the fake-quant model over token `windows` [N, T]."""

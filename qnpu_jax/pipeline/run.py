@@ -97,12 +97,21 @@ def evaluate(
     windows: np.ndarray,
     prefix: tuple[int, ...],
     mesh: Mesh | None = None,
+    prefix_params: Params | None = None,
 ) -> dict[str, Any]:
     """Perplexity of the float (state None) or static fake-quant model over `windows`, on
-    `mesh` with the params sharded and the windows split along its data axis."""
+    `mesh` with the params sharded and the windows split along its data axis.
+    `prefix_params`: what the sink prefix runs on where not `params`
+    (`QuantizedModel.prefix_params`: a model with GPTQ's codes)."""
     taps = FakeQuantTaps(plan) if plan is not None else None
     nll = partial(
-        tapped_token_nll, place_params(mesh, params), state, cfg=cfg, taps=taps, prefix=prefix
+        tapped_token_nll,
+        place_params(mesh, params),
+        state,
+        cfg=cfg,
+        taps=taps,
+        prefix=prefix,
+        prefix_params=None if prefix_params is None else place_params(mesh, prefix_params),
     )
     return nll_perplexity(nll, windows, mesh=mesh)
 
@@ -298,8 +307,7 @@ def _quantize(
     model.save(run_dir)
 
     t0 = time.perf_counter()
-    params = place_params(mesh, model.params())
-    nll = model.nll_fn(params)
+    nll = model.nll_fn(mesh)
     results: dict[str, Any] = {}
     for spec, windows in eval_sets.items():
         say(

@@ -82,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     run = load_run(args.run)
     config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
     params, model = run.model.params(), run.loaded
+    unrounded = run.model.prefix_params()  # the sink prefix's float weights (GPTQ runs)
     cfg = model.config
     prefix = run.model.prefix  # the sink prefix the run was made with
     windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
     float_ppl = evaluate(model.params, None, None, cfg, windows, prefix)["ppl"]
-    run_ppl = evaluate(params, state, plan, cfg, windows, prefix)["ppl"]
+    run_ppl = evaluate(params, state, plan, cfg, windows, prefix, prefix_params=unrounded)["ppl"]
     print(f"float {float_ppl:.3f}, run {run_ppl:.3f}", flush=True)
     rows = []
     for key in GROUP_SETS[args.rows]:
@@ -95,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         if not dropped:
             continue
         kept_plan, kept_state = without(plan, state, drop)
-        ppl = evaluate(params, kept_state, kept_plan, cfg, windows, prefix)["ppl"]
+        ppl = evaluate(
+            params, kept_state, kept_plan, cfg, windows, prefix, prefix_params=unrounded
+        )["ppl"]
         rows.append({"group": key, "label": label, "dropped": dropped, "ppl": ppl})
         print(f"{label}: {ppl:.3f}", flush=True)
     write_study_json(

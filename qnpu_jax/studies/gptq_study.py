@@ -6,9 +6,11 @@ run's fake-quant perplexity on the `wiki` eval split with the linear weights rou
 nearest and with GPTQ codes (`qnpu_jax.quant.gptq`; Hessians from one calibration pass of
 the run's fake-quant model, the run's calibration windows). Every activation encoding stays
 the run's. `qnpu quantize` with `weight_rounding: gptq` is the "learned" column.
+`--weights-only` adds both columns with every activation in float (the weight floor: what the
+weights alone cost, W4A16 and beyond), so one command shows the floor beside the run.
 
     qnpu study gptq_study --run runs/smollm2-135m-quarot-w4a8 \
-        --grids learned,mse,max_min --json reports/gptq_study.json
+        --grids learned,mse,max_min --weights-only --json reports/gptq_study.json
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import dataclasses
 import time
 from typing import Any
 
+from qnpu_jax.quant.plan import is_weight
 from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.error_budget import without
 from qnpu_jax.studies.harness import run_summary, say, write_study_json
 
 GRIDS = ("learned", "mse", "max_min")
@@ -29,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = study_parser(__name__, __doc__, run=True, eval_windows=32, json=True)
     parser.add_argument("--grids", type=comma_choices(GRIDS), default=GRIDS)
     parser.add_argument("--damp", type=float, default=0.01)
+    parser.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="also both columns with every activation in float (the weight floor)",
+    )
     args = parser.parse_args(argv)
     from qnpu_jax.environment import study_command
 
@@ -47,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     run = load_run(args.run)
     config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
     params, model = run.model.params(), run.loaded
+    # the sink prefix runs on the weights before rounding (GPTQ's codes are not the prefix's)
+    unrounded = run.model.prefix_params() or params
     cfg = model.config
     prefix = run.model.prefix  # the sink prefix the run was made with
     _, calib = calibration_data(config, model.tokenizer)
@@ -64,18 +75,37 @@ def main(argv: list[str] | None = None) -> int:
                 assert planned is not None  # rounded_weights lists planned tensors only
                 tq = dataclasses.replace(planned, init=grid)
                 grid_state = reencode_weight(params, cfg, grid_state, path, tq)
-        rtn = evaluate(params, grid_state, plan, cfg, windows, prefix)["ppl"]
+        rtn = evaluate(params, grid_state, plan, cfg, windows, prefix, prefix_params=unrounded)[
+            "ppl"
+        ]
         t0 = time.perf_counter()
         codes = gptq_weight_codes(params, grid_state, plan, hessians, damp=args.damp)
         gptq_s = time.perf_counter() - t0
         gptq_params = weights_from_codes(params, grid_state, codes)
-        gptq = evaluate(gptq_params, grid_state, plan, cfg, windows, prefix)["ppl"]
-        rows.append({"grid": grid, "rtn_ppl": rtn, "gptq_ppl": gptq, "gptq_seconds": gptq_s})
+        gptq = evaluate(
+            gptq_params, grid_state, plan, cfg, windows, prefix, prefix_params=unrounded
+        )["ppl"]
+        row = {"grid": grid, "rtn_ppl": rtn, "gptq_ppl": gptq, "gptq_seconds": gptq_s}
         print(f"{grid}: round-to-nearest {rtn:.3f}, GPTQ {gptq:.3f} ({gptq_s:.0f} s)", flush=True)
+        if args.weights_only:
+            w_plan, w_state = without(plan, grid_state, lambda p: not is_weight(p))
+            row["rtn_weights_only_ppl"] = evaluate(
+                params, w_state, w_plan, cfg, windows, prefix, prefix_params=unrounded
+            )["ppl"]
+            row["gptq_weights_only_ppl"] = evaluate(
+                gptq_params, w_state, w_plan, cfg, windows, prefix, prefix_params=unrounded
+            )["ppl"]
+            print(
+                f"{grid}, activations float: round-to-nearest {row['rtn_weights_only_ppl']:.3f},"
+                f" GPTQ {row['gptq_weights_only_ppl']:.3f}",
+                flush=True,
+            )
+        rows.append(row)
     write_study_json(
         args.json,
         {
             **run_summary(args.run, config, windows),
+            "float_ppl": evaluate(model.params, None, None, cfg, windows, prefix)["ppl"],
             "damp": args.damp,
             "hessian_seconds": hessian_s,
             "rows": rows,

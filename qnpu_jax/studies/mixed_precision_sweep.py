@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     run = load_run(args.run)
     config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
     params, model = run.model.params(), run.loaded
+    unrounded = run.model.prefix_params()  # the sink prefix's float weights (GPTQ runs)
     cfg = model.config
     prefix = run.model.prefix  # the sink prefix the run was made with
     _, calib = calibration_data(config, model.tokenizer)
@@ -77,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             (path, TensorQuant(bits=8, layer_bits=layer_bits) if path == f"layers/{DOWN_IN}" else t)
             for path, t in plan.entries
         )
-        ppl = evaluate(params, swept_state, swept_plan, cfg, windows, prefix)["ppl"]
+        ppl = evaluate(
+            params, swept_state, swept_plan, cfg, windows, prefix, prefix_params=unrounded
+        )["ppl"]
         rows.append(
             {
                 "fraction": p,

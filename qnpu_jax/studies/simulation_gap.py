@@ -93,16 +93,18 @@ def fake_quant_argmax(model: Any, windows: np.ndarray) -> np.ndarray:
     from qnpu_jax.models.quantized import FakeQuantTaps, tapped_forward
 
     params, taps = model.params(), FakeQuantTaps(model.require_plan())
+    prefix_params = model.prefix_params()
 
     @jax.jit  # params and state as arguments: closed over, XLA would constant-fold them
-    def top(params: Any, state: Any, tokens: Any) -> Any:
+    def top(params: Any, state: Any, tokens: Any, prefix_params: Any) -> Any:
         logits, _ = tapped_forward(
-            params, state, tokens, cfg=model.cfg, taps=taps, prefix=model.prefix
-        )
+            params, state, tokens, cfg=model.cfg, taps=taps, prefix=model.prefix,
+            prefix_params=prefix_params,
+        )  # fmt: skip
         return jnp.argmax(logits[:, :-1], axis=-1)
 
     return np.concatenate(
-        [np.asarray(top(params, model.state, jnp.asarray(w[None]))) for w in windows]
+        [np.asarray(top(params, model.state, jnp.asarray(w[None]), prefix_params)) for w in windows]
     )
 
 

@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         run = load_run(args.run)
         config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
         params, model = run.model.params(), run.loaded
+        unrounded = run.model.prefix_params()  # the sink prefix's float weights (GPTQ runs)
         cfg = model.config
         variants = table_variants(plan, state, params, cfg)
     except QnpuError as e:
@@ -134,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"float: {float_ppl:.3f}", flush=True)
     rows = []
     for v in variants:
-        ppl = evaluate(params, v.state, v.plan, cfg, windows, prefix)["ppl"]
+        ppl = evaluate(params, v.state, v.plan, cfg, windows, prefix, prefix_params=unrounded)[
+            "ppl"
+        ]
         sizes = {}
         for t in TABLES:
             tq = v.plan.get(t)
