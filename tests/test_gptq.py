@@ -190,6 +190,52 @@ def test_gptq_run_stores_codes_that_eval_and_export_use(gptq_run, tmp_path):
         np.testing.assert_array_equal(read_artifact(art).tensor(f"layers.{name}.weight"), q)
 
 
+def _rtn_coded(model):
+    """(the model with round-to-nearest's own codes as its GPTQ codes, the model without
+    codes): the two are the same model, unless a forward runs its prefix on rounded weights."""
+    assert model.prefix and model.weight_codes
+    unrounded = model.prefix_params()
+    state = model.require_state()["layers"]
+    rtn = {}
+    for name in model.weight_codes:
+        s, w = state[name], unrounded["layers"][name]
+        lo, hi = s.qmin[:, None, None], s.qmax[:, None, None]
+        rtn[name] = jnp.clip(jnp.round(w / s.scale) + s.zero_point, lo, hi)
+    return model.replace(weight_codes=rtn), model.replace(weight_codes=None)
+
+
+def test_steps_after_gptq_run_the_prefix_on_the_weights_before_rounding(gptq_run):
+    """Steps composed after gptq: a partial calibration keeps the codes and runs the prefix
+    on the weights before rounding; a scan that resets the plan, like a transform, drops the
+    codes and measures the weights before rounding."""
+    from qnpu_jax.pipeline import steps
+    from qnpu_jax.pipeline.calibrate import calibrate
+    from qnpu_jax.pipeline.run import calibration_data, load_run
+    from qnpu_jax.pipeline.steps import Calibration
+
+    run = load_run(gptq_run)
+    coded, plain = _rtn_coded(run.model)
+    ids, windows = calibration_data(run.config, run.tokenizer)
+    data = Calibration(ids, windows[:4])
+    # the tokens' statistics take the rounded weights (the model as deployed), the prefix not
+    sub = coded.plan.with_entries(e for e in coded.plan.entries if e[0] == "layers/down_in")
+    got = steps.calibrate(["layers/down_in"])(coded, data)
+    assert got.weight_codes is not None
+    kw = {"prefix": coded.prefix}
+    want = calibrate(coded.params(), coded.cfg, sub, data.windows, **kw,
+                     prefix_params=coded.prefix_params())  # fmt: skip
+    rounded = calibrate(coded.params(), coded.cfg, sub, data.windows, **kw)
+    enc = got.state["layers"]["down_in"]
+    np.testing.assert_array_equal(enc.scale, want["layers"]["down_in"].scale)
+    assert not np.array_equal(enc.scale, rounded["layers"]["down_in"].scale)
+    promote = steps.promote("down_out", 0.5)
+    got, want = promote(coded, data), promote(plain, data)
+    assert got.weight_codes is None
+    assert got.steps[-1].info["ratios"] == want.steps[-1].info["ratios"]
+    smoothed = steps.smooth_mlp(0.3)(coded, data)
+    assert smoothed.weight_codes is None  # codes of the weights before smoothing go
+
+
 def test_the_sink_prefix_runs_on_the_weights_before_rounding(gptq_run, tmp_path):
     """The prefix is computed offline in float, so weight codes must not reach it: codes
     equal to round-to-nearest's give exactly the model without codes (whose taps round the
@@ -199,16 +245,8 @@ def test_the_sink_prefix_runs_on_the_weights_before_rounding(gptq_run, tmp_path)
     from qnpu_jax.pipeline.run import load_run
 
     run = load_run(gptq_run)
+    coded, plain = _rtn_coded(run.model)
     model = run.model
-    assert model.prefix and model.weight_codes
-    unrounded = model.prefix_params()
-    state = model.require_state()["layers"]
-    rtn = {}
-    for name in model.weight_codes:
-        s, w = state[name], unrounded["layers"][name]
-        lo, hi = s.qmin[:, None, None], s.qmax[:, None, None]
-        rtn[name] = jnp.clip(jnp.round(w / s.scale) + s.zero_point, lo, hi)
-    coded, plain = model.replace(weight_codes=rtn), model.replace(weight_codes=None)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 16)))
     got, want = coded.nll_fn()(tokens), plain.nll_fn()(tokens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

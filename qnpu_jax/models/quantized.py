@@ -354,19 +354,12 @@ def tapped_token_nll(
     """Next-token NLL [B, T-1] of tokens[:, 1:] under `taps` (logits never leave the jit).
 
     With a `prefix` the first token is conditioned on it too, but it is still not scored, so
-    runs with and without a prefix predict the same tokens.
+    runs with and without a prefix predict the same tokens. (The argmax, unused, compiles away.)
     """
-    logits, _ = tapped_forward(
-        params,
-        tap_state,
-        tokens,
-        cfg=cfg,
-        taps=taps,
-        prefix=prefix,
-        graph=graph,
+    return tapped_nll_argmax(
+        params, tap_state, tokens, cfg=cfg, taps=taps, prefix=prefix, graph=graph,
         prefix_params=prefix_params,
-    )
-    return next_token_nll(logits, tokens)
+    )[0]  # fmt: skip
 
 
 @partial(jax.jit, static_argnames=("cfg", "taps", "prefix", "graph"))

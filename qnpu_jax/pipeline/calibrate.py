@@ -81,8 +81,18 @@ def _observe_step(
     taps: ObserveTaps,
     prefix: tuple[int, ...],
     graph: Graph,
+    prefix_params: Params | None = None,
 ) -> Any:
-    _, aux = tapped_forward(params, stats, tokens, cfg=cfg, taps=taps, prefix=prefix, graph=graph)
+    _, aux = tapped_forward(
+        params,
+        stats,
+        tokens,
+        cfg=cfg,
+        taps=taps,
+        prefix=prefix,
+        graph=graph,
+        prefix_params=prefix_params,
+    )
     return aux
 
 
@@ -97,10 +107,13 @@ def collect_activation_stats(
     prefix: tuple[int, ...] = (),
     graph: Graph = GRAPH,
     mesh: Mesh | None = None,
+    prefix_params: Params | None = None,
 ) -> dict[str, Any]:
     """RangeStats of every calibrated activation of `plan` over `windows` [N, T] (each after
     the sink `prefix`, whose K/V count towards the cache ranges), the forward read from
-    `graph`; on `mesh`, `batch_size` windows at a time split along its data axis."""
+    `graph`; on `mesh`, `batch_size` windows at a time split along its data axis.
+    `prefix_params`: the float params the prefix runs on where not `params`
+    (`QuantizedModel.prefix_params`)."""
     paths = _observed_paths(plan)
     taps = ObserveTaps(paths)
     stats = _empty_stats(plan, paths, cfg.num_layers)
@@ -109,7 +122,16 @@ def collect_activation_stats(
     # The last batch may be smaller (one more compilation): every window counts once.
     for i in tqdm(range(0, len(windows), batch_size), desc="calibrate", disable=not progress):
         batch = put_batch(mesh, windows[i : i + batch_size])
-        stats = _observe_step(params, stats, batch, cfg=cfg, taps=taps, prefix=prefix, graph=graph)
+        stats = _observe_step(
+            params,
+            stats,
+            batch,
+            cfg=cfg,
+            taps=taps,
+            prefix=prefix,
+            graph=graph,
+            prefix_params=prefix_params,
+        )
     return host_tree(stats)  # on this host, also when the mesh spans several
 
 
@@ -122,8 +144,11 @@ def _capture_step(
     taps: CaptureTaps,
     prefix: tuple[int, ...],
     layer: int,
+    prefix_params: Params | None = None,
 ) -> dict[str, jax.Array]:
-    _, aux = tapped_forward(params, None, tokens, cfg=cfg, taps=taps, prefix=prefix)
+    _, aux = tapped_forward(
+        params, None, tokens, cfg=cfg, taps=taps, prefix=prefix, prefix_params=prefix_params
+    )
     return {name: x[layer] for name, x in aux["layers"].items()}
 
 
@@ -136,6 +161,7 @@ def capture_activations(
     layer: int,
     batch_size: int = 1,
     prefix: tuple[int, ...] = (),
+    prefix_params: Params | None = None,
 ) -> dict[str, np.ndarray]:
     """The float values of the activations `names` of decoder `layer` over `windows` [N, T]
     (after the sink `prefix`, which is not captured): {name: [N, T, width]}. The same forward
@@ -151,7 +177,15 @@ def capture_activations(
     parts: dict[str, list[np.ndarray]] = {name: [] for name in names}
     for i in range(0, len(windows), batch_size):
         batch = jnp.asarray(windows[i : i + batch_size])
-        out = _capture_step(params, batch, cfg=cfg, taps=taps, prefix=prefix, layer=layer)
+        out = _capture_step(
+            params,
+            batch,
+            cfg=cfg,
+            taps=taps,
+            prefix=prefix,
+            layer=layer,
+            prefix_params=prefix_params,
+        )
         for name in names:
             x = np.asarray(out[name], np.float32)
             parts[name].append(x.reshape(x.shape[0], x.shape[1], -1))  # heads → one width
@@ -167,8 +201,11 @@ def _absmax_step(
     cfg: ModelConfig,
     taps: ChannelAbsMaxTaps,
     prefix: tuple[int, ...],
+    prefix_params: Params | None = None,
 ) -> dict[str, jax.Array]:
-    _, aux = tapped_forward(params, None, tokens, cfg=cfg, taps=taps, prefix=prefix)
+    _, aux = tapped_forward(
+        params, None, tokens, cfg=cfg, taps=taps, prefix=prefix, prefix_params=prefix_params
+    )
     return {name: jnp.maximum(running[name], aux["layers"][name]) for name in running}
 
 
@@ -180,6 +217,7 @@ def channel_absmax(
     *,
     batch_size: int = 1,
     prefix: tuple[int, ...] = (),
+    prefix_params: Params | None = None,
 ) -> dict[str, np.ndarray]:
     """Per-channel max |x| [L, C] of the per-layer activations `names` over `windows` [N, T]
     (after the sink `prefix`, which is not counted), on the same forward as the calibration."""
@@ -192,12 +230,23 @@ def channel_absmax(
     taps = ChannelAbsMaxTaps(frozenset(names))
     first = jnp.asarray(windows[:batch_size])
     shapes = jax.eval_shape(
-        lambda t: tapped_forward(params, None, t, cfg=cfg, taps=taps, prefix=prefix)[1], first
+        lambda t: tapped_forward(
+            params, None, t, cfg=cfg, taps=taps, prefix=prefix, prefix_params=prefix_params
+        )[1],
+        first,
     )["layers"]
     running = {name: jnp.zeros(shapes[name].shape, jnp.float32) for name in names}
     for i in range(0, len(windows), batch_size):
         batch = jnp.asarray(windows[i : i + batch_size])
-        running = _absmax_step(params, running, batch, cfg=cfg, taps=taps, prefix=prefix)
+        running = _absmax_step(
+            params,
+            running,
+            batch,
+            cfg=cfg,
+            taps=taps,
+            prefix=prefix,
+            prefix_params=prefix_params,
+        )
     out = {name: np.asarray(x) for name, x in running.items()}
     for name, x in out.items():
         if not np.all(np.isfinite(x)):
@@ -349,11 +398,13 @@ def calibrate(
     prefix: tuple[int, ...] = (),
     graph: Graph = GRAPH,
     mesh: Mesh | None = None,
+    prefix_params: Params | None = None,
 ) -> QuantState:
     """Static encodings of every tensor in `plan`: weights from the weights, activations from
     statistics of the float model of `graph` over calibration `windows` (after the sink
     `prefix`); on `mesh`, the windows split along its data axis (`batch_size` None: as many
-    as it has devices)."""
+    as it has devices). `prefix_params`: the float params the prefix runs on where not
+    `params` (`QuantizedModel.prefix_params`)."""
     stats = collect_activation_stats(
         params,
         cfg,
@@ -364,6 +415,7 @@ def calibrate(
         prefix=prefix,
         graph=graph,
         mesh=mesh,
+        prefix_params=prefix_params,
     )
     encodings = weight_encodings(params, cfg, plan) | activation_encodings(
         stats, plan, cfg.num_layers

@@ -157,13 +157,22 @@ class QuantizedModel(struct.PyTreeNode):
             params = weights_from_codes(params, self.require_state(), self.weight_codes)
         return params
 
+    def unrounded_params(self) -> Params:
+        """The transformed float params before GPTQ's rounding (`params()` without codes)."""
+        return self.transforms.apply(self.base, self.cfg)
+
     def prefix_params(self) -> Params | None:
         """The float params the offline sink prefix runs on where they differ from
         `params()` (GPTQ's codes in place): the transformed weights before rounding. None:
-        `params()` serve (the prefix's taps leave weights in float)."""
+        `params()` serve (the prefix's taps leave weights in float). Every forward of a model
+        with codes takes them (`prefix_params=`), or its prefix K/V are the rounded model's."""
         if not self.weight_codes:
             return None
-        return self.transforms.apply(self.base, self.cfg)
+        return self.unrounded_params()
+
+    def with_transforms(self, transforms: Transforms) -> QuantizedModel:
+        """The model under new `transforms`: GPTQ's codes, made for the old weights, go."""
+        return self.replace(transforms=transforms, weight_codes=None)
 
     def require_plan(self) -> QuantPlan:
         if self.plan is None:

@@ -32,6 +32,7 @@ from qnpu_jax.export.graph import (
     layer_widths,
 )
 from qnpu_jax.mesh import place_params
+from qnpu_jax.models.llama import Params
 from qnpu_jax.models.quantized import state_entry
 from qnpu_jax.pipeline.calibrate import calibrate as calibrate_state
 from qnpu_jax.pipeline.calibrate import channel_absmax, collect_activation_stats
@@ -147,7 +148,7 @@ def fuse_norms() -> Step:
         if m.transforms.rotated or m.transforms.mlp_smoothing is not None:
             raise QnpuError("fuse_norms comes before rotations and smoothing")
         fuse_norm_weights(m.base, m.cfg)  # refuses a model it cannot fuse, now
-        return m.replace(transforms=m.transforms.replace(fused_norms=True)), None
+        return m.with_transforms(m.transforms.replace(fused_norms=True)), None
 
     return Step("fuse_norms", {}, fn, "fusing the norms into the linears")
 
@@ -161,7 +162,7 @@ def hadamard_rotations(key: jax.Array) -> Step:
         if m.transforms.rotated:
             raise QnpuError("hadamard_rotations: the model is rotated already")
         r1, r2 = randomized_hadamard_rotations(m.cfg, key)
-        return m.replace(transforms=m.transforms.replace(r1=r1, r2=r2)), None
+        return m.with_transforms(m.transforms.replace(r1=r1, r2=r2)), None
 
     args = {"key": np.asarray(jax.random.key_data(key)).tolist()}
     return Step("hadamard_rotations", args, fn, "randomized Hadamard rotations R1/R2")
@@ -176,12 +177,12 @@ def smooth_mlp(alpha: float) -> Step:
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
         if m.transforms.mlp_smoothing is not None:
             raise QnpuError("smooth_mlp: the model is smoothed already")
-        params = m.params()
+        params = m.unrounded_params()  # the new transforms drop GPTQ's codes
         x = UNROTATED_INPUT
         absmax = channel_absmax(params, m.cfg, data.windows, (x,), prefix=m.prefix)
         scales = smoothing_scales(absmax[x], reader_absmax(params, m.cfg, x), alpha)
         t = m.transforms.replace(mlp_smoothing=scales, mlp_smoothing_alpha=float(alpha))
-        return m.replace(transforms=t), None
+        return m.with_transforms(t), None
 
     return Step("smooth_mlp", {"alpha": alpha}, fn, f"MLP smoothing (alpha {alpha})")
 
@@ -202,7 +203,7 @@ def equalize(alpha: float = 0.5, pairs: Sequence[str] | None = None) -> Step:
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
         if m.transforms.equalization:
             raise QnpuError("equalize: the model is equalized already")
-        params = m.params()
+        params = m.unrounded_params()  # the new transforms drop GPTQ's codes
         absmax = channel_absmax(params, m.cfg, data.windows, chosen, prefix=m.prefix)
         scales = {
             name: smoothing_scales(
@@ -220,7 +221,7 @@ def equalize(alpha: float = 0.5, pairs: Sequence[str] | None = None) -> Step:
             }
             for name, s in scales.items()
         }
-        return m.replace(transforms=m.transforms.replace(equalization=scales)), info
+        return m.with_transforms(m.transforms.replace(equalization=scales)), info
 
     args = {"alpha": alpha, "pairs": list(chosen)}
     return Step("equalize", args, fn, f"equivalent scaling of {', '.join(chosen)} (α {alpha})")
@@ -271,7 +272,7 @@ def promote(tensor: str, fraction: float) -> Step:
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
         current = m.require_plan()
         scan = tensor_sensitivity(
-            place_params(ctx.mesh, m.params()),
+            place_params(ctx.mesh, m.unrounded_params()),  # the new plan drops GPTQ's codes
             m.cfg,
             data.windows,
             tensor,
@@ -340,7 +341,7 @@ def stage1(
         s1_plan = stage1_plan(
             m.require_plan(), selective=selective, learn=learn_scales, learn_down_in=learn_down_in
         )
-        params = place_params(ctx.mesh, m.params())
+        params = place_params(ctx.mesh, m.unrounded_params())  # stage 1 drops GPTQ's codes
         s1_state = calibrate_state(
             params, m.cfg, s1_plan, data.windows, prefix=m.prefix, mesh=ctx.mesh
         )
@@ -431,8 +432,8 @@ def calibrate(paths: Sequence[str] | None = None) -> Step:
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
         plan = m.require_plan()
         if chosen is None:
-            state = calibrate_state(
-                place_params(ctx.mesh, m.params()),
+            state = calibrate_state(  # GPTQ's codes go: their grid is recalibrated
+                place_params(ctx.mesh, m.unrounded_params()),
                 m.cfg,
                 plan,
                 data.windows,
@@ -458,6 +459,7 @@ def calibrate(paths: Sequence[str] | None = None) -> Step:
                 data.windows,
                 prefix=m.prefix,
                 mesh=ctx.mesh,
+                prefix_params=_placed_prefix_params(m, ctx),
             )
         )
         for p, fields in by_path(m.trained or {}).items():  # stage 1's scales stay
@@ -469,6 +471,12 @@ def calibrate(paths: Sequence[str] | None = None) -> Step:
     args = {} if chosen is None else {"paths": list(chosen)}
     what = "every tensor of the plan" if chosen is None else ", ".join(chosen)
     return Step("calibrate", args, fn, f"stage 2: static calibration of {what}")
+
+
+def _placed_prefix_params(m: QuantizedModel, ctx: Context) -> Params | None:
+    """`m.prefix_params()` on the context's mesh (None: the prefix runs on `m.params()`)."""
+    unrounded = m.prefix_params()
+    return None if unrounded is None else place_params(ctx.mesh, unrounded)
 
 
 def _channel_input(plan: QuantPlan, tensor: str, what: str) -> TensorQuant:
@@ -501,10 +509,17 @@ def shadow_outliers(tensor: str = UNROTATED_INPUT, clip: float = 99.99, keep: fl
         plan, state = m.require_plan(), m.require_state()
         tq = _channel_input(plan, tensor, "shadow outliers")
         params = place_params(ctx.mesh, m.params())
+        prefix_params = _placed_prefix_params(m, ctx)
         n = m.cfg.num_layers
         single = QuantPlan(((path, dataclasses.replace(tq, init="percentile")),), n)
         stats = collect_activation_stats(
-            params, m.cfg, single, data.windows, prefix=m.prefix, mesh=ctx.mesh
+            params,
+            m.cfg,
+            single,
+            data.windows,
+            prefix=m.prefix,
+            mesh=ctx.mesh,
+            prefix_params=prefix_params,
         )["layers"][tensor]
         clipped = [
             scale_from_stats(
@@ -514,7 +529,9 @@ def shadow_outliers(tensor: str = UNROTATED_INPUT, clip: float = 99.99, keep: fl
         ]
         clip_scale = np.stack([np.asarray(s, np.float32).reshape(()) for s, _ in clipped])
         clip_zero = np.stack([np.asarray(z, np.float32).reshape(()) for _, z in clipped])
-        absmax = channel_absmax(params, m.cfg, data.windows, (tensor,), prefix=m.prefix)[tensor]
+        absmax = channel_absmax(
+            params, m.cfg, data.windows, (tensor,), prefix=m.prefix, prefix_params=prefix_params
+        )[tensor]
         choice = choose_shadows(absmax, clip_scale, clip_zero, tq, keep)
         old = get_entry(state, path)
         kept = np.isin(np.arange(n), choice.kept_layers)
@@ -551,7 +568,14 @@ def muxq(tensor: str = UNROTATED_INPUT, exp: int = 2, threshold: float = 6.0) ->
             raise QnpuError(f"MUXQ: {path} must be symmetric (Body's range from |x|)")
         params = place_params(ctx.mesh, m.params())
         n = m.cfg.num_layers
-        absmax = channel_absmax(params, m.cfg, data.windows, (tensor,), prefix=m.prefix)[tensor]
+        absmax = channel_absmax(
+            params,
+            m.cfg,
+            data.windows,
+            (tensor,),
+            prefix=m.prefix,
+            prefix_params=_placed_prefix_params(m, ctx),
+        )[tensor]
         choice = choose_muxq(absmax, exp, threshold, tq)
         old = np.asarray(get_entry(state, path).scale, np.float32).reshape(n)
         qmax = np.array([tq.qrange(tq.bits_for_layer(i))[1] for i in range(n)], np.float64)

@@ -102,9 +102,11 @@ def window_stats(
     int_model: Any,
     window: np.ndarray,
     simulations: tuple[str, ...] = SIMULATIONS,
+    prefix_params: Any = None,
 ) -> dict[str, dict[str, np.ndarray]]:
     """{simulation: {tensor: [L or 1, 4] stats}} of one window [T] (see `STAT_FIELDS`): the
-    fake-quant model (`params`, `plan`, `state`) forced onto `int_model`'s codes."""
+    fake-quant model (`params`, `plan`, `state`; its prefix on `prefix_params` where not
+    `params`) forced onto `int_model`'s codes."""
     import jax.numpy as jnp
 
     from qnpu_jax.emulator import engine as E
@@ -125,7 +127,9 @@ def window_stats(
     for simulation in simulations:
         taps = ForcedTaps(FakeQuantTaps(dataclasses.replace(plan, simulation=simulation)))
         tokens = jnp.asarray(window[None])
-        aux = _forced_aux(params, tap_state, tokens, cfg=cfg, taps=taps, prefix=prefix)
+        aux = _forced_aux(
+            params, tap_state, tokens, prefix_params, cfg=cfg, taps=taps, prefix=prefix
+        )
         stats = {n: np.asarray(v) for n, v in aux["layers"].items()}
         out[simulation] = stats | {n: np.asarray(v)[None] for n, v in aux["outer"].items()}
     return out
@@ -133,12 +137,21 @@ def window_stats(
 
 @partial(jax.jit, static_argnames=("cfg", "taps", "prefix"))
 def _forced_aux(
-    params: Any, tap_state: Any, tokens: Any, *, cfg: Any, taps: ForcedTaps, prefix: Any
+    params: Any,
+    tap_state: Any,
+    tokens: Any,
+    prefix_params: Any,
+    *,
+    cfg: Any,
+    taps: ForcedTaps,
+    prefix: Any,
 ) -> Any:
     """The forced forward's statistics; compiled once per simulation, not per window."""
     from qnpu_jax.models.quantized import tapped_forward
 
-    return tapped_forward(params, tap_state, tokens, cfg=cfg, taps=taps, prefix=prefix)[1]
+    return tapped_forward(
+        params, tap_state, tokens, cfg=cfg, taps=taps, prefix=prefix, prefix_params=prefix_params
+    )[1]
 
 
 def summarize(per_window: list[dict[str, np.ndarray]]) -> dict[str, Any]:
@@ -184,9 +197,20 @@ def main(argv: list[str] | None = None) -> int:
     int_model = load_int_model(art)
     simulations = tuple(args.simulations)
     plan, state, params = model.require_plan(), model.require_state(), model.params()
+    prefix_params = model.prefix_params()  # the sink prefix's float weights (GPTQ runs)
     say(f"{len(windows)} windows of {args.seq_len}: every op's codes against the device's")
     stats = [
-        window_stats(params, model.cfg, plan, state, model.prefix, int_model, w, simulations)
+        window_stats(
+            params,
+            model.cfg,
+            plan,
+            state,
+            model.prefix,
+            int_model,
+            w,
+            simulations,
+            prefix_params=prefix_params,
+        )
         for w in windows
     ]
     report = {

@@ -99,7 +99,8 @@ def run(args: argparse.Namespace, command: str) -> int:
     say(f"reading and verifying the run {args.run}")
     run = load_run(args.run)
     config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
-    params, model = run.model.params(), run.loaded
+    # the run's rotated float model: the weights before GPTQ's rounding, as the prefix's
+    params, model = run.model.unrounded_params(), run.loaded
     cfg = model.config
     if not 0 <= args.layer < cfg.num_layers:
         raise QnpuError(f"--layer {args.layer}: the model has layers 0..{cfg.num_layers - 1}")

@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"reading and verifying the run {args.run}")
         run = load_run(args.run)
         config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
-        params, model = run.model.params(), run.loaded
+        # the reference calibrates the rotated float model: the weights before GPTQ's rounding
+        params, model = run.model.unrounded_params(), run.loaded
         sub = learnable_plan(plan, config)
     except QnpuError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -108,7 +108,7 @@ def first_step_sensitivity(run_dir: Path, eps: float, seed: int = 0) -> dict[str
         raise SystemExit(f"{run_dir}: the run learns no rotations (no stage 1 to measure)")
     ids, windows = calibration_data(run.config, run.tokenizer)
     plan = config_stage1_plan(model.require_plan(), run.config)
-    state = calibrate(model.params(), cfg, plan, windows, prefix=model.prefix)
+    state = calibrate(model.unrounded_params(), cfg, plan, windows, prefix=model.prefix)
     base = t.apply(model.base, cfg, rotate=False)
     batch = step_batch(ids, 0, config, run.config.seq_len, run_keys(run.config.seed)[2])
     step = make_train_step(cfg, plan, config, model.prefix)
