@@ -1004,6 +1004,15 @@ def _plan_summary(plan: Any, num_layers: int) -> str:
         if tq is not None:
             sixteen = sum(tq.bits_for_layer(i) == 16 for i in range(num_layers))
             parts.append(f"down_proj {what} 16-bit in {sixteen} of {num_layers} layers")
+    down = {f"layers/{UNROTATED_INPUT}", f"layers/{UNROTATED_OUTPUT}"}
+    by_count: dict[int, list[str]] = {}  # the other 16-bit layer activations, by layer count
+    for path, tq in plan.entries:
+        if path.startswith("layers/") and not is_weight(path) and path not in down:
+            sixteen = sum(tq.bits_for_layer(i) == 16 for i in range(num_layers))
+            if sixteen:
+                by_count.setdefault(sixteen, []).append(path.removeprefix("layers/"))
+    for sixteen, names in sorted(by_count.items(), reverse=True):
+        parts.append(f"{', '.join(names)} 16-bit in {sixteen} of {num_layers} layers")
     return ", ".join(parts)
 
 

@@ -164,6 +164,7 @@ def test_cli_cost_of_a_config_writes_its_report(tmp_path, capsys):
     assert lines[0].startswith("model smollm2-135m: 30 layers, hidden 576")
     assert lines[1].startswith("plan of config smollm2-135m-quantnpu-w4a8 (quantnpu W4A8KV8):")
     assert "down_proj inputs 16-bit in 3 of 30 layers" in lines[1]
+    assert "up_out 16-bit in 30 of 30 layers" in lines[1]  # the default's rule
     assert "not measured" in lines[2]
     assert lines[3].startswith("  mobilequant-table6: a MAC with one 16-bit operand takes")
     assert lines[4].startswith("  quantnpu-table3: a MAC with one 16-bit operand takes 1.20")

@@ -262,8 +262,9 @@ def test_the_sink_prefix_runs_on_the_weights_before_rounding(gptq_run, tmp_path)
 
 
 def test_gptq_study_on_a_gptq_run(gptq_run, tmp_path):
-    """The run's weights are on the grid already, so GPTQ keeps every code: both columns of
-    `qnpu study gptq_study` give the run's own perplexity on the run's windows."""
+    """Both columns of `qnpu study gptq_study` round the weights before rounding: on the
+    run's own grid, GPTQ redoes the run's codes (the run's perplexity) and round-to-nearest
+    gives another."""
     from qnpu_jax import cli
 
     args = ["--run", str(gptq_run), "--grids", "learned,max_min", "--eval-windows", "2"]
@@ -275,18 +276,22 @@ def test_gptq_study_on_a_gptq_run(gptq_run, tmp_path):
     rows = {r["grid"]: r for r in doc["rows"]}
     report = json.loads((gptq_run / "report.json").read_text())
     wiki = report["perplexity"]["wiki"]["quantized_ppl"]
-    assert rows["learned"]["rtn_ppl"] == pytest.approx(wiki, rel=1e-6)
     assert rows["learned"]["gptq_ppl"] == pytest.approx(wiki, rel=1e-6)
+    assert rows["learned"]["rtn_ppl"] != pytest.approx(wiki, rel=1e-6)
     assert rows["max_min"]["gptq_ppl"] != rows["max_min"]["rtn_ppl"]
     # the weight floor: the same codes with every activation float
     learned = rows["learned"]
-    assert learned["gptq_weights_only_ppl"] == pytest.approx(learned["rtn_weights_only_ppl"])
-    assert learned["rtn_weights_only_ppl"] != pytest.approx(wiki, rel=1e-6)
+    assert learned["gptq_weights_only_ppl"] != pytest.approx(learned["rtn_weights_only_ppl"])
+    assert learned["gptq_weights_only_ppl"] != pytest.approx(wiki, rel=1e-6)
     assert doc["float_ppl"] != pytest.approx(learned["rtn_weights_only_ppl"], rel=1e-6)
 
 
-def test_restage2_recalibrates_only_what_the_rules_change(gptq_run, two_layer_dir, tmp_path):
+def test_restage2_recalibrates_only_what_the_rules_change(
+    gptq_run, two_layer_dir, tmp_path, capsys
+):
     import yaml
+
+    from qnpu_jax import cli
 
     restage2 = load_script("restage2")
     base = {"model": str(two_layer_dir), **GPTQ_RUN}
@@ -303,7 +308,31 @@ def test_restage2_recalibrates_only_what_the_rules_change(gptq_run, two_layer_di
     report = json.loads((gptq_run / "report.json").read_text())
     assert out["run_ppl"] == pytest.approx(report["perplexity"]["wiki"]["quantized_ppl"], rel=1e-6)
     assert out["new_ppl"] != out["run_ppl"]
-    assert out["gptq_codes_kept"] is True and out["down_out_promotion"] is None
+    assert out["gptq_redone"] is True and out["down_out_promotion"] is None
+    # what `qnpu quantize` gives with that config (same seed: same stage 2 and GPTQ)
+    full = tmp_path / "full"
+    quantize = ["quantize", "--config", str(tmp_path / "clip.yaml"), "--out", str(full)]
+    assert cli.main([*quantize, "--no-progress"]) == 0
+    wiki = json.loads((full / "report.json").read_text())["perplexity"]["wiki"]
+    assert out["new_ppl"] == pytest.approx(wiki["quantized_ppl"], rel=1e-6)
+    assert run({"weight_rounding": "rtn"}, "rtn") == 0  # the run's codes go
+    out = json.loads((tmp_path / "rtn").read_text())
+    assert out["recalibrated"] == [] and out["gptq_redone"] is False
+    assert out["new_ppl"] != pytest.approx(out["run_ppl"], rel=1e-6)
+    # more eval sets: each scored for both models, the first one's figures on top
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{i % 97} and more text" for i in range(400)))
+    sets = ["--eval-data", f"wiki,{text}", "--json", str(tmp_path / "sets")]
+    assert restage2.main(["--run", str(gptq_run), "--config", str(tmp_path / "rtn.yaml"),
+                          "--eval-windows", "2", *sets]) == 0  # fmt: skip
+    both = json.loads((tmp_path / "sets").read_text())
+    assert list(both["perplexity"]) == ["wiki", str(text)]
+    assert both["perplexity"]["wiki"]["new_ppl"] == out["new_ppl"] == both["new_ppl"]
+    assert both["perplexity"][str(text)]["new_ppl"] != out["new_ppl"]
+    missing = ["--eval-data", f"wiki,{tmp_path / 'none.txt'}", "--json", str(tmp_path / "m")]
+    rtn_config = ["--config", str(tmp_path / "rtn.yaml")]
+    assert restage2.main(["--run", str(gptq_run), *rtn_config, *missing]) == 2  # before any work
+    assert "none.txt" in capsys.readouterr().err and not (tmp_path / "m").exists()
     assert run({"down_out_mixed_precision": 0.5}, "dout") == 0  # the scan on the final model
     out = json.loads((tmp_path / "dout").read_text())
     assert out["recalibrated"] == ["layers/down_out"]
@@ -368,3 +397,6 @@ def test_table_cost_and_error_budget_on_a_run(gptq_run, tmp_path):
     assert {r["group"] for r in budget["rows"]} == {
         "weights", "activations", "down_in", "linear_outputs", "rotated_inputs", "kv"
     }  # fmt: skip
+    # float weights are the weights before GPTQ's rounding, not its codes left in the params
+    by_group = {r["group"]: r["ppl"] for r in budget["rows"]}
+    assert by_group["weights"] != pytest.approx(wiki, rel=1e-6)

@@ -5,7 +5,9 @@ for the others), or the per-channel scales recomputed with Max-Min or the MSE se
 run's fake-quant perplexity on the `wiki` eval split with the linear weights rounded to
 nearest and with GPTQ codes (`qnpu_jax.quant.gptq`; Hessians from one calibration pass of
 the run's fake-quant model, the run's calibration windows). Every activation encoding stays
-the run's. `qnpu quantize` with `weight_rounding: gptq` is the "learned" column.
+the run's. `qnpu quantize` with `weight_rounding: gptq` is the "learned" column. Both start
+from the weights before rounding, also on a run with GPTQ's codes (whose "learned" GPTQ
+column is then the run itself).
 `--weights-only` adds both columns with every activation in float (the weight floor: what the
 weights alone cost, W4A16 and beyond), so one command shows the floor beside the run.
 
@@ -55,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     say(f"reading and verifying the run {args.run}")
     run = load_run(args.run)
     config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
-    params, model = run.model.params(), run.loaded
-    # the sink prefix runs on the weights before rounding (GPTQ's codes are not the prefix's)
-    unrounded = run.model.prefix_params() or params
+    # the weights before rounding: both columns round them (a GPTQ run's codes are dropped),
+    # and the sink prefix runs on them
+    params, model = run.model.unrounded_params(), run.loaded
+    unrounded = params
     cfg = model.config
     prefix = run.model.prefix  # the sink prefix the run was made with
     _, calib = calibration_data(config, model.tokenizer)

@@ -1,15 +1,17 @@
 """Stage 2 of a finished run again under other plan rules, without a new stage 1 -> JSON.
 
-`--config` (default: the run's own config) must equal the run's config except for `rules` and
-`down_out_mixed_precision`, which `--down-out-mixed-precision P` also sets; the change must
-leave the tensors stage 1 learned (the linears' inputs and weights) as they were. A changed
-`down_out_mixed_precision` runs its scan on the run's final model, as `qnpu quantize` does. A
-run with GPTQ codes keeps them (a full run would re-choose them under the new plan; the JSON
-says so). The tensors whose entry changes are recalibrated on the run's rotated model and
-calibration windows, everything else keeps the run's encodings, and both plans are evaluated on
-the same `wiki` eval windows. Because stage 1 never sees the other tensors, the result equals
-what `qnpu quantize --config CONFIG` gives (same seed, same stage 1), at the cost of one
-calibration and two evaluations.
+`--config` (default: the run's own config) must equal the run's config except for `rules`,
+`down_out_mixed_precision` (which `--down-out-mixed-precision P` also sets), `weight_rounding`
+and `gptq_damp`; the change must leave the tensors stage 1 learned (the linears' inputs and
+weights) as they were. A changed `down_out_mixed_precision` runs its scan on the run's final
+model (its weights before GPTQ's rounding), as `qnpu quantize` does. The tensors whose entry
+changes are recalibrated on the run's rotated model and calibration windows, everything else
+keeps the run's encodings; with `weight_rounding: gptq` GPTQ then re-chooses the codes under
+the new plan (`rtn`: the run's codes go), and both models are evaluated on the same `wiki` eval
+windows. Because stage 1 never sees the other tensors, the result equals what `qnpu quantize
+--config CONFIG` gives (same seed, same stage 1; tested), at the cost of one calibration, GPTQ
+where it rounds, and two evaluations per `--eval-data` set (default `wiki`; `wikitext2` reads
+QNPU_DATA_DIR as `qnpu quantize` does).
 
     qnpu study restage2 --run runs/smollm2-135m-quantnpu-w4a8 \
         --config smollm2-135m-quantnpu-w4a8-clip --json reports/restage2_clip.json
@@ -45,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="P",
         help="set down_out_mixed_precision (over --config, or the run's config)",
     )
+    parser.add_argument(
+        "--eval-data",
+        default="wiki",
+        help="comma-separated eval sets, as the config's eval_data (default: wiki)",
+    )
     args = parser.parse_args(argv)
     from qnpu_jax.environment import study_command
 
@@ -54,14 +61,20 @@ def main(argv: list[str] | None = None) -> int:
     from qnpu_jax.pipeline.config import load_config
     from qnpu_jax.pipeline.model import nll_perplexity
     from qnpu_jax.pipeline.recipes import build_plan
-    from qnpu_jax.pipeline.run import calibration_data, load_run, wiki_eval_windows
-    from qnpu_jax.pipeline.steps import STAGE1_TENSORS, Calibration, calibrate, promote
+    from qnpu_jax.pipeline.run import calibration_data, evaluation_sets, load_run
+    from qnpu_jax.pipeline.steps import STAGE1_TENSORS, Calibration, calibrate, gptq, promote
 
     try:
         say(f"reading and verifying the run {args.run}")
         run = load_run(args.run)
         config, plan, model = run.config, run.model.require_plan(), run.loaded
         data = Calibration(*calibration_data(config, model.tokenizer))
+        specs = tuple(s.strip() for s in args.eval_data.split(",") if s.strip())
+        if not specs:
+            raise QnpuError("--eval-data names no eval set")
+        evaluated = dataclasses.replace(config, eval_data=specs, eval_windows=args.eval_windows)
+        room = model.config.max_position_embeddings - len(run.model.prefix)
+        sets = evaluation_sets(evaluated, model.tokenizer, room)  # a wrong path fails first
         new_config = load_config(args.config) if args.config is not None else config
         if args.down_out_mixed_precision is not None:
             new_config = dataclasses.replace(
@@ -72,11 +85,13 @@ def main(argv: list[str] | None = None) -> int:
             new_config,
             rules=config.rules,
             down_out_mixed_precision=config.down_out_mixed_precision,
+            weight_rounding=config.weight_rounding,
+            gptq_damp=config.gptq_damp,
         )
         if same != config:
             raise QnpuError(
-                f"{source} differs from the run's config in more than `rules` and "
-                "`down_out_mixed_precision`"
+                f"{source} differs from the run's config in more than `rules`, "
+                "`down_out_mixed_precision`, `weight_rounding` and `gptq_damp`"
             )
         layer_bits = {}  # the run's per-layer promotions (sensitivity scans) stay
         for name in (UNROTATED_INPUT, UNROTATED_OUTPUT):
@@ -96,16 +111,27 @@ def main(argv: list[str] | None = None) -> int:
         learned = [p for p in changed if p.removeprefix("layers/") in STAGE1_TENSORS]
         if learned:
             raise QnpuError(f"the rules change stage-1 tensors {learned}: run qnpu quantize")
-        if not changed:
-            raise QnpuError("the new rules change no tensor of the plan")
+        rounding = new_config.weight_rounding, new_config.gptq_damp
+        rounds = rounding[0] == "gptq"
+        if not changed and rounding == (config.weight_rounding, config.gptq_damp):
+            raise QnpuError("the new config changes no tensor of the plan and not the rounding")
     except QnpuError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    restaged = calibrate(changed)(run.model.replace(plan=new_plan), data)
-    windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
-    run_ppl = nll_perplexity(run.model.nll_fn(), windows)["ppl"]
-    new_ppl = nll_perplexity(restaged.nll_fn(), windows)["ppl"]
-    print(f"run {run_ppl:.3f} -> {new_ppl:.3f} ({', '.join(changed)})", flush=True)
+    # the run before its GPTQ step: codes are re-chosen under the new plan, or go (rtn)
+    restaged = run.model.replace(plan=new_plan, weight_codes=None)
+    if changed:
+        restaged = calibrate(changed)(restaged, data)
+    if rounds:
+        restaged = gptq(new_config.gptq_damp)(restaged, data)
+    results = {}
+    for spec, windows in sets.items():
+        run_ppl = nll_perplexity(run.model.nll_fn(), windows)["ppl"]
+        new_ppl = nll_perplexity(restaged.nll_fn(), windows)["ppl"]
+        results[spec] = {"windows": len(windows), "run_ppl": run_ppl, "new_ppl": new_ppl}
+        what = ", ".join(changed) + (", " if changed else "") + f"rounding {rounding[0]}"
+        print(f"{spec}: run {run_ppl:.3f} -> {new_ppl:.3f} ({what})", flush=True)
+    first = results[specs[0]]
     write_study_json(
         args.json,
         {
@@ -113,13 +139,14 @@ def main(argv: list[str] | None = None) -> int:
             "config": str(args.config) if args.config is not None else None,
             "down_out_mixed_precision": new_config.down_out_mixed_precision,
             **config.summary(),
-            "eval": {"data": "wiki (eval split)", "windows": len(windows)},
+            "eval": {"data": specs, "windows": first["windows"]},
             "recalibrated": changed,
             "down_out_promotion": promotion,
-            # GPTQ's Hessians depend on the plan: a full run would re-choose the codes
-            "gptq_codes_kept": config.weight_rounding == "gptq",
-            "run_ppl": run_ppl,
-            "new_ppl": new_ppl,
+            "weight_rounding": new_config.weight_rounding,
+            "gptq_redone": rounds,
+            "run_ppl": first["run_ppl"],  # of the first eval set
+            "new_ppl": first["new_ppl"],
+            "perplexity": results,
         },
         command=command,
     )
