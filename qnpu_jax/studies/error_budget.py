@@ -63,16 +63,6 @@ def without(plan: Any, state: Any, drop: Callable[[str], bool]) -> tuple[Any, An
     }
 
 
-def with_float_weights(params: Any, unrounded: Any, codes: Any, dropped: list[str]) -> Any:
-    """`params` (GPTQ's codes in place) with the rounded weights among `dropped` back in
-    float (`unrounded`): a weight the plan drops must not stay on GPTQ's grid."""
-    floated = sorted({p.removeprefix("layers/") for p in dropped} & set(codes or {}))
-    if not floated:
-        return params
-    layers = {**params["layers"], **{n: unrounded["layers"][n] for n in floated}}
-    return {**params, "layers": layers}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = study_parser(__name__, __doc__, run=True, eval_windows=32, json=True)
     parser.add_argument(
@@ -106,10 +96,15 @@ def main(argv: list[str] | None = None) -> int:
         if not dropped:
             continue
         kept_plan, kept_state = without(plan, state, drop)
-        row_params = with_float_weights(params, unrounded, run.model.weight_codes, dropped)
+        # a dropped weight leaves GPTQ's grid too: the model keeps only the planned codes
+        codes = {
+            n: c for n, c in (run.model.weight_codes or {}).items() if kept_plan.get(f"layers/{n}")
+        }
+        row = run.model.replace(plan=kept_plan, state=kept_state, weight_codes=codes or None)
         ppl = evaluate(
-            row_params, kept_state, kept_plan, cfg, windows, prefix, prefix_params=unrounded
-        )["ppl"]
+            row.params(), kept_state, kept_plan, cfg, windows, prefix,
+            prefix_params=row.prefix_params(),
+        )["ppl"]  # fmt: skip
         rows.append({"group": key, "label": label, "dropped": dropped, "ppl": ppl})
         print(f"{label}: {ppl:.3f}", flush=True)
     write_study_json(
