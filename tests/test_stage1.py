@@ -245,3 +245,53 @@ def test_distillation_objective_is_the_kl_from_the_float_model_and_training_lowe
     assert np.isfinite(float(metrics["grad_norm"])) and float(metrics["grad_norm"]) > 0
     assert float(metrics["ce"]) > float(metrics["loss"]) > 0
     assert not np.allclose(new["params"]["r1"], ts["params"]["r1"])
+
+
+def test_checkpoint_selection_keeps_the_best_held_out_step_and_resumes_exactly(
+    tiny_cfg, setup, tmp_path
+):
+    """select_every: the returned parameters are those of the scored step with the lowest
+    held-out cross-entropy (recomputed here with the score function), training never draws
+    the held-out tail, and a killed run resumes to the same choice."""
+    from qnpu_jax.pipeline.stage1 import held_out_split, make_held_out_score
+
+    ids, fused, r1, r2, plan, state = setup
+    # a learning rate that overshoots: the later steps score worse than an earlier one
+    config = _config(steps=6, select_every=2, select_windows=3, lr_rotation=2.0, lr_scale=0.05)
+    common = dict(
+        cfg=tiny_cfg, plan=plan, config=config, base_params=fused, frozen_state=state,
+        calib_ids=ids, seq_len=16, key=jax.random.key(9), progress=False,
+    )  # fmt: skip
+    whole = run_stage1(
+        init_train_state(r1, r2, state, plan, config), run_dir=tmp_path / "a", **common
+    )
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    scored = {r["step"]: r["held_out_ce"] for r in rows if "held_out_ce" in r}
+    assert sorted(scored) == [0, 2, 4, 6]
+    best_step = min(scored, key=scored.__getitem__)
+    assert best_step < config.steps  # this learning rate makes an earlier step the best
+    assert int(whole["best"]["step"]) == best_step
+    assert float(whole["best"]["loss"]) == pytest.approx(scored[best_step], rel=1e-6)
+    assert int(whole["step"]) == 6
+    train_ids, held = held_out_split(ids, 16, 3)
+    assert held.shape == (3, 16) and len(train_ids) == len(ids) - 48
+    np.testing.assert_array_equal(held.reshape(-1), ids[-48:])
+    score = make_held_out_score(tiny_cfg, plan, config)
+    again = float(score(whole["params"], jnp.asarray(held), fused, state))
+    assert again == pytest.approx(scored[best_step], rel=1e-5)
+    if best_step == 0:  # the start was best: the parameters are the initial ones
+        np.testing.assert_array_equal(np.asarray(whole["params"]["r1"]), np.asarray(r1))
+
+    killed_dir = tmp_path / "b"
+    run_stage1(
+        init_train_state(r1, r2, state, plan, config), run_dir=killed_dir, stop_after=3, **common
+    )
+    resumed = run_stage1(
+        init_train_state(r1, r2, state, plan, config), run_dir=killed_dir, **common
+    )
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(resumed), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(QnpuError, match="holds out 3 windows"):
+        held_out_split(ids[:40], 16, 3)
+    with pytest.raises(QnpuError, match="select_every"):
+        Stage1Config(select_every=-1)

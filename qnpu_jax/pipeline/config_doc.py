@@ -117,6 +117,10 @@ STAGE1_KEYS: dict[str, str] = {
     "objective": f"what stage 1 minimizes: {_OR.join(OBJECTIVES)} (block: each layer's output "
     "error against the float layer; kl: distillation from the float model's next-token "
     "distributions)",
+    "select_every": "checkpoint selection: score the model every N steps on held-out windows "
+    "and keep the best (0: keep the last step)",
+    "select_windows": "held-out windows of checkpoint selection (the calibration text's tail, "
+    "not trained on)",
 }
 
 MESH_KEYS: dict[str, str] = {

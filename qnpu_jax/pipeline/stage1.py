@@ -89,13 +89,30 @@ class Stage1Config:
     compute_dtype: str = "float32"
     lr_equalization: float = 0.01  # Adam's lr for equivalent scales and clip logits
     objective: str = "end_to_end"  # OBJECTIVES
+    # checkpoint selection: every `select_every` steps (0: off, keep the last step) score the
+    # trained parameters by the stage-1 model's cross-entropy on `select_windows` held-out
+    # windows (the calibration text's tail, which training then never draws) and keep the
+    # best, the starting point included
+    select_every: int = 0
+    select_windows: int = 4
 
     def __post_init__(self) -> None:
         check_field_types(self, "stage 1 ")
-        for name in ("steps", "batch_size", "grad_accum", "checkpoint_every"):
+        for name in ("steps", "batch_size", "grad_accum", "checkpoint_every", "select_windows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise QnpuError(f"stage 1 {name} must be a positive integer, got {value!r}")
+        if self.select_every < 0:
+            raise QnpuError(
+                f"stage 1 select_every must be >= 0 (0: keep the last step), "
+                f"got {self.select_every}"
+            )
+        check_at_most(
+            self.select_windows,
+            MAX_CALIB_WINDOWS,
+            "stage 1 select_windows",
+            "the held-out windows checkpoint selection scores",
+        )
         check_at_most(
             self.batch_size * self.grad_accum,
             MAX_CALIB_WINDOWS,
@@ -381,30 +398,76 @@ def stage1_loss(
     return fit + local_weight * local, {"ce": ce, "local": local}
 
 
-def train_step(
-    cfg: ModelConfig, plan: QuantPlan, config: Stage1Config, prefix: tuple[int, ...] = ()
+def _stage1_loss_fn(
+    cfg: ModelConfig,
+    plan: QuantPlan,
+    config: Stage1Config,
+    prefix: tuple[int, ...],
+    *,
+    training: bool,
 ) -> Any:
-    """The pure step `(train_state, batch [A, B, T], base_params, frozen_state) ->
-    (train_state, metrics)` (`make_train_step` jits it)."""
+    """`stage1_loss` bound to the run's model and plan; not `training`: the end-to-end
+    cross-entropy alone (no eq. (3) terms, no remat, no teacher), what checkpoint selection
+    scores."""
     taps = FakeQuantTaps(
         plan,
         mode=config.activation_mode,
         lsq_grad_scaling=config.lsq_grad_scaling,
         cfg=cfg,
-        local_loss=config.local_loss_steps > 0 and config.activation_mode == "static",
+        local_loss=training and config.local_loss_steps > 0 and config.activation_mode == "static",
         matmul_dtype=config.compute_dtype,
     )
-    optimizer = make_optimizer(config)
-    loss_fn = partial(
+    return partial(
         stage1_loss,
         cfg=cfg,
         taps=taps,
         prefix=prefix,
-        remat=config.remat,
+        remat=config.remat and training,
         scale_param=config.scale_param,
         float_tables=plan.get(EMBED_TABLE) is None and plan.get(LM_HEAD) is None,
-        objective=config.objective,
+        objective=config.objective if training else "end_to_end",
     )
+
+
+def make_held_out_score(
+    cfg: ModelConfig, plan: QuantPlan, config: Stage1Config, prefix: tuple[int, ...] = ()
+) -> jax.stages.Wrapped:
+    """`(trainable, windows [N, T], base_params, frozen_state) -> mean cross-entropy` of the
+    stage-1 fake-quant model over the windows (one window at a time), jitted: the score of
+    checkpoint selection."""
+    loss_fn = _stage1_loss_fn(cfg, plan, config, prefix, training=False)
+
+    def score(
+        trainable: dict[str, Any], windows: jax.Array, base_params: Params, frozen: QuantState
+    ) -> jax.Array:
+        def one(tokens: jax.Array) -> jax.Array:
+            return loss_fn(trainable, base_params, frozen, tokens[None], jnp.float32(0.0))[0]
+
+        return jnp.mean(jax.lax.map(one, windows))
+
+    return jax.jit(score)
+
+
+def held_out_split(ids: np.ndarray, seq_len: int, windows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the ids stage 1 trains on, the held-out windows [windows, seq_len]): the text's last
+    windows × seq_len tokens, cut into consecutive windows, are held out."""
+    held = windows * seq_len
+    if len(ids) < held + seq_len:
+        raise QnpuError(
+            f"checkpoint selection holds out {windows} windows of {seq_len} tokens, and the "
+            f"calibration text has {len(ids)} tokens: too few to train on the rest"
+        )
+    tail = np.asarray(ids[len(ids) - held :], dtype=np.int32)
+    return ids[: len(ids) - held], tail.reshape(windows, seq_len)
+
+
+def train_step(
+    cfg: ModelConfig, plan: QuantPlan, config: Stage1Config, prefix: tuple[int, ...] = ()
+) -> Any:
+    """The pure step `(train_state, batch [A, B, T], base_params, frozen_state) ->
+    (train_state, metrics)` (`make_train_step` jits it)."""
+    optimizer = make_optimizer(config)
+    loss_fn = _stage1_loss_fn(cfg, plan, config, prefix, training=True)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(
@@ -424,6 +487,7 @@ def train_step(
         grads = jax.tree.map(lambda g: g / batch.shape[0], grads)
         updates, opt_state = optimizer.update(grads, train_state["opt_state"], trainable)
         new = {
+            **train_state,  # "best" (checkpoint selection) passes through
             "params": optax.apply_updates(trainable, updates),
             "opt_state": opt_state,
             "step": train_state["step"] + 1,
@@ -524,6 +588,11 @@ def run_stage1(
     """Train to `config.steps`, checkpointing every `checkpoint_every` steps in
     run_dir/checkpoints and appending per-step metrics to run_dir/metrics.jsonl.
 
+    With `config.select_every`, the state carries "best" = {"params", "loss", "step"}: the
+    trainable tree with the lowest held-out cross-entropy so far (`held_out_split`; scored at
+    the start, every `select_every` steps and at the last step, each score a metrics line's
+    "held_out_ce"), and the returned state's "params" are the best's.
+
     If run_dir holds a checkpoint, training continues from the latest one; the result equals
     an uninterrupted run's, and the checkpoint may come from another mesh (orbax restores it
     into this mesh's shardings). `stop_after` ends early after that step (tests use it as a
@@ -538,6 +607,27 @@ def run_stage1(
         train_state = place(train_state, state_sh)
         base_params = place(base_params, base_sh)
         frozen_state = place(frozen_state, frozen_sh)
+
+    selecting = config.select_every > 0
+    if selecting:
+        calib_ids, held_out = held_out_split(calib_ids, seq_len, config.select_windows)
+        score_fn = make_held_out_score(cfg, plan, config, prefix)
+        held = jnp.asarray(held_out)
+        train_state = {
+            **train_state,
+            "best": {
+                "params": train_state["params"],
+                "loss": jnp.asarray(jnp.inf, jnp.float32),
+                "step": jnp.zeros((), jnp.int32),
+            },
+        }
+
+    def select(state: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        loss = float(host_array(score_fn(state["params"], held, base_params, frozen_state)))
+        if not loss < float(host_array(state["best"]["loss"])):
+            return state, loss
+        best = {"params": state["params"], "loss": jnp.float32(loss), "step": state["step"]}
+        return {**state, "best": best}, loss
 
     manager = _checkpoint_manager(run_dir / "checkpoints", config)
     metrics_path = run_dir / "metrics.jsonl"
@@ -560,6 +650,11 @@ def run_stage1(
     )
     batch_in = batch_sharding(mesh, 3, axis=1) if mesh is not None else None
     start = int(train_state["step"])
+    if selecting and start == 0:
+        train_state, loss = select(train_state)
+        if primary:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps({"step": 0, "held_out_ce": loss}) + "\n")
     bar = tqdm(total=config.steps, initial=start, desc="stage 1", disable=not progress)
     try:
         for step in range(start, config.steps):
@@ -571,6 +666,8 @@ def run_stage1(
             if not np.isfinite(values["loss"]):
                 raise QnpuError(f"stage 1: non-finite loss at step {step + 1}")
             record = {"step": step + 1, **values, "seconds": time.perf_counter() - t0}
+            if selecting and ((step + 1) % config.select_every == 0 or step + 1 == config.steps):
+                train_state, record["held_out_ce"] = select(train_state)
             if primary:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
@@ -586,4 +683,6 @@ def run_stage1(
         manager.wait_until_finished()
         manager.close()
         bar.close()
+    if selecting:
+        return {**train_state, "params": train_state["best"]["params"]}
     return train_state

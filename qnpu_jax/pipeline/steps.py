@@ -67,6 +67,8 @@ STAGE1_LATER_KEYS = {
     "compute_dtype": "float32",
     "lr_equalization": 0.01,
     "objective": "end_to_end",
+    "select_every": 0,
+    "select_windows": 4,
 }
 # the linears' weights and inputs: the tensors stage 1 quantizes (and learns)
 STAGE1_TENSORS = (*WEIGHTS, *LINEAR_INPUTS)
@@ -385,16 +387,17 @@ def stage1(
             weight_codes=None,
             trained=scales,
         )
-        info = None
+        info: dict[str, Any] = {}
         if "clip" in learned:
-            info = {
-                "clip_factor_mean": {
-                    f"{name}.{side}": float(jnp.mean(jax.nn.sigmoid(v)))
-                    for name, sides in learned["clip"].items()
-                    for side, v in sides.items()
-                }
+            info["clip_factor_mean"] = {
+                f"{name}.{side}": float(jnp.mean(jax.nn.sigmoid(v)))
+                for name, sides in learned["clip"].items()
+                for side, v in sides.items()
             }
-        return new, info
+        if "best" in trained:  # checkpoint selection
+            info["selected_step"] = int(trained["best"]["step"])
+            info["held_out_ce"] = float(trained["best"]["loss"])
+        return new, info or None
 
     recorded = dataclasses.asdict(config)
     # keys added after runs were made are recorded only off their default, so that a run
