@@ -319,7 +319,9 @@ def test_error_budget_groups_drop_what_they_name(tiny_cfg):
     assert dropped["down_out"] == {"layers/down_out"}  # the per-output rows split the group
     outputs = set().union(*(dropped[k] for k in eb.GROUP_SETS["outputs"]))
     assert outputs == dropped["linear_outputs"]
-    assert set(eb.GROUP_SETS["groups"]) | set(eb.GROUP_SETS["outputs"]) == set(eb.groups())
+    inputs = set().union(*(dropped[k] for k in eb.GROUP_SETS["inputs"]))
+    assert inputs == dropped["rotated_inputs"] and dropped["attn_out"] == {"layers/attn_out"}
+    assert set().union(*map(set, eb.GROUP_SETS.values())) == set(eb.groups())
 
 
 def test_scale_drift_compares_the_learned_scales_with_their_rule(tiny_cfg, tiny_params):

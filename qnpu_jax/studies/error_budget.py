@@ -42,8 +42,9 @@ def groups() -> dict[str, tuple[str, Callable[[str], bool]]]:
         "linear_outputs": ("linear outputs float", lambda p: _name(p) in LINEAR_OUTPUTS),
         "rotated_inputs": ("rotated linear inputs float", lambda p: _name(p) in ROTATED_INPUTS),
         "kv": ("K/V cache float", lambda p: _name(p) in KV_TENSORS and p.startswith("layers/")),
-        **{  # each linear output alone (the "linear_outputs" group split up)
-            name: (f"{name} float", _is_path(f"layers/{name}")) for name in LINEAR_OUTPUTS
+        **{  # each linear output or rotated input alone (their groups split up)
+            name: (f"{name} float", _is_path(f"layers/{name}"))
+            for name in (*LINEAR_OUTPUTS, *ROTATED_INPUTS)
         },
     }
 
@@ -51,6 +52,7 @@ def groups() -> dict[str, tuple[str, Callable[[str], bool]]]:
 GROUP_SETS = {
     "groups": ("weights", "activations", UNROTATED_INPUT, "linear_outputs", "rotated_inputs", "kv"),
     "outputs": LINEAR_OUTPUTS,
+    "inputs": ROTATED_INPUTS,
 }
 
 
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         "--rows",
         choices=sorted(GROUP_SETS),
         default="groups",
-        help="groups: the tensor groups; outputs: each linear output alone",
+        help="groups: the tensor groups; outputs: each linear output alone; inputs: each "
+        "rotated linear input alone",
     )
     args = parser.parse_args(argv)
     from qnpu_jax.environment import study_command
