@@ -1045,11 +1045,17 @@ def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, s
     n = cfg.num_layers
     ranked = [float(n - i) for i in range(n)]  # which layers is the scan's: only counts matter
 
-    def promoted(fraction: float) -> tuple[int, ...] | None:
-        return mixed_layer_bits(ranked, fraction) if fraction > 0 else None
+    def promoted(fraction: float, base_bits: int = 8) -> tuple[int, ...] | None:
+        return mixed_layer_bits(ranked, fraction, base_bits) if fraction > 0 else None
 
     down_in = promoted(config.mixed_precision) if config.down_in_bits == 8 else None
-    plan = build_plan(config, n, down_in, promoted(config.down_out_mixed_precision))
+    plan = build_plan(
+        config,
+        n,
+        down_in,
+        promoted(config.down_out_mixed_precision),
+        promoted(config.mlp_in_mixed_precision, config.a_bits),
+    )
     where = f"config {args.config}" if args.config else "the default config"
     what = f"{where} ({config.method} {config.bits_name})"
     return plan, cfg, what, args.model or config.model

@@ -151,6 +151,33 @@ def test_down_out_promotion_runs_through_eval_and_the_integer_artifact(
     assert ppl["emulator"] == pytest.approx(fake_quant_ppl, rel=0.1)
 
 
+def test_mlp_in_promotion_scans_at_the_planned_bits_and_runs_through_the_artifact(
+    two_layer_dir, tmp_path
+):
+    """mlp_in_mixed_precision at W4A4: the gate/up input is scanned at its 4 bits before stage
+    1, the top layer goes to 16 bits (stage 1 learns it there), and the exported artifact runs
+    bit-exactly on both engines."""
+    over = {"a_bits": 4, "mixed_precision": 0.0, "mlp_in_mixed_precision": 0.5}
+    config = _config_file(tmp_path / "c.yaml", two_layer_dir, **over)
+    out = tmp_path / "run"
+    assert main(["quantize", "--config", str(config), "--out", str(out), "--no-progress"]) == 0
+    scan = json.loads((out / "sensitivity_mlp_in.json").read_text())
+    assert scan["bits_measured"] == 4 and scan["fraction"] == 0.5
+    top = int(np.argmax(scan["ratios"]))
+    assert scan["promoted_layers"] == [top]
+    plan = QuantPlan.from_dict(json.loads((out / "plan.json").read_text()))
+    assert plan.get("layers/mlp_in").layer_bits == tuple(16 if i == top else 4 for i in range(2))
+    assert plan.get("layers/attn_in").layer_bits is None and plan.get("layers/attn_in").bits == 4
+    steps = json.loads((out / "model.json").read_text())["steps"]
+    promoted = [s["args"]["tensor"] for s in steps if s["name"] == "promote"]
+    assert promoted == ["mlp_in"]
+    assert [s["name"] for s in steps].index("promote") < [s["name"] for s in steps].index("stage1")
+    ppl = run_artifact_ppl(out, tmp_path)
+    assert ppl["emulator"] == ppl["jax"]
+    with pytest.raises(QnpuError, match="mlp_in_mixed_precision"):
+        QuantizeConfig.from_dict({"mlp_in_mixed_precision": -0.1})
+
+
 def test_rtn_run_has_no_stage1(two_layer_dir, tmp_path):
     config = _config_file(tmp_path / "c.yaml", two_layer_dir, method="rtn", mixed_precision=0.0)
     out = tmp_path / "run"
@@ -260,6 +287,10 @@ def test_promotion_picks_the_top_share_rounded_up():
     assert promoted_layers(ratios, 0.0) == ()
     assert len(promoted_layers(ratios, 1.0)) == 30
     assert mixed_layer_bits([0.1, 0.9, 0.5], 0.34) == (8, 16, 16)  # ceil(1.02) = 2
+    assert mixed_layer_bits([0.1, 0.9, 0.5], 0.34, 4) == (4, 16, 16)  # a W4A4 input
+    assert mixed_layer_bits([0.1, 0.9, 0.5], 0.34, (4, 8, 4)) == (4, 16, 16)
+    with pytest.raises(QnpuError, match="3 layers"):
+        mixed_layer_bits([0.1, 0.9, 0.5], 0.34, (4, 8))
     with pytest.raises(QnpuError):
         promoted_layers(ratios, 1.5)
 
@@ -274,23 +305,24 @@ def test_relative_error_by_hand_and_vmap_matches_a_loop(tiny_cfg, tiny_params):
 
     _, aux = tapped_forward(
         tiny_params, {"layers": None, "outer": None}, jnp.asarray(ids), cfg=tiny_cfg,
-        taps=CaptureTaps(frozenset({"down_in", "down_out"})),
+        taps=CaptureTaps(frozenset({"down_in", "down_out", "mlp_in"})),
     )  # fmt: skip
-    reports = {
-        "down_in": down_proj_sensitivity(tiny_params, tiny_cfg, ids),
-        "down_out": tensor_sensitivity(tiny_params, tiny_cfg, ids, "down_out"),
+    reports = {  # (report, qmax): a W4A4 plan's 4-bit input is scanned at 4 bits
+        "down_in": (down_proj_sensitivity(tiny_params, tiny_cfg, ids), 127),
+        "down_out": (tensor_sensitivity(tiny_params, tiny_cfg, ids, "down_out"), 127),
+        "mlp_in": (tensor_sensitivity(tiny_params, tiny_cfg, ids, "mlp_in", bits=4), 7),
     }
-    for name, report in reports.items():
+    for name, (report, qmax) in reports.items():
         acts = np.asarray(aux["layers"][name])
         for layer, ratio in enumerate(report.ratios):
             a, s = acts[layer], report.scales[layer]
-            assert s == pytest.approx(np.abs(a).max() / 127, rel=1e-6)  # Max-Min at 8 bits
-            dq = np.clip(np.round(a / s), -128, 127) * s
+            assert s == pytest.approx(np.abs(a).max() / qmax, rel=1e-6)  # Max-Min
+            dq = np.clip(np.round(a / s), -qmax - 1, qmax) * s
             want = np.mean(np.abs(dq - a) / (np.abs(a) + 1e-8))
             assert ratio == pytest.approx(want, rel=1e-4)
-    assert reports["down_in"].ratios != reports["down_out"].ratios
+    assert reports["down_in"][0].ratios != reports["down_out"][0].ratios
     with pytest.raises(QnpuError, match="no sensitivity scan"):
-        tensor_sensitivity(tiny_params, tiny_cfg, ids, "q_out")
+        tensor_sensitivity(tiny_params, tiny_cfg, ids, "scores")
 
 
 def test_default_plan_round_trips_through_json():

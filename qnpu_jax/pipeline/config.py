@@ -68,9 +68,12 @@ class QuantizeConfig:
     `down_out_mixed_precision: p` (any method; not in the paper) runs eq. (4)'s scan on the
     down_proj outputs of the final model (after stage 1, before stage 2) and moves the most
     sensitive p of them to 16 bits: the layers that write massive activations into the residual
-    stream. `shadow_outliers: P` (any method; mllm-NPU) clips the down_proj input at the P-th
-    percentile of its calibration values in the `shadow_keep` share of layers where outliers
-    matter most and carries the channels that overflow on a shadow path (after stage 2).
+    stream. `mlp_in_mixed_precision: p` (any method; not in the paper) runs the same scan on the
+    gate/up input before stage 1, at its planned bits, and moves the most sensitive p of those
+    layers to 16 bits (at W4A4 the costliest 4-bit tensor). `shadow_outliers: P` (any method;
+    mllm-NPU) clips the down_proj input at the P-th percentile of its calibration values in the
+    `shadow_keep` share of layers where outliers matter most and carries the channels that
+    overflow on a shadow path (after stage 2).
     `muxq_exp: e` (any method; MUXQ) shifts the down_proj input's channels whose calibration
     |x| exceeds `muxq_threshold` right by e bits into the Body tensor and adds (2^e − 1)·Aux·W
     back (after stage 2).
@@ -97,6 +100,7 @@ class QuantizeConfig:
     down_in_bits: int = 8  # base precision of the down_proj inputs (16: the paper's Table 1)
     mixed_precision: float = 0.10  # share of down_proj inputs promoted to 16 bits
     down_out_mixed_precision: float = 0.0  # share of down_proj outputs promoted (not the paper)
+    mlp_in_mixed_precision: float = 0.0  # share of gate/up inputs promoted (not the paper)
     learn_down_in: bool = True  # §4.3.1's literal text; Appendix E argues for False
     init_scheme: str = "aware"  # quantnpu: rotation-and-bit-width-aware, or Max-Min everywhere
     selective: bool | None = None  # False: linear outputs and K/V are learned in stage 1 too
@@ -255,7 +259,7 @@ class QuantizeConfig:
                 f"calib_windows must be at most {MAX_CALIB_WINDOWS}, got {self.calib_windows} "
                 "(every window runs through every calibration pass)"
             )
-        for name in ("mixed_precision", "down_out_mixed_precision"):
+        for name in ("mixed_precision", "down_out_mixed_precision", "mlp_in_mixed_precision"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
                 raise QnpuError(f"{name} must be in [0, 1], got {shown(value)}")

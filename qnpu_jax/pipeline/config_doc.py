@@ -45,6 +45,8 @@ CONFIG_KEYS: dict[str, str] = {
     "(4)'s sensitivity scan (0: none; applies when down_in_bits is 8)",
     "down_out_mixed_precision": "share of layers whose down_proj output is promoted to 16 bits "
     "by a scan of the final model (0: none; not in the paper; needs selective: true)",
+    "mlp_in_mixed_precision": "share of layers whose gate/up input is promoted to 16 bits by "
+    "eq. (4)'s scan at its planned bits, before stage 1 (0: none; not in the paper)",
     "learn_down_in": "stage 1 learns the down_proj input's scale too (§4.3.1's literal text)",
     "init_scheme": f"quantnpu's initialization: {_OR.join(INIT_SCHEMES)} (aware: mean ± 3σ "
     "for rotated 4-bit tensors, Max-Min elsewhere; max_min: Max-Min everywhere)",

@@ -7,8 +7,9 @@ calibration windows, and its sensitivity is the mean relative error
 
 over all N calibration elements; the most sensitive `fraction` of layers (rounded up) moves
 to 16 bits. The per-layer computation is one `jax.vmap` over the stacked layers.
-`tensor_sensitivity` runs the same scan on another per-layer tensor: the down_proj output
-(not in the paper), which carries the layers' massive activations into the residual stream.
+`tensor_sensitivity` runs the same scan on another linear input or output at its planned bits
+(not in the paper): the down_proj output, which carries the layers' massive activations into
+the residual stream, or a 4-bit linear input of a W4A4 plan.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
+from qnpu_jax.export.graph import LINEAR_INPUTS, LINEAR_OUTPUTS, UNROTATED_INPUT
 from qnpu_jax.mesh import data_size, host_array, put_batch
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
@@ -44,8 +45,8 @@ def relative_error_sum(
     return jnp.sum(err / (jnp.abs(x) + SENSITIVITY_EPS))
 
 
-# per-layer tensors whose bits the scan may raise (down_proj's input and output)
-SCANNED_TENSORS = (UNROTATED_INPUT, UNROTATED_OUTPUT)
+# per-layer tensors whose bits the scan may raise: the linears' inputs and outputs
+SCANNED_TENSORS = (*LINEAR_INPUTS, *LINEAR_OUTPUTS)
 
 
 @partial(jax.jit, static_argnames=("cfg", "prefix", "name"))
@@ -147,10 +148,15 @@ def promoted_layers(ratios: tuple[float, ...] | list[float], fraction: float) ->
 
 
 def mixed_layer_bits(
-    ratios: tuple[float, ...] | list[float], fraction: float, base_bits: int = 8
+    ratios: tuple[float, ...] | list[float],
+    fraction: float,
+    base_bits: int | tuple[int, ...] = 8,
 ) -> tuple[int, ...]:
-    """Per-layer bits of a scanned tensor: 16 for the promoted layers, `base_bits` elsewhere."""
-    if base_bits < 8:
-        raise QnpuError("the unrotated down_proj input and output are never below 8 bits")
+    """Per-layer bits of a scanned tensor: 16 for the promoted layers, `base_bits` (one for
+    every layer, or each layer's) elsewhere."""
+    n = len(ratios)
+    base = (base_bits,) * n if isinstance(base_bits, int) else tuple(base_bits)
+    if len(base) != n:
+        raise QnpuError(f"mixed precision: {len(base)} base bit-widths for {n} layers")
     promoted = set(promoted_layers(ratios, fraction))
-    return tuple(16 if i in promoted else base_bits for i in range(len(ratios)))
+    return tuple(16 if i in promoted else base[i] for i in range(n))

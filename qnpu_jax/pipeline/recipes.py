@@ -21,6 +21,7 @@ from qnpu_jax.export.graph import (
     GLOBAL_ACTS,
     LAYER_ACTS,
     LINEAR_OUTPUTS,
+    MLP_INPUT,
     PROBS,
     ROTATED_INPUTS,
     UNROTATED_INPUT,
@@ -167,6 +168,8 @@ def _before_stage1(config: QuantizeConfig, rotated: bool) -> list[Step]:
     steps.append(plan(**plan_options(config)))
     if config.mixed_precision > 0 and config.down_in_bits == 8:
         steps.append(promote(UNROTATED_INPUT, config.mixed_precision))
+    if config.mlp_in_mixed_precision > 0:
+        steps.append(promote(MLP_INPUT, config.mlp_in_mixed_precision))
     return steps
 
 
@@ -273,11 +276,16 @@ def build_plan(
     num_layers: int,
     down_in_bits: tuple[int, ...] | None = None,
     down_out_bits: tuple[int, ...] | None = None,
+    mlp_in_bits: tuple[int, ...] | None = None,
 ) -> QuantPlan:
     """The plan a config's recipe ends with, given the per-layer bits its promotions chose
     (None: no promotion of that tensor): for studies that vary one piece of it."""
     made = default_plan(num_layers, **plan_options(config))
-    promoted = [(UNROTATED_INPUT, down_in_bits), (UNROTATED_OUTPUT, down_out_bits)]
+    promoted = [
+        (UNROTATED_INPUT, down_in_bits),
+        (UNROTATED_OUTPUT, down_out_bits),
+        (MLP_INPUT, mlp_in_bits),
+    ]
     return made.apply(
         [QuantRule(pattern=f"layers/{n}", layer_bits=b) for n, b in promoted if b is not None]
     )

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qnpu_jax.export.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
+from qnpu_jax.export.graph import MLP_INPUT, UNROTATED_INPUT, UNROTATED_OUTPUT
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import say, write_study_json
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 "`down_out_mixed_precision`, `weight_rounding` and `gptq_damp`"
             )
         layer_bits = {}  # the run's per-layer promotions (sensitivity scans) stay
-        for name in (UNROTATED_INPUT, UNROTATED_OUTPUT):
+        for name in (UNROTATED_INPUT, UNROTATED_OUTPUT, MLP_INPUT):
             entry = plan.get(f"layers/{name}")
             layer_bits[name] = entry.layer_bits if entry is not None else None
         promotion = None
@@ -107,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
                 promotion = promote(UNROTATED_OUTPUT, fraction)(run.model, data).steps[-1].info
                 layer_bits[UNROTATED_OUTPUT] = tuple(promotion["layer_bits"])
         new_plan = build_plan(
-            new_config, plan.num_layers, layer_bits[UNROTATED_INPUT], layer_bits[UNROTATED_OUTPUT]
+            new_config,
+            plan.num_layers,
+            layer_bits[UNROTATED_INPUT],
+            layer_bits[UNROTATED_OUTPUT],
+            layer_bits[MLP_INPUT],
         )
         changed = changed_entries(plan, new_plan)
         learned = [p for p in changed if p.removeprefix("layers/") in STAGE1_TENSORS]
