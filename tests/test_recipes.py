@@ -15,6 +15,7 @@ import yaml
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.models import load_model
 from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
+from qnpu_jax.quant.plan import QuantRule
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -194,6 +195,15 @@ def test_steps_refuse_an_order_that_makes_no_model(two_layer_dir):
     # a plan step records its arguments; the model is unchanged but for the plan and record
     planned = steps.plan(w_bits=8, a_bits=8)(fused, data)
     assert planned.steps[-1].args["w_bits"] == 8 and planned.base is fused.base
+    # a promotion replaces the one the plan holds (both layers at 16) instead of adding to it,
+    # and keeps the other layers at the tensor's base bits (4 at W4A4)
+    rules = [QuantRule(pattern="layers/down_out", layer_bits=(16, 16))]
+    w4a4 = steps.plan(w_bits=4, a_bits=4, rules=rules)(fused, data)
+    for tensor, base in (("down_out", 8), ("mlp_in", 4)):
+        promoted = steps.promote(tensor, 0.5)(w4a4, data)
+        bits = promoted.require_plan().get(f"layers/{tensor}").layer_bits
+        assert sorted(bits) == [base, 16], (tensor, bits)
+        assert promoted.steps[-1].info["bits_measured"] == base
 
 
 def test_calibrate_paths_recalibrates_those_tensors_and_keeps_the_rest(two_layer_dir):

@@ -267,8 +267,8 @@ def plan(
 
 def promote(tensor: str, fraction: float) -> Step:
     """Eq. (4)'s sensitivity scan of the per-layer activation `tensor` on the current model,
-    at the bits the plan gives it (the lowest over its layers), then the top `fraction` of
-    layers at 16 bits, the others at their planned bits (a per-layer-bits rule on the plan)."""
+    at the tensor's base bits in the plan, then the top `fraction` of layers at 16 bits and
+    the others at the base bits (a per-layer-bits rule on the plan)."""
     if not 0.0 < fraction <= 1.0:
         raise QnpuError(f"promote: fraction must be in (0, 1], got {fraction}")
 
@@ -277,17 +277,17 @@ def promote(tensor: str, fraction: float) -> Step:
         planned = current.get(f"layers/{tensor}")
         if planned is None:
             raise QnpuError(f"promote: the plan does not quantize layers/{tensor}")
-        base = planned.layer_bits or (planned.bits,) * m.cfg.num_layers
         scan = tensor_sensitivity(
             place_params(ctx.mesh, m.unrounded_params()),  # the new plan drops GPTQ's codes
             m.cfg,
             data.windows,
             tensor,
-            bits=min(base),
+            bits=planned.bits,
             prefix=m.prefix,
             mesh=ctx.mesh,
         )
-        bits = mixed_layer_bits(scan.ratios, fraction, tuple(base))
+        # a promotion the plan already holds is replaced, not added to
+        bits = mixed_layer_bits(scan.ratios, fraction, planned.bits)
         rule = QuantRule(pattern=f"layers/{tensor}", layer_bits=tuple(bits))
         info = {
             "ratios": list(scan.ratios),
