@@ -288,9 +288,6 @@ def test_promotion_picks_the_top_share_rounded_up():
     assert len(promoted_layers(ratios, 1.0)) == 30
     assert mixed_layer_bits([0.1, 0.9, 0.5], 0.34) == (8, 16, 16)  # ceil(1.02) = 2
     assert mixed_layer_bits([0.1, 0.9, 0.5], 0.34, 4) == (4, 16, 16)  # a W4A4 input
-    assert mixed_layer_bits([0.1, 0.9, 0.5], 0.34, (4, 8, 4)) == (4, 16, 16)
-    with pytest.raises(QnpuError, match="3 layers"):
-        mixed_layer_bits([0.1, 0.9, 0.5], 0.34, (4, 8))
     with pytest.raises(QnpuError):
         promoted_layers(ratios, 1.5)
 

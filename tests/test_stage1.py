@@ -84,9 +84,10 @@ def test_train_step_lowers_the_loss_and_keeps_rotations_orthogonal(tiny_cfg, set
     assert not np.allclose(ts["params"]["r1"], r1)
 
 
-def test_killed_run_resumes_to_the_uninterrupted_result(tiny_cfg, setup, tmp_path):
+def _whole_killed_resumed(tiny_cfg, setup, config, tmp_path):
+    """run_stage1 uninterrupted (in tmp_path/a), killed after step 3 and resumed (tmp_path/b):
+    (whole, resumed) train states."""
     ids, fused, r1, r2, plan, state = setup
-    config = _config()
     common = dict(
         cfg=tiny_cfg, plan=plan, config=config, base_params=fused, frozen_state=state,
         calib_ids=ids, seq_len=16, key=jax.random.key(9), progress=False,
@@ -98,10 +99,17 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tiny_cfg, setup, tmp_pat
     run_stage1(
         init_train_state(r1, r2, state, plan, config), run_dir=killed_dir, stop_after=3, **common
     )
-    # step 3 was not checkpointed (every 2): its metrics line is dropped on resume
     resumed = run_stage1(
         init_train_state(r1, r2, state, plan, config), run_dir=killed_dir, **common
     )
+    return whole, resumed
+
+
+def test_killed_run_resumes_to_the_uninterrupted_result(tiny_cfg, setup, tmp_path):
+    config = _config()
+    # step 3 is not checkpointed (every 2): its metrics line is dropped on resume
+    whole, resumed = _whole_killed_resumed(tiny_cfg, setup, config, tmp_path)
+    killed_dir = tmp_path / "b"
     assert int(resumed["step"]) == config.steps
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(resumed), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -255,16 +263,10 @@ def test_checkpoint_selection_keeps_the_best_held_out_step_and_resumes_exactly(
     the held-out tail, and a killed run resumes to the same choice."""
     from qnpu_jax.pipeline.stage1 import held_out_split, make_held_out_score
 
-    ids, fused, r1, r2, plan, state = setup
+    ids, fused, r1, _, plan, state = setup
     # a learning rate that overshoots: the later steps score worse than an earlier one
     config = _config(steps=6, select_every=2, select_windows=3, lr_rotation=2.0, lr_scale=0.05)
-    common = dict(
-        cfg=tiny_cfg, plan=plan, config=config, base_params=fused, frozen_state=state,
-        calib_ids=ids, seq_len=16, key=jax.random.key(9), progress=False,
-    )  # fmt: skip
-    whole = run_stage1(
-        init_train_state(r1, r2, state, plan, config), run_dir=tmp_path / "a", **common
-    )
+    whole, resumed = _whole_killed_resumed(tiny_cfg, setup, config, tmp_path)
     rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     scored = {r["step"]: r["held_out_ce"] for r in rows if "held_out_ce" in r}
     assert sorted(scored) == [0, 2, 4, 6]
@@ -281,14 +283,6 @@ def test_checkpoint_selection_keeps_the_best_held_out_step_and_resumes_exactly(
     assert again == pytest.approx(scored[best_step], rel=1e-5)
     if best_step == 0:  # the start was best: the parameters are the initial ones
         np.testing.assert_array_equal(np.asarray(whole["params"]["r1"]), np.asarray(r1))
-
-    killed_dir = tmp_path / "b"
-    run_stage1(
-        init_train_state(r1, r2, state, plan, config), run_dir=killed_dir, stop_after=3, **common
-    )
-    resumed = run_stage1(
-        init_train_state(r1, r2, state, plan, config), run_dir=killed_dir, **common
-    )
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(resumed), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(QnpuError, match="holds out 3 windows"):

@@ -148,15 +148,8 @@ def promoted_layers(ratios: tuple[float, ...] | list[float], fraction: float) ->
 
 
 def mixed_layer_bits(
-    ratios: tuple[float, ...] | list[float],
-    fraction: float,
-    base_bits: int | tuple[int, ...] = 8,
+    ratios: tuple[float, ...] | list[float], fraction: float, base_bits: int = 8
 ) -> tuple[int, ...]:
-    """Per-layer bits of a scanned tensor: 16 for the promoted layers, `base_bits` (one for
-    every layer, or each layer's) elsewhere."""
-    n = len(ratios)
-    base = (base_bits,) * n if isinstance(base_bits, int) else tuple(base_bits)
-    if len(base) != n:
-        raise QnpuError(f"mixed precision: {len(base)} base bit-widths for {n} layers")
+    """Per-layer bits of a scanned tensor: 16 for the promoted layers, `base_bits` elsewhere."""
     promoted = set(promoted_layers(ratios, fraction))
-    return tuple(16 if i in promoted else base[i] for i in range(n))
+    return tuple(16 if i in promoted else base_bits for i in range(len(ratios)))

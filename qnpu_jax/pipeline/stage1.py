@@ -560,6 +560,11 @@ def _checkpoint_manager(directory: Path, config: Stage1Config) -> Any:
     return ocp.CheckpointManager(directory.resolve(), options=options)
 
 
+def _append_metrics(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def _trim_metrics(path: Path, last_step: int) -> None:
     """Drop metric lines past the restored checkpoint (the killed run's unsaved steps)."""
     if not path.exists():
@@ -653,8 +658,7 @@ def run_stage1(
     if selecting and start == 0:
         train_state, loss = select(train_state)
         if primary:
-            with metrics_path.open("a") as f:
-                f.write(json.dumps({"step": 0, "held_out_ce": loss}) + "\n")
+            _append_metrics(metrics_path, {"step": 0, "held_out_ce": loss})
     bar = tqdm(total=config.steps, initial=start, desc="stage 1", disable=not progress)
     try:
         for step in range(start, config.steps):
@@ -669,8 +673,7 @@ def run_stage1(
             if selecting and ((step + 1) % config.select_every == 0 or step + 1 == config.steps):
                 train_state, record["held_out_ce"] = select(train_state)
             if primary:
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(record) + "\n")
+                _append_metrics(metrics_path, record)
             manager.save(step + 1, args=ocp.args.StandardSave(train_state))
             bar.update(1)
             bar.set_postfix(loss=f"{values['loss']:.4f}", ce=f"{values['ce']:.4f}")
