@@ -970,6 +970,15 @@ def cmd_cost(args: argparse.Namespace) -> int:
             f"LUT lookups {sums['lut_lookups'] / 1e6:.2f} M, requantizations "
             f"{sums['requants'] / 1e6:.2f} M"
         )
+        if sums["cpu_macs"]:  # the deployment's split: the shadow paths run on the CPU
+            print(
+                f"  on the CPU (shadow paths: Gather, Mul, Sub, overflow QDQ, MatMul, Add): "
+                f"{sums['cpu_macs'] / 1e9:.2f} GMACs in {sums['syncs']} linears, "
+                f"{sums['cross_bytes'] / 1e6:.1f} MB moved between NPU and CPU; every other op "
+                "on the NPU"
+            )
+        else:
+            print("  every op on the NPU")
         for k, v in lat.items():
             print(f"  modelled latency ({k}): {v['total_s'] * 1e3:.1f} ms")
     if args.json is not None:
@@ -1058,6 +1067,11 @@ def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, s
     )
     where = f"config {args.config}" if args.config else "the default config"
     what = f"{where} ({config.method} {config.bits_name})"
+    if config.shadow_outliers is not None or config.muxq_exp is not None:
+        what += (
+            "; its shadow or MUXQ channels are chosen in calibration and are not counted here "
+            "(`qnpu cost --run` of a run counts them)"
+        )
     return plan, cfg, what, args.model or config.model
 
 

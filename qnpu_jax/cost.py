@@ -114,6 +114,7 @@ class OpCost:
     per_block: bool = False
     cpu_macs: int = 0  # MACs off the NPU (float, on the CPU)
     syncs: int = 0  # CPU→NPU synchronizations (merging a CPU result into the NPU's)
+    cross_bytes: float = 0.0  # bytes moved between the NPU and the CPU (either way)
 
     @property
     def bytes(self) -> float:
@@ -170,7 +171,10 @@ def plan_costs(plan: QuantPlan, cfg: ModelConfig, phase: Phase) -> tuple[OpCost,
                 source = plan.get(f"layers/{op.ins[0]}")
                 hot = source.shadow_channels[layer] if source and source.shadow_channels else ()
                 if hot:  # mllm-NPU: the overflow of the hot channels, on the CPU, merged back
-                    cost = dataclasses.replace(cost, cpu_macs=t * len(hot) * width, syncs=1)
+                    moved = _shadow_bytes(op.ins[0], len(hot), widths, width, o, layer, t, act_bits)
+                    cost = dataclasses.replace(
+                        cost, cpu_macs=t * len(hot) * width, syncs=1, cross_bytes=moved
+                    )
                 aux = source.muxq_channels[layer] if source and source.muxq_channels else ()
                 if aux:  # MUXQ: the Aux matmul of the outlier channels, on the NPU
                     macs = {p: n + t * len(aux) * width for p, n in cost.macs.items()}
@@ -292,6 +296,31 @@ def _attention_cost(
     )
 
 
+def _shadow_bytes(
+    x: str,
+    hot: int,
+    widths: Mapping[str, int],
+    width: int,
+    out_bits: int | None,
+    layer: int,
+    t: int,
+    act_bits: Any,
+) -> float:
+    """Bytes a shadow path moves for `t` tokens, as the ONNX export lays it out: to the CPU
+    what it recomputes the hot channels of linear input `x` from (the Mul's two inputs on
+    those channels; a norm's whole input row) and the NPU's int32 accumulator [t, width];
+    back to the NPU the linear's output codes (linears sharing `x` count its inputs each)."""
+    producer = next(op for op in GRAPH.layer if op.out_name == x)
+    width = next(
+        widths[op.out_name] for op in GRAPH.layer if op.kind == "linear" and op.ins[0] == x
+    )
+    if producer.kind == "mul":
+        inputs = sum(hot * (act_bits(n, layer) or 32) for n in producer.ins) / 8
+    else:
+        inputs = widths[producer.ins[0]] * (act_bits(producer.ins[0], layer) or 32) / 8
+    return t * (inputs + width * 4 + width * (out_bits or 32) / 8)
+
+
 def totals(costs: Iterable[OpCost]) -> dict[str, Any]:
     """Sums over ops: MACs by pair, bytes by kind, LUT lookups, requantizations, off-NPU work."""
     macs: dict[str, int] = {}
@@ -304,6 +333,7 @@ def totals(costs: Iterable[OpCost]) -> dict[str, Any]:
         "per_block_macs": 0,
         "cpu_macs": 0,
         "syncs": 0,
+        "cross_bytes": 0.0,
     }
     for c in costs:
         for pair, n in c.macs.items():
@@ -313,6 +343,7 @@ def totals(costs: Iterable[OpCost]) -> dict[str, Any]:
         out["per_block_macs"] += sum(c.macs.values()) if c.per_block else 0
         out["cpu_macs"] += c.cpu_macs
         out["syncs"] += c.syncs
+        out["cross_bytes"] += c.cross_bytes
     return {"macs": dict(sorted(macs.items())), "npu_macs": sum(macs.values()), **out}
 
 

@@ -409,3 +409,91 @@ def test_activation_matmuls_are_on_the_qnn_htp_grids(quantized, exported):
     pv = activation_matmuls(graph.graph)[1]
     assert pv["types"] == ["uint16", "uint16"] and pv["zero_points"][1] == 32768
     assert not pv["qnn_htp_documented"]
+
+
+def test_edited_encodings_are_refused_naming_the_entry(rtn_run, tmp_path, capsys):
+    """An encodings file edited to another bit-width, scale or name, sealed or not, is
+    refused by `qnpu eval --onnx` with a message naming the entry (or the name the graph
+    lacks)."""
+    import shutil
+
+    from qnpu_jax.cli import main
+    from qnpu_jax.export.onnx_run import check_encodings, check_encodings_match_qdq
+
+    out = tmp_path / "onnx"
+    export = ["export", "--run", str(rtn_run), "--format", "onnx", "--out", str(out)]
+    assert main([*export, "--prefill-chunk", "16", "--max-context", "64"]) == 0
+    enc = json.loads((out / "model.encodings").read_text())
+    qdq = (out / "model_qdq.onnx").read_bytes()
+    check_encodings_match_qdq(json.dumps(enc).encode(), qdq)  # its own: accepted
+    name = "model.layers.1.mlp.up_proj.output"  # 8 bits
+
+    def edited(field, value, section="activation_encodings", target=name):
+        other = json.loads(json.dumps(enc))
+        for e in other[section]:
+            if e["name"] == target:
+                e[field] = value
+        return json.dumps(other).encode()
+
+    with pytest.raises(QnpuError, match=rf"{name} says 16 bits.* at 8"):
+        check_encodings_match_qdq(edited("bw", 16), qdq)
+    with pytest.raises(QnpuError, match=rf"{name} has scale"):
+        check_encodings_match_qdq(edited("scale", [0.5]), qdq)
+    weight = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(QnpuError, match=rf"{weight} says 4 bits"):
+        check_encodings_match_qdq(edited("bw", 4, "param_encodings", weight), qdq)
+    with pytest.raises(QnpuError, match=r"present_key\.0 differs from past_key\.0"):
+        check_encodings_match_qdq(edited("bw", 16, target="present_key.0"), qdq)
+    with pytest.raises(QnpuError, match=r"model\.layers\.1\.mlp\.up_proj\.outptu"):
+        check_encodings(out, edited("name", name.replace("output", "outptu")))
+    ev = ["eval", "--data", "wiki", "--seq-len", "32", "--max-windows", "1", "--no-progress"]
+    for data, says in ((edited("bw", 16), f"{name} says 16 bits"), (b"{", "model.encodings")):
+        shutil.copy(tmp_path / "onnx" / "model.encodings", tmp_path / "kept")
+        (out / "model.encodings").write_bytes(data)  # edited after the export sealed it
+        capsys.readouterr()
+        assert main([*ev, "--onnx", str(out), "--qdq"]) == 2
+        assert says in capsys.readouterr().err
+        shutil.copy(tmp_path / "kept", out / "model.encodings")
+
+
+def test_float_weights_sit_off_ties_so_any_rounding_gives_our_codes():
+    """`off_ties` moves a weight that sits exactly halfway between two codes (or within the
+    margin of it) inside the code the exporter gives it; rounding halves up, as AIMET does
+    (in float32, after adding 2^(bits-1)), then gives our codes on every weight."""
+    from qnpu_jax.export.onnx_export import off_ties, tie_margin
+
+    rng = np.random.default_rng(0)
+    scale = np.asarray([0.5, 0.25, 0.125], np.float32)
+    codes = rng.integers(-8, 8, (64, 3))
+    w = ((codes + 0.5) * scale).astype(np.float32)  # every weight on a tie
+    w[::2] = (codes[::2] * scale + 0.1 * scale).astype(np.float32)  # half of them not
+    entry = {"axis": 0, "scale": list(scale), "bits": 4}
+    moved = off_ties(w, entry, axis=1)
+    ours = np.rint(w * (1 / scale))
+    half_up = np.floor((moved / scale + 8).astype(np.float32) + np.float32(0.5)) - 8
+    np.testing.assert_array_equal(half_up, ours)
+    np.testing.assert_array_equal(np.rint(moved * (1 / scale)), ours)
+    np.testing.assert_array_equal(moved[::2], w[::2])  # away from ties: untouched
+    assert np.abs(moved - w).max() <= 2 * tie_margin(4) * scale.max()
+    assert off_ties(w, {**entry, "block": 32}, axis=1) is w  # per-block: as it was
+
+
+def test_aimet_codes_match_ours_on_the_first_layer(exported, windows):
+    """AIMET's QuantSim and the QDQ graph on the same inputs, quantizer by quantizer
+    (`qnpu study aimet_gap`): every weight has our codes (the float graph's weights sit off
+    ties), the embedding rows come in on the input's grid, and the first layer's tensors up
+    to the q/k/v projections have the same codes; both score the window within 2%."""
+    from qnpu_jax.studies.aimet_gap import aimet_gap
+
+    report = aimet_gap(exported, np.asarray(windows[:1, :SEQ]), 1)
+    assert report["weights_differing"] == []
+    rows = report["tensors"]
+    assert rows["model.embed_tokens.output"]["differ_share"] == 0
+    for t in ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+        assert rows[f"model.layers.0.{t}.output"]["differ_share"] < 1e-3, t
+    assert report["first_differing_activation"] != "model.embed_tokens.output"
+    assert abs(report["aimet_vs_qdq"]["gap"]) < 0.02
+    # where both sides quantize the same value and still differ, AIMET's float32 rounding
+    # (`aimet_rounding`) gives AIMET's code: nothing of ours is left
+    same = [r for r in rows.values() if r.get("same_input_differ_share", 0) > 0]
+    assert same and all(r["same_input_differ_explained"] == 1.0 for r in same)

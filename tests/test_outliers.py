@@ -249,6 +249,13 @@ def test_cost_model_counts_the_shadow_path():
     a, b = (cost.totals(cost.plan_costs(p, cfg, phase)) for p in (plan, shadowed))
     assert b["cpu_macs"] == 32 * 3 * cfg.hidden_size and b["syncs"] == 1
     assert a["cpu_macs"] == a["syncs"] == 0 and a["npu_macs"] == b["npu_macs"]
+    # moved between NPU and CPU: the 3 hot channels of act_fn's and up_proj's outputs (their
+    # bits), the int32 accumulator, the down_proj output's codes back
+    names = ("silu_out", "up_out", "down_out")
+    bits = {n: plan.get(f"layers/{n}").bits_for_layer(4) for n in names}
+    d = cfg.hidden_size
+    want = 32 * (3 * (bits["silu_out"] + bits["up_out"]) / 8 + 4 * d + d * bits["down_out"] / 8)
+    assert b["cross_bytes"] == want and a["cross_bytes"] == 0
 
 
 def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_path):
@@ -449,42 +456,91 @@ def test_muxq_step_artifact_and_engines_on_the_two_layer_model(shadowed, tmp_pat
 
 
 @pytest.mark.parametrize("mechanism", ["shadow", "muxq"])
-def test_onnx_qdq_graph_carries_shadow_and_muxq_channels(shadowed, mechanism, tmp_path):
-    """The QDQ graph quantizes MUXQ's input per channel (scale · 2^exp on its outlier
-    channels) and gives shadow channels their unclamped value s·round(x/s): onnxruntime
-    scores it as the fake-quant model does (float ops between QDQ pairs: the "fake"
-    simulation). AIMET's encodings have no form for either: the export writes none and says
-    why, and QuantSim is refused with that reason."""
+def test_onnx_export_of_shadow_and_muxq_channels_is_deployable(shadowed, mechanism, tmp_path):
+    """Shadow and MUXQ channels are graph structure, every activation one grid per tensor:
+    the shadow layer's down_proj input is clamped on the NPU and a CPU path adds the
+    overflow of its hot channels (recomputed from the Mul's quantized inputs, rounded on the
+    input's grid) times their weight rows; MUXQ's Body carries the outlier channels shifted
+    and its Aux matmul adds them back (2^exp − 1)·Aux·W. The float graph stays the float
+    model (the overflow is exactly zero without quantizers); onnxruntime's QDQ graph scores
+    as the fake-quant model does, and AIMET loads model.encodings onto the float graph with
+    nothing missing and nothing extra (`aimet_quantsim` refuses otherwise)."""
     import dataclasses
 
     import jax.numpy as jnp
+    import onnx
 
-    from qnpu_jax.export.onnx_export import export_onnx
+    from qnpu_jax.export.onnx_export import (
+        CPU_SIDE,
+        check_models,
+        export_onnx,
+        node_side,
+        op_inventory,
+    )
     from qnpu_jax.export.onnx_run import OnnxModel, aimet_quantsim
 
-    fp, base, shadow_model, windows, data = shadowed
-    model = shadow_model
+    fp, base, model, windows, data = shadowed
     if mechanism == "muxq":
         model = steps.muxq("down_in", exp=2, threshold=1.0)(base, data)
     model = model.replace(plan=dataclasses.replace(model.plan, simulation="fake"))
     out = export_onnx(model, tmp_path / "onnx", fp.tokenizer, chunk=16, max_context=96)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["onnx"]["encodings"]["file"] is None
-    assert "AIMET" in manifest["onnx"]["encodings"]["why"]
-    assert not (out / "model.encodings").exists()
-    with pytest.raises(QnpuError, match="no AIMET encodings for QuantSim"):
-        aimet_quantsim(out)
-    import onnx
-
+    assert manifest["onnx"]["encodings"]["file"] == "model.encodings"
+    check_models(out)  # onnx.checker, full check, on all four graphs
+    enc = json.loads((out / "model.encodings").read_text())
+    acts = {e["name"]: e for e in enc["activation_encodings"]}
+    params = {e["name"]: e for e in enc["param_encodings"]}
+    tq = model.plan.get("layers/down_in")
+    layers = [
+        i
+        for i, ch in enumerate(tq.shadow_channels if mechanism == "shadow" else tq.muxq_channels)
+        if ch
+    ]
+    assert layers
     graph = onnx.load(str(out / "model_qdq.onnx"), load_external_data=False).graph
-    shadowed = [n for n in graph.node if any(o.endswith("_shadowed") for o in n.output)]
-    assert len(shadowed) == (1 if mechanism == "shadow" else 0)  # one layer keeps shadows
+    produced = {o for n in graph.node for o in n.output}
+    inits = {t.name for t in graph.initializer}
+    for i in layers:
+        x = f"model.layers.{i}.mlp.down_proj.input"
+        assert acts[x]["enc_type"] == "PER_TENSOR"
+        assert (
+            params[f"model.layers.{i}.mlp.down_proj.weight_rows"]["scale"]
+            == (params[f"model.layers.{i}.mlp.down_proj.weight"]["scale"])
+        )
+        assert f"model.layers.{i}.mlp.down_proj.weight_rows_quantized" in inits
+        if mechanism == "shadow":
+            overflow = acts[f"{x}_overflow"]
+            assert (overflow["bw"], overflow["is_sym"]) == (16, True)
+            assert overflow["scale"] == acts[x]["scale"]
+        else:
+            assert f"{x}_aux" in produced and f"{x}_unshifted" in produced
+    assert not any(n.op_type == "Where" and "shadow" in n.output[0] for n in graph.node)
     per_axis = [n for n in graph.node if n.op_type == "QuantizeLinear" and n.attribute]
-    assert bool(per_axis) == (mechanism == "muxq")
+    assert not per_axis  # every activation on one grid
+    inventory = op_inventory(graph)
+    assert not inventory["unlisted"]  # every op one that onnxruntime's QNN EP lists
+    assert inventory[CPU_SIDE].get("Round", 0) == 0  # (the overflow rounds in its QDQ)
+    cpu = [n for n in graph.node if node_side(n) == CPU_SIDE]
+    assert bool(cpu) == (mechanism == "shadow")  # MUXQ stays on the NPU
+    if cpu:
+        assert {n.op_type for n in cpu} >= {"Gather", "Mul", "Sub", "MatMul", "Add"}
+    from qnpu_jax.report.onnx_layer import draw_layer
+
+    sides = draw_layer(out, layers[0], tmp_path / "layer.png")  # docs/deploy.md's picture
+    assert (tmp_path / "layer.png").read_bytes()[:4] == b"\x89PNG"
+    assert (sides["cpu"] > 0) == (mechanism == "shadow") and sides["npu"] > 40
     ids = np.asarray(windows[:2, :40])
-    nll_onnx = OnnxModel(out, qdq=True).token_nll(ids)
+    nll_qdq = OnnxModel(out, qdq=True).token_nll(ids)
     nll_fake = np.asarray(model.nll_fn()(jnp.asarray(ids)))
-    assert abs(nll_onnx.mean() / nll_fake.mean() - 1) < 0.01
+    assert abs(nll_qdq.mean() / nll_fake.mean() - 1) < 1e-3
+    nll_float = OnnxModel(out).token_nll(ids)
+    float_model = QuantizedModel.from_float(fp, prefix="bos")
+    nll_fp = np.asarray(float_model.nll_fn()(jnp.asarray(ids)))
+    np.testing.assert_allclose(nll_float, nll_fp, rtol=1e-4, atol=1e-4)
+    session, loaded = aimet_quantsim(out)
+    assert loaded["quantizers"] == len(acts) + len(params)
+    nll_sim = OnnxModel(out, qdq=True, sessions={"prefill": session}).token_nll(ids)
+    assert abs(nll_sim.mean() / nll_qdq.mean() - 1) < 0.02
 
 
 def test_pareto_front_keeps_the_rows_no_other_row_beats_on_latency_and_perplexity():

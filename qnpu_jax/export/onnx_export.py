@@ -9,7 +9,8 @@ every file hashed in manifest.json, written to a temporary sibling and renamed i
     model_qdq.onnx        prefill with QuantizeLinear/DequantizeLinear at every quantized
     model_qdq_decode.onnx decode, QDQ                             tensor (opset 21)
     model_qdq.data        the QDQ graphs' integer weights and their scales (shared)
-    model.encodings       AIMET encodings; every name is a tensor of model.onnx
+    model.encodings       AIMET encodings; every name is a tensor of model.onnx (shadow
+                          outliers and MUXQ are graph structure: `_Writer._extra`)
     embed_tokens.npy      the embedding table, float [V, D] (for the float graphs)
     embed_tokens_codes.npy  its integer codes [V, D] and per-row scales [V]: the lookup
     embed_tokens_scale.npy  the host does for the QDQ graphs (docs/design.md §3: 8 bits per row)
@@ -33,11 +34,12 @@ Linear weights are stored transposed ([in, out], MatMul's B): their channel axis
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,10 +72,23 @@ EMBED_FILES = {
     "codes": "embed_tokens_codes.npy",
     "scale": "embed_tokens_scale.npy",
 }
+# Where a node runs: the NPU, or the host CPU (mllm-NPU's shadow path: its nodes carry
+# doc_string CPU_SIDE, read back by `node_side`)
+NPU_SIDE, CPU_SIDE = "npu", "cpu"
 MASKED = -1e9  # added to masked scores: exp underflows to exactly 0, as with -inf
 # Bits of the codes ONNX QDQ can hold (opset 21): the signed and unsigned types by width.
 _QDQ_TYPES = {(4, True): "INT4", (8, True): "INT8", (16, True): "INT16"}
 _QDQ_TYPES |= {(4, False): "UINT4", (8, False): "UINT8", (16, False): "UINT16"}
+
+
+# A linear's extra term: given rows(channels) (those input rows of its weight), the term's
+# value and the side that adds it to the matmul
+Extra = Callable[[Callable[[list[int]], str]], tuple[str, str]]
+
+
+def node_side(node: Any) -> str:
+    """Where an exported node runs: CPU_SIDE for the shadow path's, NPU_SIDE otherwise."""
+    return CPU_SIDE if node.doc_string == CPU_SIDE else NPU_SIDE
 
 
 @dataclass
@@ -83,6 +98,7 @@ class _Builder:
     nodes: list[Any] = field(default_factory=list)
     inits: dict[str, np.ndarray] = field(default_factory=dict)
     count: int = 0
+    side: str = NPU_SIDE  # where the nodes made now run (`node_side`)
 
     def fresh(self, hint: str) -> str:
         self.count += 1
@@ -92,8 +108,20 @@ class _Builder:
         from onnx import helper
 
         name = out or self.fresh(op)
-        self.nodes.append(helper.make_node(op, ins, [name], name=f"{name}/{op}", **attrs))
+        node = helper.make_node(op, ins, [name], name=f"{name}/{op}", **attrs)
+        if self.side != NPU_SIDE:
+            node.doc_string = self.side
+        self.nodes.append(node)
         return name
+
+    @contextlib.contextmanager
+    def on(self, side: str) -> Iterator[None]:
+        """Nodes made inside run on `side`."""
+        before, self.side = self.side, side
+        try:
+            yield
+        finally:
+            self.side = before
 
     def const(self, value: Any, dtype: Any = np.float32, name: str | None = None) -> str:
         arr = np.asarray(value, dtype)
@@ -107,11 +135,17 @@ class _Builder:
 @dataclass(frozen=True)
 class OnnxPlan:
     """What a graph is built for: `chunk` tokens per call, `max_context` cache positions,
-    and `encodings` (our tensor name -> entry, `exporter.run_encodings`) when QDQ."""
+    `encodings` (our tensor name -> entry, `exporter.run_encodings`) when QDQ, and the
+    `outliers` entries whose shadow or MUXQ structure every graph carries."""
 
     chunk: int
     max_context: int
     encodings: Mapping[str, Mapping[str, Any]] | None = None
+    # the entries with shadow or MUXQ channels (`outlier_entries`): their structure is in the
+    # float graphs too, since AIMET's QuantSim quantizes the float graph
+    outliers: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # float graphs: the weights' encodings, to move their exact ties off (`off_ties`)
+    weight_grids: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 def _np_params(params: Any) -> Any:
@@ -195,6 +229,43 @@ def _muxq_multipliers(muxq: Mapping[str, Any], width: int) -> np.ndarray:
     return out
 
 
+def unshifted(name: str) -> str:
+    """The ONNX name of a MUXQ input's value before its outlier channels are shifted."""
+    return f"{name}_unshifted"
+
+
+def rows_name(weight: str) -> str:
+    """The ONNX initializer of the input rows of `weight` a shadow path or Aux term reads."""
+    return f"{weight}_rows"
+
+
+def overflow_name(name: str) -> str:
+    """The ONNX name of a shadow path's overflow over linear input `name`'s clamped value."""
+    return f"{name}_overflow"
+
+
+# a shadow path's overflow is rounded to its input's grid at this width (its codes are the
+# integer contract's q − clamp(q); a larger overflow than 2^15 codes would clip here)
+OVERFLOW_BITS = 16
+
+
+def overflow_entry(e: Mapping[str, Any]) -> dict[str, Any]:
+    """The encoding of a shadow path's overflow: its input's scale, signed symmetric 16-bit."""
+    return {
+        "bits": OVERFLOW_BITS,
+        "signed": True,
+        "symmetric": True,
+        "axis": None,
+        "scale": [float(e["scale"][0])],
+        "zero_point": [0],
+    }
+
+
+def outlier_entries(table: Mapping[str, Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """The entries of an encodings table with shadow or MUXQ channels."""
+    return {k: e for k, e in table.items() if any(f in e for f in OUTLIER_KEYS)}
+
+
 def _weight(
     b: _Builder,
     w: np.ndarray,
@@ -223,6 +294,37 @@ def _weight(
     b.inits[z.name] = z
     s = b.const(scale, name=f"{name}_scale")
     return b.node("DequantizeLinear", [q.name, s, z.name], name, axis=axis)
+
+
+def tie_margin(bits: int) -> float:
+    """How far inside its code's rounding interval `off_ties` puts a weight that sat on its
+    edge, in codes: 4 float32 ulps of the unsigned code value (below 2^bits) AIMET rounds."""
+    return 2.0 ** (bits - 21)
+
+
+def off_ties(w: np.ndarray, entry: Mapping[str, Any], axis: int) -> np.ndarray:
+    """Float weights `w` whose codes under `entry` (per channel along `axis`) are the same
+    whatever round-to-nearest a tool uses: a weight within `tie_margin` codes of the halfway
+    point between two codes is moved that far inside the code this exporter gives it
+    (rint(w·(1/s)), the QDQ graph's and the artifact's). AIMET's QuantSim quantizes the float
+    graph's weights itself, rounding halves up, in float32 after adding 2^(bits-1); weights
+    that sit exactly halfway are common in these models (dequantized GGUF weights on their
+    grids). Per-block weights are returned as they are."""
+    if entry.get("block") is not None or entry.get("axis") is None:
+        return w
+    shape = [1] * w.ndim
+    shape[axis] = -1
+    scale = np.asarray(entry["scale"], np.float32).reshape(shape)
+    inv = (1.0 / scale).astype(np.float32)
+    target = np.rint(w * inv)
+    offset = np.asarray(w, np.float64) / scale.astype(np.float64) - target  # in [-0.5, 0.5]
+    margin = tie_margin(int(entry["bits"]))
+    edge = np.abs(offset) > 0.5 - margin
+    if not edge.any():
+        return w
+    inside = np.clip(offset, margin - 0.5, 0.5 - margin)
+    moved = ((target + inside) * scale.astype(np.float64)).astype(np.float32)
+    return np.where(edge, moved, w).astype(np.float32)
 
 
 def _blocked_weight(
@@ -275,6 +377,7 @@ class _Writer:
 
         self.p = _np_params(params)
         self.cfg, self.plan, self.b = cfg, plan, _Builder()
+        self.branches: dict[str, str] = {}  # outlier input -> its overflow or Aux value
         c, s, hd = plan.chunk, plan.max_context, cfg.head_dim
         self.groups = cfg.num_heads // cfg.num_kv_heads
         self.heads = {"q": cfg.num_heads, "kv": cfg.num_kv_heads}
@@ -312,47 +415,155 @@ class _Writer:
         return None if enc is None else enc.get(ours)
 
     def read(self, ours: str) -> str:
-        """The value readers of tensor `ours` get, once its node is emitted. A linear input
-        with MUXQ channels is quantized per channel (scale · 2^exp on them); one with shadow
-        channels takes those channels' unclamped value, s·round(x/s), as the fake-quant
-        model and the integer engines do."""
+        """The value readers of tensor `ours` get, once its node is emitted: with QDQ, its
+        QuantizeLinear → DequantizeLinear value on the tensor's one grid. A MUXQ input is the
+        Body (`_body`); shadow channels are added back by the linear that reads them
+        (`_shadow_path`), so here they are clamped like every other channel."""
         name = aimet_name(ours)
+        muxq = self.plan.outliers.get(ours, {}).get("muxq")
+        if muxq is not None:
+            self._body(ours, muxq)
         e = self.entry(ours)
-        if e is None:
-            return name
-        if "muxq" in e:  # (channel lists belong to layer tensors: layers.{i}.NAME)
-            width = layer_widths(self.cfg.dims)[ours.split(".")[2]]
-            return _qdq(self.b, name, e, name, _muxq_multipliers(e["muxq"], width))
-        value = _qdq(self.b, name, e, name)
-        if "shadow_channels" in e:
-            width = layer_widths(self.cfg.dims)[ours.split(".")[2]]
-            b = self.b
-            s = b.const(np.float32(e["scale"][0]))
-            mask = np.zeros(width, bool)
-            mask[e["shadow_channels"]] = True
-            wide = b.node("Mul", [b.node("Round", [b.node("Div", [name, s])]), s])
-            value = b.node(
-                "Where",
-                [b.const(mask, np.bool_, f"{name}_shadow_mask"), wide, value],
-                f"{name}_shadowed",
-            )
-        return value
+        return name if e is None else _qdq(self.b, name, e, name)
+
+    def _width(self, ours: str) -> int:
+        return layer_widths(self.cfg.dims)[ours.split(".")[2]]
+
+    def _body(self, ours: str, muxq: Mapping[str, Any]) -> None:
+        """MUXQ's Body: the unshifted value times 2^-exp on the outlier channels (exact in
+        float), on the tensor's per-tensor grid; the linear reading it adds the Aux term."""
+        name = aimet_name(ours)
+        m = 1.0 / _muxq_multipliers(muxq, self._width(ours))
+        self.b.node("Mul", [unshifted(name), self.b.const(m, name=f"{name}_shift")], name)
+
+    def _shadow_path(self, ours: str, x: str, made: tuple[Op, list[str]], i: int) -> str:
+        """mllm-NPU's shadow path on the CPU, for linear input `ours` read as `x` (clamped):
+        the input's op is run again on the hot channels only (`made`: the op and the values
+        it read), the overflow over the clamped value is rounded to the input's grid (a
+        16-bit tensor of its own, `overflow_name`), and times the weight's hot rows it gives
+        the term the caller adds to the NPU's matmul. Without quantizers the recomputed
+        value equals x, so the term is exactly zero and the float graph is the float model."""
+        with self.b.on(CPU_SIDE):
+            return self._shadow_nodes(ours, x, made, i)
+
+    def _shadow_nodes(self, ours: str, x: str, made: tuple[Op, list[str]], i: int) -> str:
+        b, name = self.b, aimet_name(ours)
+        hot = b.const(self.plan.outliers[ours]["shadow_channels"], np.int64, f"{name}_hot")
+        op, ins = made
+        again = f"{name}_recomputed"
+        if op.kind == "mul":
+            b.node("Mul", [b.node("Gather", [v, hot], axis=-1) for v in ins], again)
+        else:
+            value = self.emit(i, op, ins, b.fresh(f"{name}.shadow"))
+            b.node("Gather", [value, hot], again, axis=-1)
+        overflow = b.node("Sub", [again, b.node("Gather", [x, hot], axis=-1)], overflow_name(name))
+        e = self.entry(ours)
+        if e is not None:
+            overflow = _qdq(b, overflow, overflow_entry(e), overflow)
+        return overflow
+
+    def emit(self, i: int, op: Op, ins: list[str], out: str) -> str:
+        """The nodes of layer op `op` (not a linear) of layer i reading `ins`, writing `out`."""
+        layers = self.p["layers"]
+        if op.kind == "rmsnorm":
+            gain_name = f"model.layers.{i}.{op.gain}.weight"
+            self.rmsnorm(ins[0], layers[op.gain][i], gain_name, out)
+        elif op.kind == "rope":
+            norm = None
+            if op.head_norm in layers:
+                gain_name = f"model.layers.{i}.self_attn.{op.head_norm}.weight"
+                norm = (layers[op.head_norm][i], gain_name)
+            self.rope(ins[0], self.heads[op.heads], out, norm)
+        elif op.kind == "attention":
+            q, k, v = ins
+            self.attention(i, op, q, k, v, out)
+        elif op.kind in ("add", "mul"):
+            self.b.node(op.kind.capitalize(), ins, out)
+        elif op.kind == "lut" and op.fn == "silu":
+            self.b.node("Mul", [ins[0], self.b.node("Sigmoid", [ins[0]])], out)
+        else:
+            fn = f" ({op.fn})" if op.fn else ""
+            raise QnpuError(f"the ONNX exporter does not know the layer op {op.kind!r}{fn}")
+        return out
 
     def rmsnorm(self, x: str, gain: np.ndarray, gain_name: str, out: str) -> None:
         b = self.b
         var = b.node("ReduceMean", [b.node("Mul", [x, x]), b.const([-1], np.int64)], keepdims=1)
         root = b.node("Sqrt", [b.node("Add", [var, b.const(np.float32(self.cfg.rms_norm_eps))])])
         normed = b.node("Mul", [x, b.node("Reciprocal", [root])])
-        b.node("Mul", [normed, b.const(gain, name=gain_name)], out)
+        gain_value = gain_name if gain_name in b.inits else b.const(gain, name=gain_name)
+        b.node("Mul", [normed, gain_value], out)
 
-    def linear(self, x: str, w: np.ndarray, w_ours: str, bias: np.ndarray | None, out: str) -> None:
+    def linear(
+        self,
+        x: str,
+        w: np.ndarray,
+        w_ours: str,
+        bias: np.ndarray | None,
+        out: str,
+        extra: Extra | None = None,
+    ) -> None:
+        """out = x·W (+ bias). `extra(rows)` returns a term added to the matmul before the
+        bias (the shadow path's or MUXQ's Aux) and the side that adds it; `rows(channels)`
+        gives it those input rows of the weight, an initializer of their own on the weight's
+        grid (AIMET refuses a weight that two kinds of op read)."""
         b, w_name = self.b, aimet_name(w_ours)
-        wt = _weight(b, np.ascontiguousarray(w.T), w_name, self.entry(w_ours), axis=1)
-        if bias is None:
+        w_t = np.ascontiguousarray(w.T)
+        entry = self.entry(w_ours)
+        grid = self.plan.weight_grids.get(w_ours)
+        if entry is None and grid is not None:
+            w_t = off_ties(w_t, grid, axis=1)
+        wt = _weight(b, w_t, w_name, entry, axis=1)
+        if bias is None and extra is None:
             b.node("MatMul", [x, wt], out)
             return
-        bias_name = w_name.removesuffix("weight") + "bias"
-        b.node("Add", [b.node("MatMul", [x, wt]), b.const(bias, name=bias_name)], out)
+        acc = b.node("MatMul", [x, wt])
+        if extra is not None:
+            if entry is not None and entry.get("block") is not None:
+                raise QnpuError(
+                    f"{w_name}: per-block weights with shadow or MUXQ channels on their input "
+                    "have no ONNX form (the rows they take would mix blocks)"
+                )
+
+            def rows(channels: list[int]) -> str:
+                return _weight(b, w_t[channels], rows_name(w_name), entry, axis=1)
+
+            term, side = extra(rows)
+            with b.on(side):  # the shadow path's term is added where it is made
+                acc = b.node("Add", [acc, term], None if bias is not None else out)
+        if bias is not None:
+            bias_name = w_name.removesuffix("weight") + "bias"
+            b.node("Add", [acc, b.const(bias, name=bias_name)], out)
+
+    def _extra(self, i: int, op: Op, x: str, made: dict[str, tuple[Op, list[str]]]) -> Extra | None:
+        """The term a linear adds when its input has shadow or MUXQ channels in layer i."""
+        ours = f"layers.{i}.{op.ins[0]}"
+        e = self.plan.outliers.get(ours)
+        if e is None:
+            return None
+        b, name = self.b, aimet_name(ours)
+        if "shadow_channels" in e:
+            if ours not in self.branches:  # once for all the linears reading it
+                self.branches[ours] = self._shadow_path(ours, x, made[op.ins[0]], i)
+            overflow, hot = self.branches[ours], list(e["shadow_channels"])
+
+            def shadow_term(rows: Callable[[list[int]], str]) -> tuple[str, str]:
+                with b.on(CPU_SIDE):
+                    return b.node("MatMul", [overflow, rows(hot)]), CPU_SIDE
+
+            return shadow_term
+        muxq = e["muxq"]  # Aux = Body's outlier channels; X = Body + (2^exp − 1)·Aux
+        channels = list(muxq["channels"])
+        if ours not in self.branches:
+            idx = b.const(channels, np.int64, f"{name}_aux_channels")
+            self.branches[ours] = b.node("Gather", [x, idx], f"{name}_aux", axis=-1)
+        aux = self.branches[ours]
+        times = b.const(np.float32((1 << int(muxq["exp"])) - 1))
+
+        def aux_term(rows: Callable[[list[int]], str]) -> tuple[str, str]:
+            return b.node("Mul", [b.node("MatMul", [aux, rows(channels)]), times]), NPU_SIDE
+
+        return aux_term
 
     def rope(
         self, x: str, heads: int, out: str, head_norm: tuple[np.ndarray, str] | None = None
@@ -409,33 +620,21 @@ class _Writer:
     def layer(self, graph: Graph, i: int, x: str) -> str:
         """One decoder layer's ops; returns the value of its output."""
         layers, env = self.p["layers"], {graph.layer_input: x}
+        made: dict[str, tuple[Op, list[str]]] = {}  # how each tensor was made
         for op in graph.layer:
             ins = [env[name] for name in op.ins]
             ours = f"layers.{i}.{op.out_name}"
             out = aimet_name(ours)
-            if op.kind == "rmsnorm":
-                gain_name = f"model.layers.{i}.{op.gain}.weight"
-                self.rmsnorm(ins[0], layers[op.gain][i], gain_name, out)
-            elif op.kind == "linear":
+            if "muxq" in self.plan.outliers.get(ours, {}):
+                out = unshifted(out)
+            if op.kind == "linear":
                 bias = layers[op.bias][i] if op.bias and op.bias in layers else None
                 w_ours = f"layers.{i}.{op.weight_name}"
-                self.linear(ins[0], layers[op.weight_name][i], w_ours, bias, out)
-            elif op.kind == "rope":
-                norm = None
-                if op.head_norm in layers:
-                    gain_name = f"model.layers.{i}.self_attn.{op.head_norm}.weight"
-                    norm = (layers[op.head_norm][i], gain_name)
-                self.rope(ins[0], self.heads[op.heads], out, norm)
-            elif op.kind == "attention":
-                q, k, v = ins
-                self.attention(i, op, q, k, v, out)
-            elif op.kind in ("add", "mul"):
-                self.b.node(op.kind.capitalize(), ins, out)
-            elif op.kind == "lut" and op.fn == "silu":
-                self.b.node("Mul", [ins[0], self.b.node("Sigmoid", [ins[0]])], out)
+                extra = self._extra(i, op, ins[0], made)
+                self.linear(ins[0], layers[op.weight_name][i], w_ours, bias, out, extra)
             else:
-                fn = f" ({op.fn})" if op.fn else ""
-                raise QnpuError(f"the ONNX exporter does not know the layer op {op.kind!r}{fn}")
+                self.emit(i, op, ins, out)
+            made[op.out_name] = (op, ins)
             env[op.out_name] = self.read(ours)
         return env[graph.layer[-1].out_name]
 
@@ -531,23 +730,60 @@ def onnx_encodings(
 ) -> dict[str, Any]:
     """The AIMET encodings of `table` named by the ONNX tensors (`aimet_name`, "hf"): every
     tensor but the embedding table, which the host reads (its codes and scales are files of
-    their own), plus the cache inputs and outputs on their K/V tensor's grid."""
+    their own), plus the cache inputs and outputs on their K/V tensor's grid. A shadow or
+    MUXQ input is one grid per tensor in the graph (the clamped input, MUXQ's Body), its
+    channels are structure; a shadow path's overflow gets an entry of its own."""
     import copy
 
-    inside = {k: v for k, v in table.items() if k != embed_table()}
+    outliers = outlier_entries(table)
+    inside = {
+        k: {f: v for f, v in e.items() if f not in OUTLIER_KEYS} if k in outliers else e
+        for k, e in table.items()
+        if k != embed_table()
+    }
     obj = aimet_encodings(inside, version=version, names="hf")
     acts = obj["activation_encodings"]
+
+    def add(name: str, entries: Any) -> None:
+        if isinstance(acts, list):  # 1.0.0: named entries
+            acts.append({**copy.deepcopy(entries), "name": name})
+        else:  # 0.6.1: name -> entries
+            acts[name] = copy.deepcopy(entries)
+
     for i in range(num_layers):
         for kind, tensor in CACHE_TENSORS.items():
             source = aimet_name(f"layers.{i}.{tensor}")
             for side in ("past", "present"):
-                name = f"{side}_{kind}.{i}"
-                if isinstance(acts, list):  # 1.0.0: named entries
-                    entry = next(e for e in acts if e["name"] == source)
-                    acts.append({**copy.deepcopy(entry), "name": name})
-                else:  # 0.6.1: name -> entries
-                    acts[name] = copy.deepcopy(acts[source])
+                add(f"{side}_{kind}.{i}", entries_of_obj(obj, source))
+    params = obj["param_encodings"]
+    for ours, e in outliers.items():
+        if "shadow_channels" in e:
+            name = overflow_name(aimet_name(ours))
+            one = aimet_encodings({ours: overflow_entry(e)}, version=version, names="hf")
+            add(name, entries_of_obj(one, aimet_name(ours)))
+        for reader in reader_weights(ours):
+            weight = aimet_name(reader)
+            if isinstance(params, list):
+                source = next(p for p in params if p["name"] == weight)
+                params.append({**copy.deepcopy(source), "name": rows_name(weight)})
+            else:
+                params[rows_name(weight)] = copy.deepcopy(params[weight])
     return obj
+
+
+def reader_weights(ours: str) -> list[str]:
+    """Our names of the weights of the linears that read input tensor `ours` (`layers.i.X`)."""
+    _, i, tensor = ours.split(".")
+    ops = (op for op in GRAPH.layer if op.kind == "linear" and op.ins[0] == tensor)
+    return [f"layers.{i}.{op.weight_name}" for op in ops]
+
+
+def entries_of_obj(obj: Mapping[str, Any], name: str) -> Any:
+    """The activation entry (1.0.0) or entries (0.6.1) named `name` of an encodings object."""
+    acts = obj["activation_encodings"]
+    if isinstance(acts, list):
+        return next(e for e in acts if e["name"] == name)
+    return acts[name]
 
 
 def embedding_files(model: Any, table: Mapping[str, Any]) -> dict[str, bytes]:
@@ -648,6 +884,51 @@ QNN_HTP_ACTIVATION_MATMUL = {("uint8", "uint8"), ("uint8", "uint16"), ("uint16",
 _LAYOUT_OPS = {"Reshape", "Transpose", "ScatterElements", "Squeeze", "Unsqueeze", "Expand"}
 
 
+# The ai.onnx ops that onnxruntime's QNN execution provider lists as supported (its
+# "Supported ONNX operators" table, onnxruntime-qnn 2.x), those the exporter can emit.
+QNN_EP_OPS = frozenset(
+    [
+        "Add",
+        "Concat",
+        "DequantizeLinear",
+        "Div",
+        "Expand",
+        "Gather",
+        "LessOrEqual",
+        "MatMul",
+        "Mul",
+        "Neg",
+        "QuantizeLinear",
+        "Reciprocal",
+        "ReduceMean",
+        "Reshape",
+        "Round",
+        "ScatterElements",
+        "Sigmoid",
+        "Softmax",
+        "Split",
+        "Sqrt",
+        "Sub",
+        "Tile",
+        "Transpose",
+        "Unsqueeze",
+        "Where",
+    ]
+)
+
+
+def op_inventory(graph: Any) -> dict[str, dict[str, int]]:
+    """{side: {op type: nodes}} of a graph (`node_side`), with "unlisted": the ops outside
+    QNN_EP_OPS (none in the exporter's graphs; a test holds it)."""
+    out: dict[str, dict[str, int]] = {NPU_SIDE: {}, CPU_SIDE: {}, "unlisted": {}}
+    for node in graph.node:
+        side = out[node_side(node)]
+        side[node.op_type] = side.get(node.op_type, 0) + 1
+        if node.op_type not in QNN_EP_OPS:
+            out["unlisted"][node.op_type] = out["unlisted"].get(node.op_type, 0) + 1
+    return {k: dict(sorted(v.items())) for k, v in out.items()}
+
+
 def activation_matmuls(graph: Any) -> list[dict[str, Any]]:
     """Every MatMul of a QDQ graph whose two inputs are quantized activations (attention's
     Q·Kᵀ and P·V): its output, the quantized tensors it reads, their code types and zero
@@ -725,23 +1006,21 @@ def export_onnx(
         say(f"the {kind} graphs: prefill of {chunk} tokens and decode, {max_context} positions")
         graphs = {}
         for role, c in (("prefill", chunk), ("decode", 1)):
-            plan = OnnxPlan(c, max_context, table if kind == "qdq" else None)
+            plan = OnnxPlan(
+                c,
+                max_context,
+                table if kind == "qdq" else None,
+                outlier_entries(table),
+                {} if kind == "qdq" else table,
+            )
             graphs[GRAPH_FILES[(kind, role)]] = build_graph(
                 params, cfg, plan, name=f"{kind}_{role}"
             )
         if kind == "qdq":
             pairs = activation_matmuls(graphs[GRAPH_FILES[(kind, "prefill")]].graph)
         files |= serialize(graphs, DATA_FILES[kind])
-    outliers = sorted(k for k, e in table.items() if any(f in e for f in OUTLIER_KEYS))
     encodings: dict[str, Any] = {"file": ENCODINGS_FILE, "version": version}
-    if outliers:  # AIMET has no form for them: the QDQ graphs carry the whole plan
-        encodings = {
-            "file": None,
-            "why": f"{outliers[0]} (and {len(outliers) - 1} more) have shadow or MUXQ channels, "
-            "which AIMET's per-tensor activation encodings cannot express",
-        }
-    else:
-        files[ENCODINGS_FILE] = _json_bytes(onnx_encodings(table, cfg.num_layers, version))
+    files[ENCODINGS_FILE] = _json_bytes(onnx_encodings(table, cfg.num_layers, version))
     say("the sink prefix's K/V, the embeddings and the tokenizer")
     files[PREFIX_FILE] = _npy_bytes(prefix_kv(model))
     files |= embedding_files(model, table)

@@ -50,12 +50,10 @@ class OnnxModel:
         optional) replaces the onnxruntime sessions by others with the same inputs and
         outputs in the same order, e.g. AIMET QuantSim's over model.onnx (with `qdq=True`:
         its quantizers take the fake-quant inputs)."""
-        from qnpu_jax.export.artifact import read_artifact
-
         if level not in LEVELS:
             raise QnpuError(f"unknown graph optimization level {level!r}; known: {LEVELS}")
         self.path = Path(directory)
-        art = read_artifact(self.path)
+        art = _read_export(self.path)
         info = art.manifest.get("onnx")
         if not isinstance(info, dict) or info.get("format") != FORMAT:
             raise QnpuError(
@@ -70,16 +68,20 @@ class OnnxModel:
         self.manifest = art.manifest
         self.files = {k: v for k, v in art.files.items() if k == "tokenizer.json"}
         graph_file = GRAPH_FILES[("float", "prefill")]
-        if ENCODINGS_FILE in art.files:  # absent when the plan has no AIMET form
+        if ENCODINGS_FILE in art.files:
             check_encodings(self.path, art.files[ENCODINGS_FILE], _file(art, graph_file))
+            qdq_graph = _file(art, GRAPH_FILES[("qdq", "prefill")])
+            check_encodings_match_qdq(art.files[ENCODINGS_FILE], qdq_graph)
         kv = _npy(art.files[PREFIX_FILE])
         self.prefix_kv = kv[1 if qdq else 0]  # [2 (K, V), L, Hkv, P, hd]
+        self.input_name = str(info["input"])
         if qdq:  # the fake-quant rows: codes · per-row scale
             codes = _npy(art.files[EMBED_FILES["codes"]]).astype(np.float32)
             self.table = codes * _npy(art.files[EMBED_FILES["scale"]])[:, None]
+            if ENCODINGS_FILE in art.files:
+                self.table = _on_input_grid(self.table, art.files[ENCODINGS_FILE], self.input_name)
         else:
             self.table = _npy(art.files[EMBED_FILES["float"]])
-        self.input_name = str(info["input"])
         kind = "qdq" if qdq else "float"
         data_file = DATA_FILES[kind]
         data = _file(art, data_file)
@@ -173,6 +175,50 @@ class OnnxModel:
         return stored_tokenizer(self.files, self.manifest.get("tokenizer", {}), self.path)
 
 
+def _on_input_grid(rows: np.ndarray, encodings: bytes, name: str) -> np.ndarray:
+    """The embedding rows on the grid of graph input `name`, rounded half to even as the QDQ
+    graph's QuantizeLinear and the fake-quant model round: the host quantizes the graph's
+    input, as a device's host does (it feeds codes). Both the QDQ graph and a QuantSim then
+    see values on the grid, whatever their rule for halves (AIMET rounds them up)."""
+    import json
+
+    entries = _entries(json.loads(encodings), "activation_encodings")
+    if name not in entries:
+        return rows
+    bits, scales, offsets = entries[name]
+    s, o = np.float32(scales[0]), np.float32((offsets or [0])[0])
+    codes = np.clip(np.rint(rows / s) - o, 0, (1 << bits) - 1)
+    return ((codes + o) * s).astype(np.float32)
+
+
+def _read_export(path: Path) -> Any:
+    """The verified export at `path`. When its encodings file fails verification (edited by
+    hand), the refusal also names the entry that disagrees with the QDQ graph, if one does."""
+    from qnpu_jax.export.artifact import read_artifact
+
+    try:
+        return read_artifact(path)
+    except QnpuError as e:
+        if ENCODINGS_FILE not in str(e):
+            raise
+        try:  # unverified bytes, read only to say which entry changed
+            check_encodings_match_qdq(
+                (path / ENCODINGS_FILE).read_bytes(),
+                _inlined_from_disk(path / GRAPH_FILES[("qdq", "prefill")]),
+            )
+        except QnpuError as entry:
+            raise QnpuError(f"{e}; {entry}") from e
+        except Exception:  # the file is beyond naming an entry: the verification's refusal
+            raise e from None
+        raise
+
+
+def _inlined_from_disk(graph_path: Path) -> bytes:
+    import onnx
+
+    return bytes(onnx.load(str(graph_path), load_external_data=False).SerializeToString())
+
+
 def _file(art: Any, name: str) -> bytes:
     if name not in art.files:
         raise QnpuError(f"{art.path}: the manifest does not list {name}, which the export needs")
@@ -246,6 +292,91 @@ def check_encodings(directory: Path, data: bytes, graph: bytes | None = None) ->
             f"({some_of(missing)}): "
             "encodings of another graph"
         )
+
+
+def _entries(enc: Mapping[str, Any], section: str) -> dict[str, tuple[int, list[float], Any]]:
+    """name -> (bit-width, scales, offsets) of one section of an AIMET encodings object."""
+    entries = enc[section]
+    if isinstance(entries, list):  # 1.0.0
+        return {
+            e["name"]: (int(e.get("compressed_bw", e["bw"])), list(e["scale"]), e.get("offset"))
+            for e in entries
+        }
+    return {  # 0.6.1: one entry per channel
+        name: (int(e[0]["bitwidth"]), [c["scale"] for c in e], [c["offset"] for c in e])
+        for name, e in entries.items()
+    }
+
+
+def check_encodings_match_qdq(data: bytes, qdq_graph: bytes) -> None:
+    """The export's AIMET encodings say what its QDQ graph executes: each activation entry
+    has the bit-width, scale and offset of the tensor's QuantizeLinear, each weight entry the
+    bit-width and scales of its DequantizeLinear, each cache output (present_*) its cache
+    input's entry. QnpuError naming the first entry that differs (an edited file)."""
+    import json
+
+    import onnx
+    from onnx import helper, numpy_helper
+
+    try:
+        enc = json.loads(data)
+        acts, params = _entries(enc, "activation_encodings"), _entries(enc, "param_encodings")
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise QnpuError(f"{ENCODINGS_FILE}: not AIMET encodings ({e})") from e
+    graph = onnx.load_from_string(qdq_graph).graph
+    inits = {t.name: t for t in graph.initializer}
+
+    def grid(node: Any) -> tuple[int, np.ndarray, np.ndarray]:
+        zp = inits[node.input[2]]
+        bits = int(np.dtype(helper.tensor_dtype_to_np_dtype(zp.data_type)).itemsize * 8)
+        if zp.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+            bits = 4
+        scale = numpy_helper.to_array(inits[node.input[1]]).reshape(-1)
+        return bits, scale, numpy_helper.to_array(zp).reshape(-1).astype(np.int64)
+
+    def refuse(name: str, what: str) -> QnpuError:
+        return QnpuError(
+            f"{ENCODINGS_FILE}: entry {name} {what}: the encodings were edited or belong to "
+            "another export (re-export, or fix the entry)"
+        )
+
+    quantize = {n.input[0]: n for n in graph.node if n.op_type == "QuantizeLinear"}
+    for name, (bits, scales, offsets) in acts.items():
+        node = quantize.get(name)
+        if node is None:
+            continue  # a cache output: checked against its input below
+        want_bits, want_scale, zp = grid(node)
+        if bits != want_bits:
+            raise refuse(name, f"says {bits} bits, the QDQ graph quantizes it at {want_bits}")
+        if not np.allclose(np.asarray(scales, np.float32), want_scale, rtol=1e-6, atol=0):
+            raise refuse(name, f"has scale {scales[0]!r}, the QDQ graph {float(want_scale[0])!r}")
+        if offsets is not None and [int(o) for o in offsets] != [-int(z) for z in zp]:
+            raise refuse(name, f"has offset {offsets[0]}, the QDQ graph {-int(zp[0])}")
+    for name, entry in acts.items():
+        if name.startswith("present_"):
+            past = "past_" + name.removeprefix("present_")
+            if acts.get(past) != entry:
+                raise refuse(name, f"differs from {past}'s, the cache it writes")
+    for name, (bits, scales, _) in params.items():
+        codes = inits.get(f"{name}_quantized")
+        if codes is None:
+            continue
+        want_bits = 4 if codes.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4) else 8
+        if codes.data_type in (onnx.TensorProto.INT16, onnx.TensorProto.UINT16):
+            want_bits = 16
+        if bits != want_bits:
+            raise refuse(name, f"says {bits} bits, the QDQ graph's codes are {want_bits}-bit")
+        stored = inits.get(f"{name}_scale")
+        ours = None  # (large scales are in model_qdq.data: not checked here)
+        if stored is not None and stored.data_location != onnx.TensorProto.EXTERNAL:
+            ours = numpy_helper.to_array(stored)
+        if (
+            ours is not None
+            and ours.ndim == 1
+            and ours.size == len(scales)
+            and not np.allclose(np.asarray(scales, np.float32), ours, rtol=1e-6, atol=0)
+        ):
+            raise refuse(name, "has other scales than the QDQ graph's")
 
 
 def encoding_bits(enc: Mapping[str, Any]) -> dict[str, int]:

@@ -19,6 +19,7 @@ from qnpu_jax.errors import QnpuError
 
 STUDIES = (
     "ablate_16bit",
+    "aimet_gap",
     "compare_methods",
     "error_budget",
     "gptq_study",
