@@ -530,6 +530,7 @@ def test_onnx_export_of_shadow_and_muxq_channels_is_deployable(shadowed, mechani
     assert (tmp_path / "layer.png").read_bytes()[:4] == b"\x89PNG"
     assert (sides["cpu"] > 0) == (mechanism == "shadow") and sides["npu"] > 40
     ids = np.asarray(windows[:2, :40])
+    _structure_gives_the_fake_quant_codes(out, layers[0], mechanism, tq)
     nll_qdq = OnnxModel(out, qdq=True).token_nll(ids)
     nll_fake = np.asarray(model.nll_fn()(jnp.asarray(ids)))
     assert abs(nll_qdq.mean() / nll_fake.mean() - 1) < 1e-3
@@ -541,6 +542,53 @@ def test_onnx_export_of_shadow_and_muxq_channels_is_deployable(shadowed, mechani
     assert loaded["quantizers"] == len(acts) + len(params)
     nll_sim = OnnxModel(out, qdq=True, sessions={"prefill": session}).token_nll(ids)
     assert abs(nll_sim.mean() / nll_qdq.mean() - 1) < 0.02
+
+
+def _structure_gives_the_fake_quant_codes(out, layer, mechanism, tq):
+    """In the QDQ graph, on one chunk, from the value x the Mul writes: shadows' clamped
+    codes plus the overflow's codes are round(x/s) exactly (the fake-quant model's unclamped
+    code), clamped codes elsewhere; MUXQ's Body codes are round(x/(s·2^exp)) on its channels
+    and round(x/s) elsewhere (the fake-quant model's per-channel grid), code for code."""
+    import onnx
+
+    from qnpu_jax.export.artifact import read_artifact
+    from qnpu_jax.export.onnx_run import OnnxModel, _session
+
+    x = f"model.layers.{layer}.mlp.down_proj.input"
+    art = read_artifact(out)
+    model = onnx.load_from_string(art.files["model_qdq.onnx"])
+    pre = x if mechanism == "shadow" else f"{x}_unshifted"
+    taps = [pre, f"{x}_dequantized"] + (
+        [f"{x}_overflow_dequantized"] if mechanism == "shadow" else []
+    )
+    for t in taps:
+        model.graph.output.append(onnx.helper.make_empty_tensor_value_info(t))
+    session = _session(
+        model.SerializeToString(), "model_qdq.data", art.files["model_qdq.data"], "basic"
+    )
+    om = OnnxModel(out, qdq=True)
+    ids = (np.arange(om.chunk) * 37 + 11) % om.table.shape[0]
+    p = len(om.prefix)
+    feeds = {om.input_name: om.table[ids][None], "position_ids": np.arange(p, p + om.chunk)[None]}
+    for i, c in enumerate(om.new_cache()):
+        feeds[f"past_{'key' if i % 2 == 0 else 'value'}.{i // 2}"] = c
+    got = session.run(taps, feeds)
+    enc = json.loads((out / "model.encodings").read_text())
+    e = next(a for a in enc["activation_encodings"] if a["name"] == x)
+    s, off, top = np.float32(e["scale"][0]), int(e["offset"][0]), (1 << e["bw"]) - 1
+    value, deq = got[0], got[1]
+    codes = np.rint(deq / s)
+    if mechanism == "shadow":
+        hot = list(tq.shadow_channels[layer])
+        want = np.clip(np.rint(value / s), off, off + top)
+        want[..., hot] = np.rint(value[..., hot] / s)
+        codes[..., hot] += np.rint(got[2] / s)
+        assert np.abs(np.rint(value[..., hot] / s)).max() > off + top  # real overflow
+    else:
+        shift = np.ones(value.shape[-1], np.float32)
+        shift[list(tq.muxq_channels[layer])] = np.float32(1 << tq.muxq_exp)
+        want = np.clip(np.rint(value / (s * shift)), off, off + top)
+    np.testing.assert_array_equal(codes, want)
 
 
 def test_pareto_front_keeps_the_rows_no_other_row_beats_on_latency_and_perplexity():
