@@ -195,11 +195,8 @@ def _qdq(
     x: str,
     entry: Mapping[str, Any],
     out: str,
-    channel_multipliers: np.ndarray | None = None,
 ) -> str:
     """x -> QuantizeLinear -> DequantizeLinear, per tensor; returns the dequantized value.
-    With `channel_multipliers` [C] per channel along the last axis, scale · multiplier
-    (MUXQ's Body: 2^exp on its outlier channels).
 
     Activations go on the unsigned grid whatever the contract's code type, as onnxruntime's
     QNN execution provider expects (uint8/uint16 activations): signed codes c become
@@ -208,18 +205,12 @@ def _qdq(
     bits = int(entry["bits"])
     shift = 1 << (bits - 1) if entry["signed"] else 0
     onnx_type = _onnx_int_type(bits, False, out)
-    s: Any = np.float32(entry["scale"][0])
+    scale = b.const(np.float32(entry["scale"][0]), name=f"{out}_scale")
     zero_point = np.asarray(int(entry["zero_point"][0]) + shift)
-    axis: dict[str, Any] = {}
-    if channel_multipliers is not None:
-        s = (s * channel_multipliers).astype(np.float32)  # powers of two: exact
-        zero_point = np.full(channel_multipliers.shape, zero_point)
-        axis = {"axis": -1}
-    scale = b.const(s, name=f"{out}_scale")
     zp = _int_tensor(f"{out}_zero_point", zero_point, onnx_type)
     b.inits[zp.name] = zp
-    q = b.node("QuantizeLinear", [x, scale, zp.name], f"{out}_quantized", **axis)
-    return b.node("DequantizeLinear", [q, scale, zp.name], f"{out}_dequantized", **axis)
+    q = b.node("QuantizeLinear", [x, scale, zp.name], f"{out}_quantized")
+    return b.node("DequantizeLinear", [q, scale, zp.name], f"{out}_dequantized")
 
 
 def _muxq_multipliers(muxq: Mapping[str, Any], width: int) -> np.ndarray:
