@@ -182,7 +182,7 @@ def _on_input_grid(rows: np.ndarray, encodings: bytes, name: str) -> np.ndarray:
     see values on the grid, whatever their rule for halves (AIMET rounds them up)."""
     import json
 
-    entries = _entries(json.loads(encodings), "activation_encodings")
+    entries = encoding_entries(json.loads(encodings), "activation_encodings")
     if name not in entries:
         return rows
     bits, scales, offsets = entries[name]
@@ -294,7 +294,9 @@ def check_encodings(directory: Path, data: bytes, graph: bytes | None = None) ->
         )
 
 
-def _entries(enc: Mapping[str, Any], section: str) -> dict[str, tuple[int, list[float], Any]]:
+def encoding_entries(
+    enc: Mapping[str, Any], section: str
+) -> dict[str, tuple[int, list[float], Any]]:
     """name -> (bit-width, scales, offsets) of one section of an AIMET encodings object."""
     entries = enc[section]
     if isinstance(entries, list):  # 1.0.0
@@ -320,7 +322,8 @@ def check_encodings_match_qdq(data: bytes, qdq_graph: bytes) -> None:
 
     try:
         enc = json.loads(data)
-        acts, params = _entries(enc, "activation_encodings"), _entries(enc, "param_encodings")
+        acts = encoding_entries(enc, "activation_encodings")
+        params = encoding_entries(enc, "param_encodings")
     except (ValueError, KeyError, TypeError, IndexError) as e:
         raise QnpuError(f"{ENCODINGS_FILE}: not AIMET encodings ({e})") from e
     graph = onnx.load_from_string(qdq_graph).graph
@@ -383,14 +386,8 @@ def encoding_bits(enc: Mapping[str, Any]) -> dict[str, int]:
     """name -> bit-width of every entry of an AIMET encodings object (1.0.0 lists of named
     entries, or 0.6.1 name -> [entry]); an LPBQ entry's is its codes' (`compressed_bw`), which
     AIMET's quantizer holds, not the decompressed `bw`."""
-    bits: dict[str, int] = {}
-    for section in ("activation_encodings", "param_encodings"):
-        entries = enc[section]
-        if isinstance(entries, list):
-            bits |= {e["name"]: int(e.get("compressed_bw", e["bw"])) for e in entries}
-        else:
-            bits |= {name: int(e[0]["bitwidth"]) for name, e in entries.items()}
-    return bits
+    sections = ("activation_encodings", "param_encodings")
+    return {n: e[0] for sec in sections for n, e in encoding_entries(enc, sec).items()}
 
 
 def _npy(data: bytes) -> np.ndarray:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from qnpu_jax.export.onnx_run import encoding_entries
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import say, write_study_json
 
@@ -81,12 +82,13 @@ def aimet_rounding(x: np.ndarray, scale: float, offset: int, bits: int) -> np.nd
 
 
 def _scales(enc: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """name -> scale (per tensor [1], per channel [C]) of every 1.0.0 entry."""
-    out = {}
-    for section in ("activation_encodings", "param_encodings"):
-        for e in enc[section]:
-            out[e["name"]] = np.asarray(e["scale"], np.float64)
-    return out
+    """name -> scale (per tensor [1], per channel [C]) of every entry."""
+    sections = ("activation_encodings", "param_encodings")
+    return {
+        n: np.asarray(e[1], np.float64)
+        for sec in sections
+        for n, e in encoding_entries(enc, sec).items()
+    }
 
 
 class _PairedSession:
