@@ -1064,6 +1064,7 @@ def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, s
         down_in,
         promoted(config.down_out_mixed_precision),
         promoted(config.mlp_in_mixed_precision, config.a_bits),
+        promoted(config.attn_out_mixed_precision, config.a_bits),
     )
     where = f"config {args.config}" if args.config else "the default config"
     what = f"{where} ({config.method} {config.bits_name})"

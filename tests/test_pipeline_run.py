@@ -151,31 +151,41 @@ def test_down_out_promotion_runs_through_eval_and_the_integer_artifact(
     assert ppl["emulator"] == pytest.approx(fake_quant_ppl, rel=0.1)
 
 
-def test_mlp_in_promotion_scans_at_the_planned_bits_and_runs_through_the_artifact(
+def test_mlp_in_and_attn_out_promotions_scan_at_the_planned_bits_and_run_through_the_artifact(
     two_layer_dir, tmp_path
 ):
-    """mlp_in_mixed_precision at W4A4: the gate/up input is scanned at its 4 bits before stage
-    1, the top layer goes to 16 bits (stage 1 learns it there), and the exported artifact runs
-    bit-exactly on both engines."""
-    over = {"a_bits": 4, "mixed_precision": 0.0, "mlp_in_mixed_precision": 0.5}
+    """mlp_in_mixed_precision and attn_out_mixed_precision at W4A4: the gate/up input and the
+    o_proj input are scanned at their 4 bits before stage 1, each one's top layer goes to 16
+    bits (stage 1 learns it there), and the exported artifact runs bit-exactly on both
+    engines."""
+    over = {
+        "a_bits": 4,
+        "mixed_precision": 0.0,
+        "mlp_in_mixed_precision": 0.5,
+        "attn_out_mixed_precision": 0.5,
+    }
     config = _config_file(tmp_path / "c.yaml", two_layer_dir, **over)
     out = tmp_path / "run"
     assert main(["quantize", "--config", str(config), "--out", str(out), "--no-progress"]) == 0
-    scan = json.loads((out / "sensitivity_mlp_in.json").read_text())
-    assert scan["bits_measured"] == 4 and scan["fraction"] == 0.5
-    top = int(np.argmax(scan["ratios"]))
-    assert scan["promoted_layers"] == [top]
     plan = QuantPlan.from_dict(json.loads((out / "plan.json").read_text()))
-    assert plan.get("layers/mlp_in").layer_bits == tuple(16 if i == top else 4 for i in range(2))
+    for tensor in ("mlp_in", "attn_out"):
+        scan = json.loads((out / f"sensitivity_{tensor}.json").read_text())
+        assert scan["bits_measured"] == 4 and scan["fraction"] == 0.5
+        top = int(np.argmax(scan["ratios"]))
+        assert scan["promoted_layers"] == [top]
+        want = tuple(16 if i == top else 4 for i in range(2))
+        assert plan.get(f"layers/{tensor}").layer_bits == want
     assert plan.get("layers/attn_in").layer_bits is None and plan.get("layers/attn_in").bits == 4
     steps = json.loads((out / "model.json").read_text())["steps"]
     promoted = [s["args"]["tensor"] for s in steps if s["name"] == "promote"]
-    assert promoted == ["mlp_in"]
-    assert [s["name"] for s in steps].index("promote") < [s["name"] for s in steps].index("stage1")
+    assert promoted == ["mlp_in", "attn_out"]
+    names = [s["name"] for s in steps]
+    assert max(i for i, n in enumerate(names) if n == "promote") < names.index("stage1")
     ppl = run_artifact_ppl(out, tmp_path)
     assert ppl["emulator"] == ppl["jax"]
-    with pytest.raises(QnpuError, match="mlp_in_mixed_precision"):
-        QuantizeConfig.from_dict({"mlp_in_mixed_precision": -0.1})
+    for name in ("mlp_in_mixed_precision", "attn_out_mixed_precision"):
+        with pytest.raises(QnpuError, match=name):
+            QuantizeConfig.from_dict({name: -0.1})
 
 
 def test_rtn_run_has_no_stage1(two_layer_dir, tmp_path):

@@ -234,6 +234,47 @@ def test_calibrate_paths_recalibrates_those_tensors_and_keeps_the_rest(two_layer
         steps.calibrate([])
 
 
+def test_choose_rotation_keeps_the_candidate_with_the_lowest_calibration_loss(two_layer_dir):
+    """choose_rotation scores every candidate key by the calibrated model's perplexity and
+    keeps that key's rotations, unquantized; the config's candidates start with the run's
+    own rotation key, and one candidate is the plain hadamard_rotations step."""
+    from qnpu_jax.pipeline.config import QuantizeConfig
+    from qnpu_jax.pipeline.recipes import config_keys, for_config, rotation_keys
+
+    fp = load_model(str(two_layer_dir))
+    windows = (np.arange(96).reshape(3, 32) * 37) % fp.config.vocab_size
+    data = Calibration(np.arange(200), windows)
+    fused = steps.fuse_norms()(QuantizedModel.from_float(fp, prefix="none"), data)
+    config = QuantizeConfig(a_bits=4, rotation_candidates=3, seed=5)
+    keys = rotation_keys(config)
+    assert len(keys) == 3
+    np.testing.assert_array_equal(
+        jax.random.key_data(keys[0]), jax.random.key_data(config_keys(config)[1])
+    )
+    score = [steps.plan(w_bits=4, a_bits=4), steps.calibrate()]
+    chosen = steps.choose_rotation(keys, score, windows=2)(fused, data)
+    info = chosen.steps[-1].info
+    ppls = []
+    for key in keys:  # each candidate scored by hand
+        scored = chain(steps.hadamard_rotations(key), *score)(fused, data)
+        ppls.append(scored.perplexity(windows[:2])["ppl"])
+    assert info["candidate_ppl"] == pytest.approx(ppls, rel=1e-6)
+    assert len(set(np.round(ppls, 6))) == 3  # the candidates differ, so the choice means something
+    assert info["chosen"] == int(np.argmin(ppls))
+    want = steps.hadamard_rotations(keys[info["chosen"]])(fused, data)
+    np.testing.assert_array_equal(chosen.transforms.r1, want.transforms.r1)
+    np.testing.assert_array_equal(chosen.transforms.r2, want.transforms.r2)
+    assert chosen.plan is None and chosen.state is None
+    assert QuantizeConfig().rotation_candidates == 1
+    names = [s.name for s in for_config(config)]
+    assert "choose_rotation" in names and "hadamard_rotations" not in names
+    assert "hadamard_rotations" in [s.name for s in for_config(QuantizeConfig())]
+    with pytest.raises(QnpuError, match="rotation_candidates"):
+        QuantizeConfig(rotation_candidates=0)
+    with pytest.raises(QnpuError, match="no rotations"):
+        QuantizeConfig(method="rtn", rotation_candidates=2)
+
+
 def test_docs_custom_step_round_trips_and_a_base_change_is_refused_at_save(two_layer_dir, tmp_path):
     """docs/pipeline.md's custom step (an encoding read and replaced) saves and loads with
     its record and encodings; a step that changes what `save` does not store (the base

@@ -348,6 +348,9 @@ UNROTATED_OUTPUT = LINEAR_IO[UNROTATED_LINEAR][1]
 # The MLP's input (gate_proj's and up_proj's): the rotated input whose 4-bit grid costs most
 # at W4A4 (docs/results.md), which `mlp_in_mixed_precision` promotes layer by layer.
 MLP_INPUT = LINEAR_IO["gate_proj"][0]
+# The o_proj input (attention's output): the next costliest 4-bit input at W4A4, which
+# `attn_out_mixed_precision` promotes.
+ATTN_OUTPUT_INPUT = LINEAR_IO["o_proj"][0]
 # The float model's transforms, read from the graph: each norm's gain folds into the linears
 # reading its output; R1 rotates those inputs and the outputs of the linears writing the
 # residual stream (the inputs of the adds); R2 rotates V (attention's third input) and the

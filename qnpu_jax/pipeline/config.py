@@ -70,7 +70,8 @@ class QuantizeConfig:
     sensitive p of them to 16 bits: the layers that write massive activations into the residual
     stream. `mlp_in_mixed_precision: p` (any method; not in the paper) runs the same scan on the
     gate/up input before stage 1, at its planned bits, and moves the most sensitive p of those
-    layers to 16 bits (at W4A4 the costliest 4-bit tensor). `shadow_outliers: P` (any method;
+    layers to 16 bits (at W4A4 the costliest 4-bit tensor); `attn_out_mixed_precision: p` does
+    the same for the o_proj input (the next one). `shadow_outliers: P` (any method;
     mllm-NPU) clips the down_proj input at the P-th percentile of its calibration values in the
     `shadow_keep` share of layers where outliers matter most and carries the channels that
     overflow on a shadow path (after stage 2).
@@ -101,6 +102,7 @@ class QuantizeConfig:
     mixed_precision: float = 0.10  # share of down_proj inputs promoted to 16 bits
     down_out_mixed_precision: float = 0.0  # share of down_proj outputs promoted (not the paper)
     mlp_in_mixed_precision: float = 0.0  # share of gate/up inputs promoted (not the paper)
+    attn_out_mixed_precision: float = 0.0  # share of o_proj inputs promoted (not the paper)
     learn_down_in: bool = True  # §4.3.1's literal text; Appendix E argues for False
     init_scheme: str = "aware"  # quantnpu: rotation-and-bit-width-aware, or Max-Min everywhere
     selective: bool | None = None  # False: linear outputs and K/V are learned in stage 1 too
@@ -128,6 +130,7 @@ class QuantizeConfig:
     # one random source seeded apart from `seed` (None: `seed`): the Hadamard signs, the
     # calibration windows, stage 1's batches; for crossing the sources (docs/results.md)
     rotation_seed: int | None = None
+    rotation_candidates: int = 1  # >1: R1/R2 from the best of that many by calibration loss
     calib_seed: int | None = None
     data_seed: int | None = None
     calib_data: str = "wiki"  # the `wiki` calib split, or a user's calibration text
@@ -248,6 +251,13 @@ class QuantizeConfig:
         for name in SOURCE_SEEDS:
             if getattr(self, name) is not None:
                 check_seed(getattr(self, name), name)
+        value = self.rotation_candidates
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+            raise QnpuError(
+                f"rotation_candidates must be an integer in [1, 64], got {shown(value)}"
+            )
+        if value > 1 and self.method in ("rtn", "mobilequant"):
+            raise QnpuError(f"rotation_candidates: method {self.method} has no rotations")
         for name in ("seq_len", "calib_windows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -259,7 +269,12 @@ class QuantizeConfig:
                 f"calib_windows must be at most {MAX_CALIB_WINDOWS}, got {self.calib_windows} "
                 "(every window runs through every calibration pass)"
             )
-        for name in ("mixed_precision", "down_out_mixed_precision", "mlp_in_mixed_precision"):
+        for name in (
+            "mixed_precision",
+            "down_out_mixed_precision",
+            "mlp_in_mixed_precision",
+            "attn_out_mixed_precision",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
                 raise QnpuError(f"{name} must be in [0, 1], got {shown(value)}")

@@ -47,6 +47,8 @@ CONFIG_KEYS: dict[str, str] = {
     "by a scan of the final model (0: none; not in the paper; needs selective: true)",
     "mlp_in_mixed_precision": "share of layers whose gate/up input is promoted to 16 bits by "
     "eq. (4)'s scan at its planned bits, before stage 1 (0: none; not in the paper)",
+    "attn_out_mixed_precision": "share of layers whose o_proj input is promoted to 16 bits by "
+    "eq. (4)'s scan at its planned bits, before stage 1 (0: none; not in the paper)",
     "learn_down_in": "stage 1 learns the down_proj input's scale too (§4.3.1's literal text)",
     "init_scheme": f"quantnpu's initialization: {_OR.join(INIT_SCHEMES)} (aware: mean ± 3σ "
     "for rotated 4-bit tensors, Max-Min elsewhere; max_min: Max-Min everywhere)",
@@ -84,6 +86,9 @@ CONFIG_KEYS: dict[str, str] = {
     "integer contract's softmax and RoPE tables) | fake (plain float32)",
     "seed": "seeds the calibration windows, the Hadamard rotations and stage 1's batches",
     "rotation_seed": "seeds the Hadamard signs alone (null: seed); for crossing the sources",
+    "rotation_candidates": "R1/R2 from the best of this many randomized Hadamard rotations, "
+    "judged by the perplexity of the calibrated model before stage 1 on 4 calibration windows "
+    "(1: the seed's rotation alone)",
     "calib_seed": "seeds the calibration windows alone (null: seed)",
     "data_seed": "seeds stage 1's batches alone (null: seed)",
     "calib_data": "calibration text: wiki (its calib split) or any data spec (README `Data`)",

@@ -18,6 +18,7 @@ import jax
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.graph import (
+    ATTN_OUTPUT_INPUT,
     GLOBAL_ACTS,
     LAYER_ACTS,
     LINEAR_OUTPUTS,
@@ -35,6 +36,7 @@ from qnpu_jax.pipeline.steps import (
     Context,
     Step,
     calibrate,
+    choose_rotation,
     equalize,
     fuse_norms,
     gptq,
@@ -106,6 +108,24 @@ def config_keys(config: QuantizeConfig) -> tuple[jax.Array, jax.Array, jax.Array
     )
 
 
+def rotation_keys(config: QuantizeConfig) -> list[jax.Array]:
+    """The `rotation_candidates` keys a config chooses its R1/R2 from: the run's own rotation
+    key first, so one candidate is the run without the choice."""
+    own = config_keys(config)[1]
+    n = config.rotation_candidates
+    others = list(jax.random.split(jax.random.fold_in(own, 1), n - 1)) if n > 1 else []
+    return [own, *others]
+
+
+def _rotation_score(config: QuantizeConfig) -> list[Step]:
+    """What a rotation candidate is judged on: the model stage 1 would start from (smoothing,
+    the plan with its initializers, a static calibration), without the sensitivity scans."""
+    steps = [smooth_mlp(config.smooth_mlp)] if config.smooth_mlp is not None else []
+    if config.equalize is not None:
+        steps.append(equalize(config.equalize))
+    return [*steps, plan(**plan_options(config)), calibrate()]
+
+
 def init_rules(w_bits: int, a_bits: int) -> list[QuantRule]:
     """Rotation-and-bit-width-aware initialization (§4.2, Tables 4–6): mean ± 3σ for rotated
     activations and per-channel weights at 4 bits, Max-Min at 8 bits and for every unrotated
@@ -160,7 +180,11 @@ def plan_options(config: QuantizeConfig) -> dict[str, Any]:
 
 def _before_stage1(config: QuantizeConfig, rotated: bool) -> list[Step]:
     _, rotation_key, _ = config_keys(config)
-    steps = [fuse_norms(), hadamard_rotations(rotation_key)] if rotated else []
+    steps: list[Step] = [fuse_norms()] if rotated else []
+    if rotated and config.rotation_candidates > 1:
+        steps.append(choose_rotation(rotation_keys(config), _rotation_score(config)))
+    elif rotated:
+        steps.append(hadamard_rotations(rotation_key))
     if config.smooth_mlp is not None:
         steps.append(smooth_mlp(config.smooth_mlp))
     if config.equalize is not None:
@@ -170,6 +194,8 @@ def _before_stage1(config: QuantizeConfig, rotated: bool) -> list[Step]:
         steps.append(promote(UNROTATED_INPUT, config.mixed_precision))
     if config.mlp_in_mixed_precision > 0:
         steps.append(promote(MLP_INPUT, config.mlp_in_mixed_precision))
+    if config.attn_out_mixed_precision > 0:
+        steps.append(promote(ATTN_OUTPUT_INPUT, config.attn_out_mixed_precision))
     return steps
 
 
@@ -277,6 +303,7 @@ def build_plan(
     down_in_bits: tuple[int, ...] | None = None,
     down_out_bits: tuple[int, ...] | None = None,
     mlp_in_bits: tuple[int, ...] | None = None,
+    attn_out_bits: tuple[int, ...] | None = None,
 ) -> QuantPlan:
     """The plan a config's recipe ends with, given the per-layer bits its promotions chose
     (None: no promotion of that tensor): for studies that vary one piece of it."""
@@ -285,6 +312,7 @@ def build_plan(
         (UNROTATED_INPUT, down_in_bits),
         (UNROTATED_OUTPUT, down_out_bits),
         (MLP_INPUT, mlp_in_bits),
+        (ATTN_OUTPUT_INPUT, attn_out_bits),
     ]
     return made.apply(
         [QuantRule(pattern=f"layers/{n}", layer_bits=b) for n, b in promoted if b is not None]

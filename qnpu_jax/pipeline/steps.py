@@ -170,6 +170,42 @@ def hadamard_rotations(key: jax.Array) -> Step:
     return Step("hadamard_rotations", args, fn, "randomized Hadamard rotations R1/R2")
 
 
+def choose_rotation(keys: Sequence[jax.Array], score: Sequence[Step], windows: int = 4) -> Step:
+    """Randomized Hadamard R1/R2 from the best of `keys`: each candidate rotates the model,
+    `score`'s steps (e.g. the plan and a calibration) quantize a copy of it, and the one whose
+    fake-quant model has the lowest perplexity on the first `windows` calibration windows is
+    kept (the rotated model, not the scored copy)."""
+    if len(keys) < 1:
+        raise QnpuError("choose_rotation needs at least one key")
+    if windows < 1:
+        raise QnpuError(f"choose_rotation: windows must be >= 1, got {windows}")
+
+    def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
+        best: tuple[float, int, QuantizedModel] | None = None
+        ppls = []
+        for i, key in enumerate(keys):
+            rotated = hadamard_rotations(key)(m, data, ctx)
+            scored = rotated
+            for step in score:
+                scored = step(scored, data, ctx)
+            ppl = float(scored.perplexity(np.asarray(data.windows)[:windows])["ppl"])
+            ppls.append(ppl)
+            if best is None or ppl < best[0]:
+                best = (ppl, i, rotated)
+        assert best is not None
+        _, chosen, rotated = best
+        kept = m.with_transforms(rotated.transforms)
+        return kept, {"candidate_ppl": ppls, "chosen": chosen, "windows": windows}
+
+    args = {
+        "keys": [np.asarray(jax.random.key_data(k)).tolist() for k in keys],
+        "score": [step.name for step in score],
+        "windows": windows,
+    }
+    describe = f"randomized Hadamard rotations R1/R2, the best of {len(keys)} by calibration loss"
+    return Step("choose_rotation", args, fn, describe)
+
+
 def smooth_mlp(alpha: float) -> Step:
     """MobileQuant/SmoothQuant-style up→down smoothing with strength `alpha`, from the down_proj
     input ranges of the current model (rotations commute with it) over the calibration."""
