@@ -28,6 +28,7 @@ from qnpu_jax.quant.plan import QuantRule, check_block_fields
 METHODS = ("rtn", "quarot", "spinquant", "quantnpu", "mobilequant")
 # methods whose stage 1 learns static scales (and with them weight clipping)
 SCALE_LEARNING_METHODS = ("quantnpu", "mobilequant")
+ROTATING_METHODS = ("quarot", "spinquant", "quantnpu")  # their recipes start from Hadamard R1/R2
 # mobilequant's defaults of the options left null (other methods: off)
 MOBILEQUANT_DEFAULTS = {
     "equalize": 0.5,
@@ -256,7 +257,7 @@ class QuantizeConfig:
             raise QnpuError(
                 f"rotation_candidates must be an integer in [1, 64], got {shown(value)}"
             )
-        if value > 1 and self.method in ("rtn", "mobilequant"):
+        if value > 1 and self.method not in ROTATING_METHODS:
             raise QnpuError(f"rotation_candidates: method {self.method} has no rotations")
         for name in ("seq_len", "calib_windows"):
             value = getattr(self, name)

@@ -118,12 +118,10 @@ def rotation_keys(config: QuantizeConfig) -> list[jax.Array]:
 
 
 def _rotation_score(config: QuantizeConfig) -> list[Step]:
-    """What a rotation candidate is judged on: the model stage 1 would start from (smoothing,
-    the plan with its initializers, a static calibration), without the sensitivity scans."""
-    steps = [smooth_mlp(config.smooth_mlp)] if config.smooth_mlp is not None else []
-    if config.equalize is not None:
-        steps.append(equalize(config.equalize))
-    return [*steps, plan(**plan_options(config)), calibrate()]
+    """What a rotation candidate is judged on: the model stage 1 would start from (the
+    equivalent transforms, the plan with its initializers, a static calibration), without the
+    sensitivity scans."""
+    return [*_start(config), calibrate()]
 
 
 def init_rules(w_bits: int, a_bits: int) -> list[QuantRule]:
@@ -178,18 +176,25 @@ def plan_options(config: QuantizeConfig) -> dict[str, Any]:
     }
 
 
-def _before_stage1(config: QuantizeConfig, rotated: bool) -> list[Step]:
-    _, rotation_key, _ = config_keys(config)
-    steps: list[Step] = [fuse_norms()] if rotated else []
-    if rotated and config.rotation_candidates > 1:
-        steps.append(choose_rotation(rotation_keys(config), _rotation_score(config)))
-    elif rotated:
-        steps.append(hadamard_rotations(rotation_key))
-    if config.smooth_mlp is not None:
-        steps.append(smooth_mlp(config.smooth_mlp))
+def _start(config: QuantizeConfig) -> list[Step]:
+    """The steps between the rotations and the scans: smoothing, equalization, the plan."""
+    steps = [smooth_mlp(config.smooth_mlp)] if config.smooth_mlp is not None else []
     if config.equalize is not None:
         steps.append(equalize(config.equalize))
-    steps.append(plan(**plan_options(config)))
+    return [*steps, plan(**plan_options(config))]
+
+
+def _before_stage1(config: QuantizeConfig, rotated: bool) -> list[Step]:
+    steps: list[Step] = []
+    if rotated:
+        keys = rotation_keys(config)
+        rotations = (
+            choose_rotation(keys, _rotation_score(config))
+            if len(keys) > 1
+            else hadamard_rotations(keys[0])
+        )
+        steps += [fuse_norms(), rotations]
+    steps += _start(config)
     if config.mixed_precision > 0 and config.down_in_bits == 8:
         steps.append(promote(UNROTATED_INPUT, config.mixed_precision))
     if config.mlp_in_mixed_precision > 0:
