@@ -1,6 +1,6 @@
 """qnpu_jax: fully static, integer-only quantization of small LLMs for mobile NPUs."""
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.version import __version__
 
-__all__ = ["QnpuError"]
-__version__ = "0.1.0"
+__all__ = ["QnpuError", "__version__"]

@@ -12,18 +12,22 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import jax
 
-from qnpu_jax import __version__
+from qnpu_jax import cost
 from qnpu_jax.argtypes import positive_int, use_help_formatter
+from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.errors import QnpuError, StorageFullError
-from qnpu_jax.export.decode import SELECTIONS
-from qnpu_jax.export.int_model import ENGINES
-from qnpu_jax.files import storage_full_is_an_error
+from qnpu_jax.eval import TASKS, perplexity
+from qnpu_jax.eval.zeroshot import task_source
+from qnpu_jax.export.exporter import export_run, export_run_aimet
+from qnpu_jax.export.int_model import artifact_tokenizer, load_int_model
+from qnpu_jax.export.onnx_export import export_run_onnx, require_export_extra
+from qnpu_jax.files import check_outside, check_writable, storage_full_is_an_error
+from qnpu_jax.ir.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
 from qnpu_jax.limits import (
     MAX_EVAL_BATCH,
     MAX_PLAN_DEVICES,
@@ -31,7 +35,39 @@ from qnpu_jax.limits import (
     check_at_most,
     check_seed,
 )
-from qnpu_jax.models.quantized import SINK_PREFIXES, prefix_name
+from qnpu_jax.memory_plan import (
+    MemorySetting,
+    model_architecture,
+    shipped_architectures,
+    stage1_memory,
+)
+from qnpu_jax.mesh import initialize_distributed
+from qnpu_jax.models.config import ModelConfig, RopeConfig
+from qnpu_jax.models.llama import generate
+from qnpu_jax.models.load import load_model
+from qnpu_jax.models.taps import SINK_PREFIXES, prefix_name
+from qnpu_jax.pipeline.config import load_config, parse_bits, shipped_configs
+from qnpu_jax.pipeline.config_doc import settings_summary, show_config
+from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits
+from qnpu_jax.pipeline.quantized_model import _read_model_json, read_plan
+from qnpu_jax.pipeline.recipes import build_plan, for_config
+from qnpu_jax.pipeline.run import quantize
+from qnpu_jax.quant.plan import is_weight
+from qnpu_jax.report import build_report, write_report
+from qnpu_jax.runtime.decode import (
+    SELECTIONS,
+    Sampler,
+    beam_search,
+    sample_parallel,
+    select_best,
+    select_vote,
+)
+from qnpu_jax.runtime.engines import ENGINES, open_engine
+from qnpu_jax.runtime.onnx_run import OnnxModel
+from qnpu_jax.scoring import Scored, finish_eval_report, scored_model, zero_shot_report
+from qnpu_jax.studies import STUDIES, describe, run_study
+from qnpu_jax.studies.harness import write_study_json
+from qnpu_jax.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -350,120 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
     return use_help_formatter(parser)
 
 
-@dataclasses.dataclass(frozen=True)
-class Scored:
-    """What `qnpu eval` scores: next-token NLL (and greedy predictions) of token windows."""
-
-    label: str
-    nll_fn: Callable[[np.ndarray], Any]
-    nll_argmax_fn: Callable[[np.ndarray], Any]
-    tokenizer: Any
-    max_length: int
-    report: dict[str, object]
-
-
-def scored_model(
-    *, model: str | None = None, run: Path | None = None, prefix: str | None = None
-) -> Scored:
-    """The float `model` or the fake-quant model of the finished `run` (exactly one of them),
-    as `qnpu eval --model/--run` scores it. `prefix` None: no sink prefix for a model, the
-    run's own for a run."""
-    from qnpu_jax.models import load_model
-    from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix
-
-    if model is not None and run is not None:
-        raise QnpuError("score a model or a run, not both")
-    if run is not None:
-        from qnpu_jax.pipeline.run import load_run
-
-        finished = load_run(run)
-        config, loaded = finished.config, finished.loaded
-        params, state = finished.model.params(), finished.model.state
-        prefix_params = finished.model.prefix_params()
-        taps: Any = FakeQuantTaps(finished.model.require_plan())
-        prefix_spec = prefix or config.prefix
-        label = f"run {run} ({config.method} W{config.w_bits}A{config.a_bits})"
-    elif model is not None:
-        loaded = load_model(model)
-        params, state, taps, prefix_params = loaded.params, None, None, None
-        prefix_spec = prefix or "none"
-        label = model
-    else:
-        raise QnpuError("score a model or a run: neither was given")
-    return _scored(
-        params,
-        state,
-        taps,
-        sink_prefix(prefix_spec, loaded.tokenizer),
-        loaded.config,
-        loaded.tokenizer,
-        label=label,
-        prefix_params=prefix_params,
-        report={
-            "model": model if run is None else None,
-            "run": str(run) if run is not None else None,
-            "path": "float" if run is None else "fake-quant (static)",
-            "prefix": prefix_spec,
-        },
-    )
-
-
-def scored_quantized(
-    model: Any, tokenizer: Any, *, label: str, report: dict[str, object]
-) -> Scored:
-    """The fake-quant forward of a `QuantizedModel` value (no run directory: e.g. a run with a
-    post-training step applied in memory), with its own sink prefix; `report` says what it is."""
-    from qnpu_jax.models.quantized import FakeQuantTaps
-
-    taps = FakeQuantTaps(model.require_plan())
-    return _scored(
-        model.params(),
-        model.require_state(),
-        taps,
-        model.prefix,
-        model.cfg,
-        tokenizer,
-        label=label,
-        prefix_params=model.prefix_params(),
-        report={"path": "fake-quant (static)", **report},
-    )
-
-
-def _scored(
-    params: Any,
-    state: Any,
-    taps: Any,
-    prefix_ids: Sequence[int],
-    cfg: Any,
-    tokenizer: Any,
-    *,
-    label: str,
-    report: dict[str, object],
-    prefix_params: Any = None,
-) -> Scored:
-    from qnpu_jax.models.quantized import tapped_nll_argmax, tapped_token_nll
-
-    prefix = tuple(prefix_ids)
-    fns = {
-        f: partial(f, params, state, cfg=cfg, taps=taps, prefix=prefix, prefix_params=prefix_params)
-        for f in (tapped_token_nll, tapped_nll_argmax)
-    }
-    return Scored(
-        label=label,
-        nll_fn=fns[tapped_token_nll],
-        nll_argmax_fn=fns[tapped_nll_argmax],
-        tokenizer=tokenizer,
-        max_length=cfg.max_position_embeddings - len(prefix),
-        report=report,
-    )
-
-
 def _scored_model(args: argparse.Namespace) -> Scored:
     return scored_model(model=args.model, run=args.run, prefix=args.prefix)
 
 
 def _scored_artifact(args: argparse.Namespace) -> Scored:
-    from qnpu_jax.export.int_model import artifact_tokenizer, load_int_model, open_engine
 
     if args.prefix is not None:
         raise QnpuError("--prefix does not apply to an artifact: its sink prefix is built in")
@@ -487,10 +414,8 @@ def _scored_artifact(args: argparse.Namespace) -> Scored:
 
 
 def _scored_onnx(args: argparse.Namespace) -> Scored:
-    from qnpu_jax.export.onnx_export import require_export_extra
 
     require_export_extra("onnx", "onnxruntime")
-    from qnpu_jax.export.onnx_run import OnnxModel
 
     if args.prefix is not None:
         raise QnpuError("--prefix does not apply to an ONNX export: its sink prefix is built in")
@@ -513,10 +438,6 @@ def _scored_onnx(args: argparse.Namespace) -> Scored:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
-    from qnpu_jax.eval import TASKS, perplexity
-    from qnpu_jax.eval.zeroshot import task_source
-    from qnpu_jax.files import check_outside, check_writable
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = sorted(set(tasks) - {"ppl", *TASKS})
@@ -605,74 +526,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _run_config(run: Path) -> Any:
     """The config of the run in `run` (its config.yaml), read without loading the run."""
-    from qnpu_jax.pipeline.config import load_config
 
     if not (Path(run) / "config.yaml").is_file():
         raise QnpuError(f"{run} is not a finished run: config.yaml is missing")
     return load_config(Path(run) / "config.yaml")
 
 
-def zero_shot_report(
-    scored: Scored,
-    tasks: Sequence[str],
-    *,
-    limit: int | None,
-    seed: int,
-    batch_size: int,
-    progress: bool,
-    data_dir: Path | str | None = None,
-) -> dict[str, Any]:
-    """The zero-shot part of a `qnpu eval` report ("tasks", "limit", "seed", "task_data");
-    prints a line per task. Shared with qnpu study compare_methods, so its cells are scored
-    exactly so. `data_dir`: the task data, a directory or "hf" (None: $QNPU_DATA_DIR;
-    `task_source`)."""
-    from qnpu_jax.eval import LmScorer, evaluate_tasks
-    from qnpu_jax.eval.zeroshot import task_source
-
-    scorer = LmScorer(
-        nll_fn=scored.nll_fn,
-        nll_argmax_fn=scored.nll_argmax_fn,
-        max_length=scored.max_length,
-    )
-    results = evaluate_tasks(
-        scorer,
-        scored.tokenizer,
-        tasks,
-        limit=limit,
-        seed=seed,
-        batch_size=batch_size,
-        data_dir=data_dir,
-        progress=progress,
-    )
-    for name, r in results.items():
-        metrics = r["metrics"]
-        shown = ", ".join(
-            f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float) and k != "n"
-        )
-        print(f"{name} (n={r['n']}): {shown}")
-    source = task_source(tasks, data_dir)
-    return {"tasks": results, "limit": limit, "seed": seed, "task_data": str(source)}
-
-
-def finish_eval_report(
-    report: dict[str, Any], *, command: str, started: float, path: Path | None
-) -> None:
-    """Add the total time, the environment and the command to a `qnpu eval` report and write
-    it (atomically) to `path`, if given."""
-    from qnpu_jax.environment import environment_info
-    from qnpu_jax.files import write_json_atomic
-
-    report["seconds_total"] = time.perf_counter() - started
-    report["environment"] = environment_info()
-    report["command"] = command
-    if path is not None:
-        write_json_atomic(path, report)
-
-
 def quantize_config(args: argparse.Namespace) -> Any:
     """The QuantizeConfig of `qnpu quantize`: --config (a name or a file) or the defaults, then
     --model/--method/--bits, then every --set, validated as one config."""
-    from qnpu_jax.pipeline.config import load_config
 
     if args.config is None and (args.method is None or args.bits is None):
         raise QnpuError("give --config NAME (see `qnpu configs`), or --method and --bits")
@@ -681,7 +543,6 @@ def quantize_config(args: argparse.Namespace) -> Any:
 
 def config_updates(args: argparse.Namespace) -> dict[str, Any]:
     """The plain values --model, --method, --bits (and --mesh) put over a config."""
-    from qnpu_jax.pipeline.config import parse_bits
 
     pairs = (("model", args.model), ("method", args.method), ("mesh", getattr(args, "mesh", None)))
     updates = {k: v for k, v in pairs if v is not None}
@@ -713,10 +574,6 @@ def announcer(started: float) -> Callable[[str], None]:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from qnpu_jax.mesh import initialize_distributed
-    from qnpu_jax.pipeline.config_doc import settings_summary
-    from qnpu_jax.pipeline.recipes import for_config
-    from qnpu_jax.pipeline.run import quantize
 
     initialize_distributed(True if args.distributed else None)
     config = quantize_config(args)
@@ -743,7 +600,6 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def cmd_configs(args: argparse.Namespace) -> int:
-    from qnpu_jax.pipeline.config import shipped_configs
 
     for name, resource in sorted(shipped_configs().items()):
         text = config_about(resource.read_text())
@@ -770,8 +626,6 @@ def config_about(text: str) -> str:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from qnpu_jax.pipeline.config import load_config
-    from qnpu_jax.pipeline.config_doc import show_config
 
     config = load_config(args.config, args.overrides, config_updates(args))
     print(show_config(config, config_source(args)), end="")
@@ -779,7 +633,6 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_study(args: argparse.Namespace) -> int:
-    from qnpu_jax.studies import STUDIES, describe, run_study
 
     if args.study_help:
         print(args.study_usage())
@@ -792,8 +645,6 @@ def cmd_study(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from qnpu_jax.files import check_writable
-    from qnpu_jax.report import build_report, write_report
 
     out = Path(args.out)
     if not out.name or out.suffix in (".md", ".html", ".json"):
@@ -827,7 +678,6 @@ def utf8_argument(text: str, flag: str) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from qnpu_jax.models import generate, load_model
 
     utf8_argument(args.prompt, "--prompt")
     model = load_model(args.model)
@@ -846,14 +696,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan_memory(args: argparse.Namespace) -> int:
-    import jax
 
-    from qnpu_jax.memory_plan import (
-        MemorySetting,
-        model_architecture,
-        shipped_architectures,
-        stage1_memory,
-    )
     from qnpu_jax.mesh import MeshConfig, describe, make_mesh
 
     if args.list:
@@ -917,7 +760,6 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
                     f"{'' if row['fits_budget'] else f'  (over {args.budget_gib:g} GiB)'}"
                 )
     if args.json is not None:
-        from qnpu_jax.studies.harness import write_study_json
 
         write_study_json(
             args.json,
@@ -929,8 +771,6 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_cost(args: argparse.Namespace) -> int:
-    from qnpu_jax import cost
-    from qnpu_jax.memory_plan import model_architecture
 
     plan, cfg, source, model_name = _cost_plan(args, model_architecture)
     phases = [cost.prefill(args.prefill, args.chunk), cost.decode(args.prefill, args.decode)]
@@ -982,7 +822,6 @@ def cmd_cost(args: argparse.Namespace) -> int:
         for k, v in lat.items():
             print(f"  modelled latency ({k}): {v['total_s'] * 1e3:.1f} ms")
     if args.json is not None:
-        from qnpu_jax.studies.harness import write_study_json
 
         write_study_json(args.json, report, command="qnpu " + shlex.join(args.argv))
         print(f"-> {args.json}")
@@ -1000,8 +839,6 @@ READINGS = {
 
 def _plan_summary(plan: Any, num_layers: int) -> str:
     """A plan in a line: its size, its weights' bits and its 16-bit down_proj tensors."""
-    from qnpu_jax.export.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
-    from qnpu_jax.quant.plan import is_weight
 
     weights = sorted({tq.bits for p, tq in plan.entries if is_weight(p)})
     parts = [
@@ -1028,8 +865,6 @@ def _plan_summary(plan: Any, num_layers: int) -> str:
 def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, str, str]:
     """(plan, model config, what it came from, the model's name) for `qnpu cost`."""
     if args.run is not None:
-        from qnpu_jax.models.config import ModelConfig, RopeConfig
-        from qnpu_jax.pipeline.model import _read_model_json, read_plan
 
         if args.overrides:
             raise QnpuError("--set changes a config; a run's plan is fixed")
@@ -1045,9 +880,6 @@ def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, s
                 f"{args.run / 'model.json'}: its model config is unreadable ({e})"
             ) from e
         return plan, cfg, f"run {args.run}", str(meta["source"])
-    from qnpu_jax.pipeline.config import load_config
-    from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits
-    from qnpu_jax.pipeline.recipes import build_plan
 
     config = load_config(args.config, args.overrides)
     cfg = architecture(args.model or config.model)
@@ -1077,14 +909,12 @@ def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, s
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from qnpu_jax.export.exporter import export_run, export_run_aimet
 
     if args.format == "aimet":
         path = export_run_aimet(args.run, args.out, version=args.aimet_version)
         print(f"AIMET encodings (schema {args.aimet_version}) written to {path}")
         return 0
     if args.format == "onnx":
-        from qnpu_jax.export.onnx_export import export_run_onnx, require_export_extra
 
         require_export_extra("onnx")  # before the run is read, not after minutes of export
         out = export_run_onnx(
@@ -1105,14 +935,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_emulate(args: argparse.Namespace) -> int:
-    from qnpu_jax.export.decode import (
-        Sampler,
-        beam_search,
-        sample_parallel,
-        select_best,
-        select_vote,
-    )
-    from qnpu_jax.export.int_model import artifact_tokenizer, load_int_model, open_engine
 
     utf8_argument(args.prompt, "--prompt")
     check_at_most(args.samples, MAX_SAMPLES, "--samples", "decoded as one batch; qnpu_jax.limits")

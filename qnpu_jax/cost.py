@@ -1,7 +1,7 @@
 """A cost model of a quantization plan on a mobile NPU: exact counts per op, and a latency
 estimate that is a MODEL, not a measurement.
 
-Counts (`plan_costs`), op by op of the integer graph (`export.graph.GRAPH`) at the plan's
+Counts (`plan_costs`), op by op of the integer graph (`ir.graph.GRAPH`) at the plan's
 bit-widths, layer by layer (promoted layers included): MACs by operand precision pair ("A8W4":
 8-bit activations times 4-bit weights; "A16A8": 16-bit probabilities times 8-bit V; "F" for a
 tensor the plan keeps in float), bytes of weights, activations and KV cache moved, LUT
@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import GRAPH, Op, layer_widths
+from qnpu_jax.ir.graph import GRAPH, Op, layer_widths
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.quant.plan import QuantPlan, TensorQuant, is_weight, uniform_plan
 

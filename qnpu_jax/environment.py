@@ -10,15 +10,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+
+from qnpu_jax.version import __version__
+
 
 def environment_info() -> dict[str, Any]:
-    import jax
 
-    import qnpu_jax
 
     device = jax.devices()[0]
     return {
-        "qnpu_jax": qnpu_jax.__version__,
+        "qnpu_jax": __version__,
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "device": getattr(device, "device_kind", str(device)),

@@ -22,12 +22,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import EMBED_TABLE, LM_HEAD, layer_widths
 from qnpu_jax.files import read_text
+from qnpu_jax.ir.graph import EMBED_TABLE, LM_HEAD, layer_widths
 from qnpu_jax.limits import MAX_CONFIG_BYTES
+from qnpu_jax.mesh import check_batch
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import MATMUL_DTYPES
-from qnpu_jax.quant.plan import QuantPlan
+from qnpu_jax.models.llama import MATMUL_DTYPES, init_random_params, layer_param_shapes
+from qnpu_jax.models.taps import state_entry
+from qnpu_jax.pipeline.config import QuantizeConfig
+from qnpu_jax.pipeline.recipes import config_stage1_plan
+from qnpu_jax.pipeline.stage1 import Stage1Config, init_train_state, make_train_step
+from qnpu_jax.quant import default_plan
+from qnpu_jax.quant.plan import QuantPlan, is_weight
+from qnpu_jax.quant.spec import check_block
+from qnpu_jax.quant.state import is_layer_path, state_key
 
 SHIPPED_ARCHITECTURES = "architectures"  # package data: HF config.json files, by name
 BASE_DTYPES = ("float32", "bfloat16")
@@ -71,7 +79,6 @@ def model_architecture(spec: str) -> ModelConfig:
 def abstract_params(cfg: ModelConfig, dtype: str = "float32") -> Any:
     """ShapeDtypeStructs of the fused float params stage 1 starts from (an explicit lm_head,
     as `fuse_norms` gives), in `dtype`."""
-    from qnpu_jax.models.llama import init_random_params
 
     shapes = jax.eval_shape(lambda: init_random_params(cfg, jax.random.key(0)))
     if LM_HEAD not in shapes:
@@ -80,8 +87,6 @@ def abstract_params(cfg: ModelConfig, dtype: str = "float32") -> Any:
 
 
 def _weight_shape(path: str, cfg: ModelConfig) -> tuple[int, ...]:
-    from qnpu_jax.models.llama import layer_param_shapes
-    from qnpu_jax.quant.state import state_key
 
     group, name = state_key(path)
     if group == "layers":
@@ -93,10 +98,6 @@ def abstract_state(plan: QuantPlan, cfg: ModelConfig) -> Any:
     """The quantizer state `calibrate` gives for `plan`, as ShapeDtypeStructs: a weight's
     scale keeps its channel axis (the others become 1), a per-tensor activation's is a scalar,
     both with a leading layer axis under `layers/` (tests compare with `calibrate`)."""
-    from qnpu_jax.models.quantized import state_entry
-    from qnpu_jax.quant.plan import is_weight
-    from qnpu_jax.quant.spec import check_block
-    from qnpu_jax.quant.state import is_layer_path, state_key
 
     state: dict[str, Any] = {"layers": {}, "outer": {}}
     for path, tq in plan.entries:
@@ -149,11 +150,6 @@ class MemorySetting:
 
 def stage1_memory(cfg: ModelConfig, mesh: Any, setting: MemorySetting) -> dict[str, Any]:
     """XLA's memory analysis of the stage-1 train step of `cfg` on `mesh`, per device."""
-    from qnpu_jax.mesh import check_batch
-    from qnpu_jax.pipeline.config import QuantizeConfig
-    from qnpu_jax.pipeline.recipes import config_stage1_plan
-    from qnpu_jax.pipeline.stage1 import Stage1Config, init_train_state, make_train_step
-    from qnpu_jax.quant import default_plan
 
     check_batch(mesh, setting.batch_size, "batch_size")
     config = Stage1Config(

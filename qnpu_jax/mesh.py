@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from qnpu_jax.errors import QnpuError
@@ -132,7 +133,6 @@ def sync(name: str) -> None:
     """A barrier across the job's processes (nothing on one process): the others wait until
     the primary has written what they read next."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
 
@@ -247,7 +247,6 @@ def host_array(x: Any) -> Any:
         return np.asarray(x)
     if x.is_fully_replicated:
         return np.asarray(x.addressable_data(0))
-    from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 

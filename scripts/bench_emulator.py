@@ -28,12 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import qnpu_jax.emulator.engine as emulator_engine
+import qnpu_jax.runtime.emulator as emulator_engine
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.environment import environment_info, script_command
-from qnpu_jax.export.int_model import artifact_tokenizer, load_int_model, open_engine
+from qnpu_jax.export.int_model import artifact_tokenizer, load_int_model
 from qnpu_jax.files import write_json_atomic
-from qnpu_jax.models import forward, load_model
+from qnpu_jax.models.llama import forward
+from qnpu_jax.models.load import load_model
+from qnpu_jax.runtime.engines import open_engine
 
 
 def _timed(fn: Callable[[], Any], repeats: int) -> dict[str, float]:

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_json_atomic
-from qnpu_jax.models import forward, load_model
+from qnpu_jax.models.llama import forward
+from qnpu_jax.models.load import load_model
 
 
 def _shape(text: str) -> tuple[int, int]:

@@ -33,10 +33,10 @@ import numpy as np
 
 from qnpu_jax.data import load_documents, sample_windows, tokenize_documents
 from qnpu_jax.environment import environment_info, script_command
-from qnpu_jax.export.graph import SIMULATIONS
 from qnpu_jax.files import write_json_atomic
-from qnpu_jax.models import load_model
+from qnpu_jax.ir.graph import SIMULATIONS
 from qnpu_jax.models.llama import MATMUL_DTYPES
+from qnpu_jax.models.load import load_model
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.pipeline.config import QuantizeConfig
 from qnpu_jax.pipeline.recipes import build_plan

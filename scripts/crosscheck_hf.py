@@ -23,8 +23,9 @@ from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_json_atomic
-from qnpu_jax.models import forward, load_model, save_hf_dir
-from qnpu_jax.models.llama import next_token_nll
+from qnpu_jax.models.hf import save_hf_dir
+from qnpu_jax.models.llama import forward, next_token_nll
+from qnpu_jax.models.load import load_model
 
 
 def main() -> int:

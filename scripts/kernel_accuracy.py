@@ -44,8 +44,8 @@ from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.eval import perplexity
-from qnpu_jax.export.graph import EMBED_TABLE, GRAPH, LM_HEAD
 from qnpu_jax.files import check_writable, write_json_atomic
+from qnpu_jax.ir.graph import EMBED_TABLE, GRAPH, LM_HEAD
 from qnpu_jax.kernels import (
     IQ4_NL_LUT,
     NF4_LUT,
@@ -59,9 +59,10 @@ from qnpu_jax.kernels import (
     tile_group_quantize,
     tile_groups,
 )
-from qnpu_jax.models import ModelConfig, load_model, token_nll
-from qnpu_jax.models.llama import Params, _attention, embed_rows, no_aux, no_tap
-from qnpu_jax.models.quantized import tapped_token_nll
+from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import Params, _attention, embed_rows, no_aux, no_tap, token_nll
+from qnpu_jax.models.load import load_model
+from qnpu_jax.models.taps import tapped_token_nll
 
 WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared/data/wikitext-2-raw/wiki.test.raw"
 SHIFT = 16  # the control's offset: half a group, so each group straddles two Q4_1 groups

@@ -33,7 +33,9 @@ import numpy as np
 from qnpu_jax.argtypes import positive_int
 from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.eval.zeroshot import load_task
-from qnpu_jax.export.decode import (
+from qnpu_jax.export.int_model import artifact_tokenizer, load_int_model
+from qnpu_jax.files import write_json_atomic
+from qnpu_jax.runtime.decode import (
     Sample,
     Sampler,
     beam_search,
@@ -41,8 +43,7 @@ from qnpu_jax.export.decode import (
     select_best,
     select_vote,
 )
-from qnpu_jax.export.int_model import ENGINES, artifact_tokenizer, load_int_model, open_engine
-from qnpu_jax.files import write_json_atomic
+from qnpu_jax.runtime.engines import ENGINES, open_engine
 
 
 def _reward(table: dict[tuple[int, ...], float], sample: Sample) -> float:
@@ -60,7 +61,8 @@ def float_scorer(spec: str) -> Callable[[list[int], list[Sample]], dict[tuple[in
     import jax
     import jax.numpy as jnp
 
-    from qnpu_jax.models import forward, load_model
+    from qnpu_jax.models.llama import forward
+    from qnpu_jax.models.load import load_model
 
     model = load_model(spec)
 

@@ -9,7 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from qnpu_jax.models import LoadedModel, ModelConfig, init_random_params, load_model
+from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import init_random_params
+from qnpu_jax.models.load import LoadedModel, load_model
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -72,7 +74,7 @@ def engines_agree_with_fake_quant(
 ) -> None:
     """The emulator and the JAX integer engine prefill `ids` [1, T] to the same logits and
     K/V cache, bit for bit, and the integer NLL is within `rel` of the fake-quant `model`'s."""
-    from qnpu_jax.export.int_model import open_engine
+    from qnpu_jax.runtime.engines import open_engine
 
     emulator, jax_engine = open_engine("emulator", int_model), open_engine("jax", int_model)
     le, ce = emulator.prefill(ids)
@@ -115,7 +117,7 @@ def two_layer_dir(smollm: LoadedModel, tmp_path_factory: pytest.TempPathFactory)
     """SmolLM2's real weights, first two decoder layers, as an HF directory."""
     import dataclasses
 
-    from qnpu_jax.models import save_hf_dir
+    from qnpu_jax.models.hf import save_hf_dir
 
     cfg = dataclasses.replace(smollm.config, num_layers=2)
     params = dict(smollm.params)
@@ -141,7 +143,7 @@ def build_int_source(
 
     from qnpu_jax.data import load_documents, tokenize_documents
     from qnpu_jax.data.sources import sample_windows
-    from qnpu_jax.models.quantized import sink_prefix
+    from qnpu_jax.models.taps import sink_prefix
     from qnpu_jax.pipeline.calibrate import calibrate
     from qnpu_jax.quant.plan import QuantRule, default_plan
     from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations

@@ -10,13 +10,13 @@ import jax
 import numpy as np
 
 from qnpu_jax.mesh import MeshConfig, make_mesh, place_params
-from qnpu_jax.models import init_random_params
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.quantized import FakeQuantTaps, tapped_token_nll
+from qnpu_jax.models.llama import init_random_params
+from qnpu_jax.models.taps import FakeQuantTaps, tapped_token_nll
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.pipeline.config import QuantizeConfig
 from qnpu_jax.pipeline.mixed_precision import tensor_sensitivity
-from qnpu_jax.pipeline.model import nll_perplexity, save_learned
+from qnpu_jax.pipeline.quantized_model import nll_perplexity, save_learned
 from qnpu_jax.pipeline.recipes import config_stage1_plan
 from qnpu_jax.pipeline.stage1 import Stage1Config, init_train_state, run_stage1, step_batch
 from qnpu_jax.quant import default_plan

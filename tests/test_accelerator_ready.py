@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qnpu_jax.export.graph import GRAPH
-from qnpu_jax.models.quantized import FakeQuantTaps, ObserveTaps, tapped_token_nll
+from qnpu_jax.ir.graph import GRAPH
+from qnpu_jax.models.taps import FakeQuantTaps, ObserveTaps, tapped_token_nll
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.pipeline.calibrate import _empty_stats, _observe_step, _observed_paths
 from qnpu_jax.pipeline.config import QuantizeConfig

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from qnpu_jax import QnpuError
-from qnpu_jax.models import ModelConfig, RopeConfig
+from qnpu_jax.models.config import ModelConfig, RopeConfig
 
 LLAMA32_1B = {  # the fields of meta-llama/Llama-3.2-1B's config.json that matter
     "model_type": "llama",

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qnpu_jax.emulator.engine import EmulatorEngine
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.decode import (
+from qnpu_jax.export.int_model import load_int_model
+from qnpu_jax.runtime.decode import (
     Sample,
     Sampler,
     beam_search,
@@ -16,8 +16,8 @@ from qnpu_jax.export.decode import (
     select_best,
     select_vote,
 )
-from qnpu_jax.export.int_model import load_int_model
-from qnpu_jax.integer import JaxIntEngine
+from qnpu_jax.runtime.emulator import EmulatorEngine
+from qnpu_jax.runtime.jax_engine import JaxIntEngine
 
 PROMPT_TEXT = "The history of the town goes back to the twelfth century, when"
 

@@ -1,4 +1,4 @@
-"""Exact integer matmuls on float BLAS (`export.exact_dot`), the engines' shared kernel."""
+"""Exact integer matmuls on float BLAS (`ir.exact_dot`), the engines' shared kernel."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qnpu_jax.emulator.engine import exact_matmul
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.exact_dot import (
+from qnpu_jax.ir.exact_dot import (
     DotPlan,
     _digit_max,
     balanced_digits,
     dot_plan,
     run_dot_plan,
 )
+from qnpu_jax.runtime.emulator import exact_matmul
 
 
 def _np_einsum(s, a, b):
@@ -121,7 +121,7 @@ def test_the_emulator_plans_from_the_values_at_hand(monkeypatch):
     """exact_matmul bounds by the operands themselves: rows of probability codes summing to
     65535 against 8-bit values run as one float32 pass (by the rows' mass, where |a|·K alone
     would need three digits), exactly."""
-    from qnpu_jax.emulator import engine
+    from qnpu_jax.runtime import emulator as engine
 
     rng = np.random.default_rng(0)
     cuts = np.sort(rng.integers(0, 65536, (1, 2, 2, 3, 699)), axis=-1)

@@ -9,10 +9,10 @@ import shutil
 import numpy as np
 import pytest
 
-from qnpu_jax.emulator import engine as E
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.int_model import artifact_tokenizer, load_int_model
-from qnpu_jax.quant.integer import fixed_point_multiplier, requantize_np
+from qnpu_jax.quant.requantize import fixed_point_multiplier, requantize_np
+from qnpu_jax.runtime import emulator as E
 
 
 def test_isqrt_is_the_exact_floor_square_root():
@@ -187,7 +187,7 @@ def test_emulator_tracks_the_fake_quant_model(smollm, int_sources, int_artifacts
     import jax.numpy as jnp
 
     from qnpu_jax.data import load_documents, sample_windows, tokenize_documents
-    from qnpu_jax.models.quantized import FakeQuantTaps, tapped_token_nll
+    from qnpu_jax.models.taps import FakeQuantTaps, tapped_token_nll
 
     windows = sample_windows(
         tokenize_documents(load_documents("wiki", "eval"), smollm.tokenizer),
@@ -244,9 +244,9 @@ def test_tiny_model_artifact_runs_identically_on_both_engines(tiny_cfg, tiny_par
     import jax
 
     from qnpu_jax.export.exporter import export_model, write_exported
-    from qnpu_jax.integer import JaxIntEngine
     from qnpu_jax.pipeline.calibrate import calibrate
     from qnpu_jax.quant.plan import default_plan
+    from qnpu_jax.runtime.jax_engine import JaxIntEngine
 
     params = dict(tiny_params)
     layers = dict(params["layers"])

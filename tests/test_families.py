@@ -14,11 +14,13 @@ import pytest
 import yaml
 
 from qnpu_jax.cli import main
-from qnpu_jax.emulator import engine as E
 from qnpu_jax.export.int_model import load_int_model
-from qnpu_jax.integer import forward as F
-from qnpu_jax.models import forward, init_random_params, load_model, save_hf_dir
 from qnpu_jax.models.config import ModelConfig, RopeConfig
+from qnpu_jax.models.hf import save_hf_dir
+from qnpu_jax.models.llama import forward, init_random_params
+from qnpu_jax.models.load import load_model
+from qnpu_jax.runtime import emulator as E
+from qnpu_jax.runtime import jax_engine as F
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
 # family -> the method its quick run uses (stage 1 on the one with new arithmetic)
@@ -126,9 +128,9 @@ def test_quick_run_exports_and_both_engines_agree_bit_for_bit(family_dir, tmp_pa
     # millions): compare mean NLL per token (measured: 0.004 to 0.024 nats)
     assert abs(np.log(ppl["emulator"] / fake)) < 0.05, (ppl, fake)
     # the ONNX hand-off: the float graph is our float forward, the QDQ graph the fake-quant one
-    from qnpu_jax.export.onnx_run import OnnxModel
-    from qnpu_jax.models.quantized import tapped_forward
+    from qnpu_jax.models.taps import tapped_forward
     from qnpu_jax.pipeline.run import load_run
+    from qnpu_jax.runtime.onnx_run import OnnxModel
 
     onnx_dir = tmp_path / "onnx"
     export = ["export", "--run", str(run), "--format", "onnx", "--out", str(onnx_dir)]
@@ -148,7 +150,7 @@ def test_quick_run_exports_and_both_engines_agree_bit_for_bit(family_dir, tmp_pa
     assert abs(np.log(qdq / fake)) < 0.05, (qdq, fake)
     # AIMET's QuantSim takes the encodings: each entry on a quantizer of its own, nothing else
     # quantized (Qwen3's head-norm intermediate included: it has no encoding)
-    from qnpu_jax.export.onnx_run import aimet_quantsim
+    from qnpu_jax.runtime.onnx_run import aimet_quantsim
 
     _, loaded_sim = aimet_quantsim(onnx_dir)
     enc = json.loads((onnx_dir / "model.encodings").read_text())

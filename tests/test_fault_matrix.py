@@ -149,7 +149,7 @@ def _run_file(pick: Callable[[Path], Path], change: Callable[[Path], None], *, r
 def _scaled_rotation(run: Path) -> None:
     """R1 scaled by 1.01 (no longer orthogonal), written back as a valid checkpoint and a
     valid manifest: only the orthogonality check can refuse it."""
-    from qnpu_jax.pipeline.model import restore_learned, save_learned
+    from qnpu_jax.pipeline.quantized_model import restore_learned, save_learned
 
     learned = restore_learned(run)
     save_learned(run, np.asarray(learned["r1"]) * 1.01, learned["r2"], learned["state"])
@@ -542,7 +542,7 @@ def _wait_for(predicate: Callable[[], bool], proc: subprocess.Popen, seconds: fl
 def test_kill_during_stage1_then_resume_equals_the_uninterrupted_run(
     inputs: dict, tmp_path: Path, capsys
 ) -> None:
-    from qnpu_jax.pipeline.model import restore_learned
+    from qnpu_jax.pipeline.quantized_model import restore_learned
 
     run = tmp_path / "run"
     proc = _spawn_qnpu(_quantize(inputs, run), tmp_path)

@@ -3,8 +3,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qnpu_jax.models import RopeConfig, forward, generate, token_nll
-from qnpu_jax.models.llama import forward_cached, init_cache, next_token_nll, rope_inv_freq
+from qnpu_jax.models.config import RopeConfig
+from qnpu_jax.models.llama import (
+    forward,
+    forward_cached,
+    generate,
+    init_cache,
+    next_token_nll,
+    rope_inv_freq,
+    token_nll,
+)
 
 
 def test_prefill_then_decode_matches_full_forward(tiny_cfg, tiny_params):

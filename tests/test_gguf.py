@@ -10,9 +10,10 @@ from gguf import GGUFWriter
 from tokenizers import pre_tokenizers
 
 from qnpu_jax import QnpuError
-from qnpu_jax.models import ModelConfig, forward, init_random_params, load_model
+from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.hf import HF_LAYER_NAMES
-from qnpu_jax.models.llama import layer_param_shapes
+from qnpu_jax.models.llama import forward, init_random_params, layer_param_shapes
+from qnpu_jax.models.load import load_model
 
 _GGUF_NAMES = {
     "input_layernorm": "attn_norm.weight",

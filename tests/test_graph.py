@@ -12,16 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qnpu_jax.emulator import EmulatorEngine
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export import graph as G
 from qnpu_jax.export.aimet import aimet_encodings
 from qnpu_jax.export.exporter import export_model, tokenizer_info, write_exported
 from qnpu_jax.export.int_model import IntModel, load_int_model
-from qnpu_jax.integer import JaxIntEngine
-from qnpu_jax.models.quantized import CaptureTaps, FakeQuantTaps, tapped_forward, tapped_token_nll
+from qnpu_jax.ir import graph as G
+from qnpu_jax.models.taps import CaptureTaps, FakeQuantTaps, tapped_forward, tapped_token_nll
 from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.quant.plan import all_paths, default_plan
+from qnpu_jax.runtime.emulator import EmulatorEngine
+from qnpu_jax.runtime.jax_engine import JaxIntEngine
 
 NEW = "up_act"
 
@@ -47,7 +47,7 @@ def _with_up_activation(graph: G.Graph) -> G.Graph:
 def setting(smollm):
     """SmolLM2's first two layers, W8A8, BOS sink, calibration and evaluation windows."""
     from qnpu_jax.data import load_documents, sample_windows, tokenize_documents
-    from qnpu_jax.models.quantized import sink_prefix
+    from qnpu_jax.models.taps import sink_prefix
 
     cfg = dataclasses.replace(smollm.config, num_layers=2)
     params = dict(smollm.params)

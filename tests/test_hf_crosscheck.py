@@ -11,8 +11,9 @@ import torch  # the test extras install torch==2.13.0 (CPU) for this cross-check
 import transformers
 
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
-from qnpu_jax.models import forward, load_model, save_hf_dir, token_nll
-from qnpu_jax.models.load import builtin_model_path
+from qnpu_jax.models.hf import save_hf_dir
+from qnpu_jax.models.llama import forward, token_nll
+from qnpu_jax.models.load import builtin_model_path, load_model
 
 
 def _word_level_tokenizer(directory, vocab_size):

@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 from conftest import build_int_artifact  # tests/ is on sys.path (rootdir conftest)
 
-from qnpu_jax.emulator import engine as E
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import LAYER_ACTS
-from qnpu_jax.export.int_model import IntegerEngine, IntModel, load_int_model, open_engine
-from qnpu_jax.integer import forward as F
+from qnpu_jax.export.int_model import IntModel, load_int_model
+from qnpu_jax.ir.graph import LAYER_ACTS
+from qnpu_jax.runtime import emulator as E
+from qnpu_jax.runtime import jax_engine as F
+from qnpu_jax.runtime.engines import open_engine
+from qnpu_jax.runtime.interface import IntegerEngine
 
 TEXT = (
     "The history of the town goes back to the twelfth century, when a small group of monks "
@@ -324,6 +326,6 @@ def test_full_depth(smollm, tmp_path):
 
 
 def test_the_emulator_never_imports_jax():
-    code = "import qnpu_jax.emulator.engine, sys; assert 'jax' not in sys.modules"
+    code = "import qnpu_jax.runtime.emulator, sys; assert 'jax' not in sys.modules"
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

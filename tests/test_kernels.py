@@ -370,8 +370,8 @@ def test_fp16_attention_masks_like_float32():
 
 
 def test_attention_hook_swaps_only_the_attention(tiny_cfg, tiny_params):
-    from qnpu_jax.models import token_nll
-    from qnpu_jax.models.quantized import tapped_token_nll
+    from qnpu_jax.models.llama import token_nll
+    from qnpu_jax.models.taps import tapped_token_nll
 
     ka = load_script("kernel_accuracy")
     tokens = jax.random.randint(jax.random.key(3), (2, 40), 0, tiny_cfg.vocab_size, jnp.int32)

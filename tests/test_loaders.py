@@ -10,8 +10,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
 from qnpu_jax import QnpuError
-from qnpu_jax.models import Tokenizer, load_hf_dir, load_model, save_hf_dir
 from qnpu_jax.models.gguf import load_gguf, unpermute_rope_rows
+from qnpu_jax.models.hf import load_hf_dir, save_hf_dir
+from qnpu_jax.models.load import load_model
+from qnpu_jax.models.tokenizer import Tokenizer
 
 
 @pytest.fixture

@@ -154,7 +154,7 @@ def test_checkpoint_from_one_mesh_resumes_on_another(eight_devices):
 
 
 def test_learned_tree_saved_on_eight_devices_loads_on_one(eight_devices):
-    from qnpu_jax.pipeline.model import restore_learned
+    from qnpu_jax.pipeline.quantized_model import restore_learned
 
     _, workdir = eight_devices
     learned = restore_learned(workdir / "saved")

@@ -15,8 +15,9 @@ import pytest
 from conftest import engines_agree_with_fake_quant  # tests/ is on sys.path (rootdir conftest)
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.models import forward, init_random_params, load_model
 from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import forward, init_random_params
+from qnpu_jax.models.load import load_model
 from qnpu_jax.pipeline import Calibration, QuantizedModel, steps
 from qnpu_jax.pipeline.calibrate import channel_absmax
 from qnpu_jax.pipeline.config import QuantizeConfig
@@ -197,7 +198,7 @@ def test_block_objective_is_the_layers_error_against_the_float_layers(two_layer)
     model = steps.calibrate()(
         steps.plan(w_bits=4, a_bits=8)(QuantizedModel.from_float(fp, prefix="bos"), data), data
     )
-    from qnpu_jax.models.quantized import FakeQuantTaps, tapped_forward
+    from qnpu_jax.models.taps import FakeQuantTaps, tapped_forward
 
     params, tokens = model.params(), jnp.asarray(data.windows[:2, :32])
     taps = FakeQuantTaps(model.plan)
@@ -293,7 +294,7 @@ def test_mobilequant_artifact_runs_bit_exact_on_both_engines(two_layer, tmp_path
     # the ONNX QDQ graph (asymmetric activations, per-channel norm gains) in onnxruntime is
     # the fake-quant model (float ops between QDQ pairs: the "fake" simulation)
     from qnpu_jax.export.onnx_export import export_onnx
-    from qnpu_jax.export.onnx_run import OnnxModel
+    from qnpu_jax.runtime.onnx_run import OnnxModel
 
     fake_sim = model.replace(plan=dataclasses.replace(model.plan, simulation="fake"))
     graphs = export_onnx(fake_sim, tmp_path / "onnx", fp.tokenizer, chunk=16, max_context=96)
@@ -301,7 +302,7 @@ def test_mobilequant_artifact_runs_bit_exact_on_both_engines(two_layer, tmp_path
     nll_onnx, top_onnx = qdq.token_nll_argmax(ids)
     nll_fake = np.asarray(fake_sim.nll_fn()(jnp.asarray(ids)))
     assert abs(nll_onnx.mean() / nll_fake.mean() - 1) < 0.01
-    from qnpu_jax.export.onnx_run import aimet_quantsim
+    from qnpu_jax.runtime.onnx_run import aimet_quantsim
 
     session, _ = aimet_quantsim(graphs)  # every entry on an enabled quantizer of its own
     sim = OnnxModel(graphs, qdq=True, sessions={"prefill": session})

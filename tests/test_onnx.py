@@ -17,9 +17,9 @@ import onnxruntime as ort
 import pytest
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import LAYER_ACTS
-from qnpu_jax.models import load_model
-from qnpu_jax.models.quantized import FakeQuantTaps, effective_state, tapped_forward
+from qnpu_jax.ir.graph import LAYER_ACTS
+from qnpu_jax.models.load import load_model
+from qnpu_jax.models.taps import FakeQuantTaps, effective_state, tapped_forward
 from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
 from qnpu_jax.quant.plan import QuantRule
 
@@ -126,7 +126,7 @@ def _max_rel(a, b):
 def test_onnxruntime_float_graphs_equal_our_float_forward(quantized, exported, windows):
     """Prefill in chunks (the last padded) and chunked prefill followed by decode steps both
     give the float forward's logits of the whole sequence."""
-    from qnpu_jax.export.onnx_run import OnnxModel
+    from qnpu_jax.runtime.onnx_run import OnnxModel
 
     model, _ = quantized
     ref, _ = tapped_forward(
@@ -147,7 +147,7 @@ def test_onnxruntime_qdq_graph_is_the_fake_quant_model(quantized, exported, wind
     reports/onnx_fidelity.json)."""
     from qnpu_jax.export.exporter import run_encodings
     from qnpu_jax.export.onnx_export import OnnxPlan, build_graph
-    from qnpu_jax.export.onnx_run import OnnxModel
+    from qnpu_jax.runtime.onnx_run import OnnxModel
 
     model, _ = quantized
     # Float ops between QDQ pairs: the float simulation, not the device's integer softmax.
@@ -207,8 +207,8 @@ def test_onnxruntime_qdq_graph_is_the_fake_quant_model(quantized, exported, wind
 def test_an_op_the_exporter_does_not_know_is_refused_by_name(quantized):
     import dataclasses
 
-    from qnpu_jax.export.graph import GRAPH, Graph
     from qnpu_jax.export.onnx_export import OnnxPlan, _Writer
+    from qnpu_jax.ir.graph import GRAPH, Graph
 
     model, _ = quantized
     lut = next(op for op in GRAPH.layer if op.kind == "lut")
@@ -243,7 +243,7 @@ def test_a_failed_export_leaves_nothing_behind(quantized, tmp_path, monkeypatch)
 
 def test_onnx_model_refuses_an_integer_artifact(tmp_path):
     from qnpu_jax.export.artifact import write_artifact
-    from qnpu_jax.export.onnx_run import OnnxModel
+    from qnpu_jax.runtime.onnx_run import OnnxModel
 
     art = write_artifact(tmp_path / "a", {"model": {}}, {}, files={})
     with pytest.raises(QnpuError, match="not an ONNX export"):
@@ -251,7 +251,7 @@ def test_onnx_model_refuses_an_integer_artifact(tmp_path):
 
 
 def test_encodings_of_another_graph_are_refused(exported):
-    from qnpu_jax.export.onnx_run import check_encodings
+    from qnpu_jax.runtime.onnx_run import check_encodings
 
     enc = json.loads((exported / "model.encodings").read_text())
     check_encodings(exported, json.dumps(enc).encode())  # its own: accepted
@@ -326,7 +326,7 @@ def test_aimet_quantsim_loads_the_encodings_onto_model_onnx(exported, windows):
     loader: each entry lands on an enabled quantizer of its own, nothing else is quantized, and
     the sim scores the windows as the QDQ graph does (both quantize the same tensors on the
     same grids; AIMET rounds halves up, and float order differs, so not bit for bit)."""
-    from qnpu_jax.export.onnx_run import OnnxModel, aimet_quantsim
+    from qnpu_jax.runtime.onnx_run import OnnxModel, aimet_quantsim
 
     session, loaded = aimet_quantsim(exported)
     enc = json.loads((exported / "model.encodings").read_text())
@@ -345,7 +345,7 @@ def test_aimet_quantsim_loads_the_encodings_onto_model_onnx(exported, windows):
 def test_aimet_quantsim_loads_the_legacy_schema_too(quantized, tmp_path):
     """`--aimet-version 0.6.1`: the same entries in AIMET's legacy layout, loaded the same way."""
     from qnpu_jax.export.onnx_export import export_onnx
-    from qnpu_jax.export.onnx_run import aimet_quantsim, encoding_bits
+    from qnpu_jax.runtime.onnx_run import aimet_quantsim, encoding_bits
 
     model, tokenizer = quantized
     out = export_onnx(model, tmp_path / "e", tokenizer, chunk=CHUNK, max_context=CONTEXT,
@@ -418,7 +418,7 @@ def test_edited_encodings_are_refused_naming_the_entry(rtn_run, tmp_path, capsys
     import shutil
 
     from qnpu_jax.cli import main
-    from qnpu_jax.export.onnx_run import check_encodings, check_encodings_match_qdq
+    from qnpu_jax.runtime.onnx_run import check_encodings, check_encodings_match_qdq
 
     out = tmp_path / "onnx"
     export = ["export", "--run", str(rtn_run), "--format", "onnx", "--out", str(out)]

@@ -16,11 +16,11 @@ from conftest import (  # tests/ is on sys.path (rootdir conftest)
 )
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import SHADOW_BITS
-from qnpu_jax.models import load_model
-from qnpu_jax.models.quantized import FakeQuantTaps, shadow_bounds, state_entry
+from qnpu_jax.ir.graph import SHADOW_BITS
+from qnpu_jax.models.load import load_model
+from qnpu_jax.models.taps import FakeQuantTaps, shadow_bounds, state_entry
 from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
-from qnpu_jax.pipeline.outliers import choose_shadows, shadow_matmul
+from qnpu_jax.pipeline.outlier_paths import choose_shadows, shadow_matmul
 from qnpu_jax.quant.fake_quant import fake_quant
 from qnpu_jax.quant.plan import QuantPlan, QuantRule, TensorQuant, default_plan
 
@@ -171,7 +171,8 @@ def test_shadow_artifact_runs_bit_exact_on_both_engines(shadowed, tmp_path):
     and the integer model scores as its fake-quant model does."""
     from qnpu_jax.export.artifact import read_artifact
     from qnpu_jax.export.exporter import export_quantized
-    from qnpu_jax.export.int_model import load_int_model, open_engine, validate_graph
+    from qnpu_jax.export.int_model import load_int_model, validate_graph
+    from qnpu_jax.runtime.engines import open_engine
 
     fp, _, model, windows, _ = shadowed
     out = export_quantized(model, tmp_path / "art", fp.tokenizer)
@@ -183,7 +184,7 @@ def test_shadow_artifact_runs_bit_exact_on_both_engines(shadowed, tmp_path):
     int_model = load_int_model(out)
     np.testing.assert_array_equal(int_model.shadow_channels("down_in", kept), hot)
     assert len(int_model.shadow_channels("down_in", 1 - kept)) == 0
-    from qnpu_jax.emulator.engine import run_chunk
+    from qnpu_jax.runtime.emulator import run_chunk
 
     ids = np.asarray(windows[:1, :40])
     trace: dict = {}
@@ -343,7 +344,7 @@ def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_pat
         build_rows([Path(shadow["base_dir"])], [Path(combined_row(scored)["evals"])])
     # the rebuilt model is the row's model: its perplexity on the row's windows is the row's
     from qnpu_jax.pipeline.config import load_config
-    from qnpu_jax.pipeline.model import nll_perplexity
+    from qnpu_jax.pipeline.quantized_model import nll_perplexity
     from qnpu_jax.pipeline.run import evaluation_sets
 
     loaded = load_model(str(two_layer_dir))
@@ -381,7 +382,7 @@ def test_tasks_rows_best_keeps_quant_npu_and_the_lowest_row_per_bit_width():
 
 
 def test_muxq_body_plus_aux_equals_the_input_exactly():
-    from qnpu_jax.pipeline.outliers import choose_muxq, muxq_split
+    from qnpu_jax.pipeline.outlier_paths import choose_muxq, muxq_split
 
     rng = np.random.default_rng(1)
     x = rng.normal(size=(3, 7, 12)).astype(np.float32)
@@ -477,7 +478,7 @@ def test_onnx_export_of_shadow_and_muxq_channels_is_deployable(shadowed, mechani
         node_side,
         op_inventory,
     )
-    from qnpu_jax.export.onnx_run import OnnxModel, aimet_quantsim
+    from qnpu_jax.runtime.onnx_run import OnnxModel, aimet_quantsim
 
     fp, base, model, windows, data = shadowed
     if mechanism == "muxq":
@@ -552,7 +553,7 @@ def _structure_gives_the_fake_quant_codes(out, layer, mechanism, tq):
     import onnx
 
     from qnpu_jax.export.artifact import read_artifact
-    from qnpu_jax.export.onnx_run import OnnxModel, _session
+    from qnpu_jax.runtime.onnx_run import OnnxModel, _session
 
     x = f"model.layers.{layer}.mlp.down_proj.input"
     art = read_artifact(out)

@@ -20,14 +20,15 @@ from qnpu_jax.data import sample_windows
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.aimet import aimet_encodings
 from qnpu_jax.export.exporter import export_model, run_encodings
-from qnpu_jax.export.int_model import load_int_model, lpbq_weights, open_engine
-from qnpu_jax.models import load_model
-from qnpu_jax.models.quantized import FakeQuantTaps, tapped_token_nll
+from qnpu_jax.export.int_model import load_int_model, lpbq_weights
+from qnpu_jax.models.load import load_model
+from qnpu_jax.models.taps import FakeQuantTaps, tapped_token_nll
 from qnpu_jax.pipeline import Calibration, QuantizedModel, calibrate, chain, steps
 from qnpu_jax.pipeline.config import QuantizeConfig
 from qnpu_jax.pipeline.weight_rounding import rounded_weights
 from qnpu_jax.quant.plan import WEIGHTS, QuantRule, default_plan
 from qnpu_jax.quant.spec import block_view, lpbq_split
+from qnpu_jax.runtime.engines import open_engine
 
 ALL_WEIGHTS = f"layers/({'|'.join(WEIGHTS)})"
 
@@ -326,7 +327,7 @@ def test_lpbq_onnx_export_and_aimet_quantsim(two_layer_dir, tmp_path):
     """An LPBQ model's ONNX export: onnxruntime's QDQ graph scores as the fake-quant model, and
     AIMET's QuantSim puts every LPBQ entry on a weight quantizer of its own."""
     from qnpu_jax.export.onnx_export import export_onnx
-    from qnpu_jax.export.onnx_run import OnnxModel, aimet_quantsim
+    from qnpu_jax.runtime.onnx_run import OnnxModel, aimet_quantsim
 
     fp = load_model(str(two_layer_dir))
     data = Calibration.from_text("wiki", fp.tokenizer, seq_len=64, windows=2, key=jax.random.key(0))

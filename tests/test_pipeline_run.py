@@ -308,7 +308,7 @@ def test_relative_error_by_hand_and_vmap_matches_a_loop(tiny_cfg, tiny_params):
     got = relative_error_sum(x, jnp.float32(0.5), jnp.float32(-128), jnp.float32(127))
     assert float(got) == pytest.approx(0.25 / (0.25 + 1e-8))
     ids = np.asarray(jax.random.randint(jax.random.key(2), (2, 16), 0, tiny_cfg.vocab_size))
-    from qnpu_jax.models.quantized import CaptureTaps, tapped_forward
+    from qnpu_jax.models.taps import CaptureTaps, tapped_forward
 
     _, aux = tapped_forward(
         tiny_params, {"layers": None, "outer": None}, jnp.asarray(ids), cfg=tiny_cfg,

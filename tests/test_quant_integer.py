@@ -195,7 +195,7 @@ def test_build_lut_errors() -> None:
 def test_the_emulators_requantize_equals_requantize_np() -> None:
     """The emulator's in-place kernel: any broadcast of acc against per-channel constants,
     scalars included, gives requantize_np's codes."""
-    from qnpu_jax.emulator.engine import requantize
+    from qnpu_jax.runtime.emulator import requantize
 
     rng = np.random.default_rng(3)
     m = rng.integers(1 << 30, 1 << 31, (5,)).astype(np.int32)

@@ -9,8 +9,8 @@ import pytest
 
 from qnpu_jax import QnpuError
 from qnpu_jax.data import sample_windows
-from qnpu_jax.models import forward, token_nll
-from qnpu_jax.models.quantized import FakeQuantTaps, tapped_forward, tapped_token_nll
+from qnpu_jax.models.llama import forward, token_nll
+from qnpu_jax.models.taps import FakeQuantTaps, tapped_forward, tapped_token_nll
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.quant import QuantRule, check_scales, default_plan, uniform_plan
 

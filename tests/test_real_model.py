@@ -10,7 +10,9 @@ import pytest
 from qnpu_jax import QnpuError
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.eval import perplexity
-from qnpu_jax.models import forward, generate, load_model, save_hf_dir, token_nll
+from qnpu_jax.models.hf import save_hf_dir
+from qnpu_jax.models.llama import forward, generate, token_nll
+from qnpu_jax.models.load import load_model
 
 
 def test_config_read_from_gguf(smollm):

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.models import load_model
+from qnpu_jax.models.load import load_model
 from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
 from qnpu_jax.quant.plan import QuantRule
 

@@ -198,6 +198,7 @@ def test_eval_onnx_scores_the_bytes_it_verified(
     made deterministic by a hook) do not reach onnxruntime. Before, the sessions reopened the
     files by path and scored the other weights with exit 0."""
     import qnpu_jax.export.artifact as artifact
+    import qnpu_jax.runtime.onnx_run as onnx_run
 
     export = tmp_path / "export"
     shutil.copytree(onnx_export, export)
@@ -213,11 +214,11 @@ def test_eval_onnx_scores_the_bytes_it_verified(
         (export / "model.data").write_bytes(data[:half] + bytes(len(data) - half))
         return art
 
-    monkeypatch.setattr(artifact, "read_artifact", then_replaced)
+    monkeypatch.setattr(onnx_run, "read_artifact", then_replaced)
     assert main([*ev, str(tmp_path / "after.json")]) == 0
     before, after = (json.loads((tmp_path / f).read_text()) for f in ("before.json", "after.json"))
     assert after["ppl"] == before["ppl"]
-    monkeypatch.setattr(artifact, "read_artifact", real)
+    monkeypatch.setattr(onnx_run, "read_artifact", real)
     assert main([*ev, str(tmp_path / "later.json")]) == 2  # the next read sees the change
 
 
@@ -226,7 +227,7 @@ def test_onnx_graph_with_its_weights_inline_scores_the_same(onnx_export: Path) -
     copied into the graph give the same logits."""
     import onnxruntime as ort
 
-    from qnpu_jax.export.onnx_run import OnnxModel, _inlined
+    from qnpu_jax.runtime.onnx_run import OnnxModel, _inlined
 
     graph = (onnx_export / "model.onnx").read_bytes()
     data = (onnx_export / "model.data").read_bytes()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from qnpu_jax.export.exporter import export_quantized
-from qnpu_jax.models import load_model
+from qnpu_jax.models.load import load_model
 from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
 from qnpu_jax.pipeline.config import load_config, shipped_configs
 from qnpu_jax.pipeline.recipes import describe, for_config

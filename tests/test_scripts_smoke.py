@@ -175,7 +175,7 @@ def test_compare_grid_scores_zero_shot_tasks_and_reads_them_back(
     def no_scoring(*args, **kwargs):
         raise AssertionError("a cached task was scored again")
 
-    monkeypatch.setattr(cli, "zero_shot_report", no_scoring)
+    monkeypatch.setattr(cm, "zero_shot_report", no_scoring)
     assert cm.main(argv) == 0
     assert [p.stat().st_mtime_ns for p in paths] == mtimes
     again = json.loads(out.with_suffix(".json").read_text())

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qnpu_jax.emulator import engine as E
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.models.llama import device_softmax, probability_codes
 from qnpu_jax.quant.plan import QuantPlan, default_plan
+from qnpu_jax.runtime import emulator as E
 
 
 def _probabilities_int64(e: np.ndarray) -> np.ndarray:
@@ -119,7 +119,7 @@ def test_device_simulation_tracks_the_integer_model_closer(smollm, int_sources, 
     model's than the float ops' (2 layers, 4 windows of 64)."""
     from qnpu_jax.data import load_documents, sample_windows, tokenize_documents
     from qnpu_jax.export.int_model import load_int_model
-    from qnpu_jax.models.quantized import FakeQuantTaps, tapped_token_nll
+    from qnpu_jax.models.taps import FakeQuantTaps, tapped_token_nll
 
     src = int_sources["w4a8"]
     windows = sample_windows(

@@ -7,8 +7,8 @@ import pytest
 
 from qnpu_jax import QnpuError
 from qnpu_jax.data import sample_windows
-from qnpu_jax.models import token_nll
-from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix, tapped_token_nll
+from qnpu_jax.models.llama import token_nll
+from qnpu_jax.models.taps import FakeQuantTaps, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline import calibrate, collect_activation_stats
 from qnpu_jax.quant import QuantRule, default_plan, uniform_plan
 
@@ -145,7 +145,7 @@ def test_sixteen_bit_fake_quant_equals_float_with_rotation_and_bos_prefix(smollm
 
 
 def test_bos_newline_names_bos_then_the_newline_tokens(smollm):
-    from qnpu_jax.models.quantized import prefix_name
+    from qnpu_jax.models.taps import prefix_name
 
     tok = smollm.tokenizer
     ids = sink_prefix("bos_newline", tok)
@@ -163,7 +163,7 @@ def test_a_newline_after_bos_keeps_a_first_token_from_becoming_a_second_sink(smo
     window's first token under seed 0) puts |down_proj output| above 10,000 where every other
     token stays near 1,000, and Max-Min ranges then follow it. After BOS + newline it is an
     ordinary token (docs/results.md, "Seed stability")."""
-    from qnpu_jax.models.quantized import CaptureTaps, tapped_forward
+    from qnpu_jax.models.taps import CaptureTaps, tapped_forward
 
     tok = smollm.tokenizer
     ids = jnp.asarray([tok.encode(" Salem, Illinois. Although the town", add_bos=False)])
@@ -191,7 +191,7 @@ def test_a_two_token_prefix_goes_through_save_load_the_artifact_and_both_engines
 
     from qnpu_jax.export.exporter import export_quantized
     from qnpu_jax.export.int_model import load_int_model
-    from qnpu_jax.models import load_model
+    from qnpu_jax.models.load import load_model
     from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
 
     fp = load_model(str(two_layer_dir))

@@ -11,7 +11,7 @@ import yaml
 from conftest import load_script, run_artifact_ppl  # tests/ is on sys.path (rootdir conftest)
 
 from qnpu_jax import QnpuError
-from qnpu_jax.models import forward
+from qnpu_jax.models.llama import forward
 from qnpu_jax.pipeline.calibrate import capture_activations, channel_absmax
 from qnpu_jax.transforms import (
     apply_rotations,
@@ -100,7 +100,7 @@ def test_smoothed_run_stores_scales_that_eval_and_export_use(two_layer_dir, tmp_
     import orbax.checkpoint as ocp
 
     from qnpu_jax.cli import main
-    from qnpu_jax.pipeline.model import save_learned
+    from qnpu_jax.pipeline.quantized_model import save_learned
     from qnpu_jax.pipeline.run import load_run
     from qnpu_jax.pipeline.run_manifest import seal_run
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from qnpu_jax import QnpuError
-from qnpu_jax.models import init_random_params
+from qnpu_jax.models.llama import init_random_params
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.pipeline.config import QuantizeConfig
 from qnpu_jax.pipeline.recipes import config_stage1_plan as stage1_plan
@@ -162,7 +162,7 @@ def test_log_scale_parameterization(tiny_cfg, setup):
 def test_float_tables_rotate_activations_not_tables(tiny_cfg, setup, prefix):
     """Rotating the gathered embedding rows and the final hidden state (stage 1's fast path)
     gives the loss and the gradients of rotating both [V, D] tables."""
-    from qnpu_jax.models.quantized import FakeQuantTaps
+    from qnpu_jax.models.taps import FakeQuantTaps
     from qnpu_jax.pipeline.stage1 import stage1_loss
 
     ids, fused, r1, r2, plan, state = setup
@@ -227,7 +227,7 @@ def test_distillation_objective_is_the_kl_from_the_float_model_and_training_lowe
     and the jitted step trains on it while reporting the cross-entropy. (Whether it trains
     a better model is measured on SmolLM2, docs/results.md: on this 2-layer model at W4A4
     the loss moves by the rounding noise either way.)"""
-    from qnpu_jax.models.quantized import FakeQuantTaps, tapped_forward
+    from qnpu_jax.models.taps import FakeQuantTaps, tapped_forward
     from qnpu_jax.pipeline.stage1 import distillation_kl, stage1_loss, transformed_params
 
     ids, fused, r1, r2, plan, state = setup

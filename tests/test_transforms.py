@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from qnpu_jax import QnpuError
-from qnpu_jax.models import forward
+from qnpu_jax.models.llama import forward
 from qnpu_jax.transforms import (
     apply_rotations,
     fuse_norms,
@@ -54,7 +54,7 @@ def test_rotations_are_equivalent_and_change_weights(tiny_cfg, tiny_params, tiny
 def test_r2_rotates_v_bias(tiny_cfg, tiny_tokens):
     import dataclasses
 
-    from qnpu_jax.models import init_random_params
+    from qnpu_jax.models.llama import init_random_params
 
     cfg = dataclasses.replace(tiny_cfg, attention_bias=True)
     params = init_random_params(cfg, jax.random.key(9))

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import GRAPH, Graph, Op
 from qnpu_jax.files import read_bytes_bounded, write_bytes_atomic
+from qnpu_jax.ir.graph import GRAPH, Graph, Op
 
 VERSIONS = ("1.0.0", "0.6.1")
 NAMINGS = ("hf", "native")

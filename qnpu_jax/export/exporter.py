@@ -20,8 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export.aimet import check_encodings_destination, write_aimet
 from qnpu_jax.export.artifact import check_destination, write_artifact
-from qnpu_jax.export.graph import (
+from qnpu_jax.files import check_outside
+from qnpu_jax.ir.graph import (
     FORMAT_GRAPH,
     FORMAT_GRAPH_CHANNELS,
     GRAPH,
@@ -33,7 +35,6 @@ from qnpu_jax.export.graph import (
     SOFTMAX_ROLE,
     Graph,
 )
-from qnpu_jax.files import check_outside
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import (
     Params,
@@ -42,21 +43,22 @@ from qnpu_jax.models.llama import (
     lm_head_weight,
     rope_tables,
 )
-from qnpu_jax.models.quantized import CacheOnlyTaps, FakeQuantTaps, QuantState, effective_state
-from qnpu_jax.quant.integer import (
-    M_MAX,
-    M_MIN,
-    SHIFT_MAX,
-    build_lut,
-    fixed_point_multiplier,
-    quantize_to_int,
-)
+from qnpu_jax.models.taps import CacheOnlyTaps, FakeQuantTaps, QuantState, effective_state
+from qnpu_jax.pipeline.run import load_run
 from qnpu_jax.quant.plan import (
     PROBS_SCALE_DENOMINATOR,
     QuantPlan,
     TensorQuant,
     all_paths,
     is_weight,
+)
+from qnpu_jax.quant.requantize import (
+    M_MAX,
+    M_MIN,
+    SHIFT_MAX,
+    build_lut,
+    fixed_point_multiplier,
+    quantize_to_int,
 )
 from qnpu_jax.quant.spec import QuantSpec, block_view, check_block, lpbq_split, qrange
 from qnpu_jax.quant.state import get_entry
@@ -690,7 +692,6 @@ def _check_multipliers(tensors: Mapping[str, np.ndarray]) -> None:
 
 def export_run(run_dir: Path, out_dir: Path, **kwargs: Any) -> Path:
     """Export a finished `qnpu quantize` run to an integer artifact at `out_dir`."""
-    from qnpu_jax.pipeline.run import load_run
 
     check_export_destination(run_dir, out_dir)  # refuse before the slow part, too
     run = load_run(Path(run_dir))
@@ -725,8 +726,6 @@ def export_quantized(
 
 def export_run_aimet(run_dir: Path, out_dir: Path, *, version: str = "1.0.0") -> Path:
     """AIMET encodings of a run's tensors: OUT/<run name>.encodings (HF module names)."""
-    from qnpu_jax.export.aimet import check_encodings_destination, write_aimet
-    from qnpu_jax.pipeline.run import load_run
 
     out = Path(out_dir)
     check_outside(out, {"--run": run_dir}, "--out")

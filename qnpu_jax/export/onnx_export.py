@@ -35,8 +35,11 @@ Linear weights are stored transposed ([in, out], MatMul's B): their channel axis
 from __future__ import annotations
 
 import contextlib
+import copy
+import hashlib
 import importlib
 import io
+import json
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -44,11 +47,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.export.aimet import OUTLIER_KEYS, aimet_encodings, aimet_name
-from qnpu_jax.export.graph import FORMAT_GRAPH, GRAPH, KV_TENSORS, Graph, Op, layer_widths
+from qnpu_jax.export.artifact import check_destination, write_artifact
+from qnpu_jax.export.exporter import (
+    check_export_destination,
+    context_positions,
+    run_encodings,
+    tokenizer_info,
+)
+from qnpu_jax.ir.graph import FORMAT_GRAPH, GRAPH, KV_TENSORS, Graph, Op, layer_widths
+from qnpu_jax.models.llama import forward_tapped, init_cache, lm_head_weight, rope_inv_freq
+from qnpu_jax.models.taps import CacheOnlyTaps, FakeQuantTaps, effective_state
+from qnpu_jax.pipeline.run import load_run
 
 OPSET = 21
 FORMAT = "qnpu-onnx"  # the manifest's "onnx" section
@@ -149,7 +164,6 @@ class OnnxPlan:
 
 
 def _np_params(params: Any) -> Any:
-    import jax
 
     return jax.tree.map(lambda a: np.asarray(a, np.float32), params)
 
@@ -364,7 +378,6 @@ class _Writer:
     the QuantizeLinear → DequantizeLinear value instead."""
 
     def __init__(self, params: Any, cfg: Any, plan: OnnxPlan) -> None:
-        from qnpu_jax.models.llama import rope_inv_freq
 
         self.p = _np_params(params)
         self.cfg, self.plan, self.b = cfg, plan, _Builder()
@@ -631,7 +644,6 @@ class _Writer:
 
     def model(self, graph: Graph) -> None:
         """The model's ops in order; the layers op runs every decoder layer."""
-        from qnpu_jax.models.llama import lm_head_weight
 
         env: dict[str, str] = {}
         for op in graph.model:
@@ -724,7 +736,6 @@ def onnx_encodings(
     their own), plus the cache inputs and outputs on their K/V tensor's grid. A shadow or
     MUXQ input is one grid per tensor in the graph (the clamped input, MUXQ's Body), its
     channels are structure; a shadow path's overflow gets an entry of its own."""
-    import copy
 
     outliers = outlier_entries(table)
     inside = {
@@ -851,7 +862,6 @@ def require_export_extra(*modules: str) -> None:
 
 
 def _digest(data: bytes) -> bytes:
-    import hashlib
 
     return hashlib.sha256(data).digest()
 
@@ -975,8 +985,6 @@ def export_onnx(
 ) -> Path:
     """Write the ONNX export of a calibrated `QuantizedModel` to `out_dir` (module docstring).
     `announce` is told when each phase starts (the CLI prints it)."""
-    from qnpu_jax.export.artifact import check_destination, write_artifact
-    from qnpu_jax.export.exporter import context_positions, run_encodings, tokenizer_info
 
     out = Path(os.path.abspath(out_dir))
     check_destination(out)
@@ -1042,8 +1050,6 @@ def export_onnx(
 
 def export_run_onnx(run_dir: Path | str, out_dir: Path | str, **kwargs: Any) -> Path:
     """The ONNX export of a finished `qnpu quantize` run (`kwargs` as `export_onnx`)."""
-    from qnpu_jax.export.exporter import check_export_destination
-    from qnpu_jax.pipeline.run import load_run
 
     check_export_destination(run_dir, out_dir)  # refuse before the slow part, too
     (kwargs.get("announce") or (lambda message: None))(f"reading and verifying the run {run_dir}")
@@ -1056,11 +1062,7 @@ def prefix_kv(model: Any) -> np.ndarray:
     """The sink prefix's K/V [2 (float, fake-quant), 2 (K, V), L, Hkv, P, hd] as the float
     and the fake-quant model compute them (the prefix runs in float; fake-quant quantizes only
     its K/V, and runs it on the weights before GPTQ's rounding where the model has such)."""
-    import jax
-    import jax.numpy as jnp
 
-    from qnpu_jax.models.llama import forward_tapped, init_cache
-    from qnpu_jax.models.quantized import CacheOnlyTaps, FakeQuantTaps, effective_state
 
     cfg, p = model.cfg, len(model.prefix)
     if not p:
@@ -1084,7 +1086,6 @@ def prefix_kv(model: Any) -> np.ndarray:
 
 
 def _json_bytes(obj: Any) -> bytes:
-    import json
 
     return (json.dumps(obj, indent=1) + "\n").encode()
 

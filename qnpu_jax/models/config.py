@@ -118,7 +118,7 @@ class ModelConfig:
 
     @property
     def dims(self) -> dict[str, int]:
-        """The activation widths the graph description names (`export.graph.Tensor.width`)."""
+        """The activation widths the graph description names (`ir.graph.Tensor.width`)."""
         return {
             "hidden": self.hidden_size,
             "q": self.q_size,

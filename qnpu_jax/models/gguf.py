@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
@@ -111,8 +113,6 @@ def gguf_model_config(reader: Any) -> ModelConfig:
 
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
     """Load a LLaMA/Qwen2/Qwen3 GGUF file as float32 params (quantized blocks dequantized)."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     path = Path(path)
     if not path.is_file():

@@ -13,10 +13,14 @@ from typing import Any
 
 import jax
 import numpy as np
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import EMBED_TABLE, FINAL_NORM, GRAPH, LM_HEAD
 from qnpu_jax.files import current_umask, read_text
+from qnpu_jax.ir.graph import EMBED_TABLE, FINAL_NORM, GRAPH, LM_HEAD
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import layer_param_shapes
 from qnpu_jax.models.tokenizer import Tokenizer, tokenizer_from_file
@@ -130,7 +134,6 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="numpy") as f:
@@ -226,7 +229,6 @@ def save_hf_dir(
     The directory appears whole or not at all: everything is written to a sibling temporary
     directory that is renamed into place last. An existing directory is refused.
     """
-    from safetensors.numpy import save_file
 
     directory = Path(directory)
     if directory.exists():
@@ -284,12 +286,6 @@ def is_hub_id(spec: str) -> bool:
 
 def download_from_hub(repo_id: str) -> Path:
     """Snapshot the files the directory loader needs; never hangs when offline."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        HfHubHTTPError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-    )
 
     patterns = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer*"]
     try:

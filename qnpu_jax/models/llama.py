@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qnpu_jax.export.graph import (
+from qnpu_jax.ir.graph import (
     EMBED_TABLE,
     FINAL_NORM,
     GRAPH,

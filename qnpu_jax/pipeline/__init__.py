@@ -7,7 +7,7 @@ from qnpu_jax.pipeline.calibrate import (
     collect_activation_stats,
     weight_encodings,
 )
-from qnpu_jax.pipeline.model import QuantizedModel, StepRecord, Transforms
+from qnpu_jax.pipeline.quantized_model import QuantizedModel, StepRecord, Transforms
 from qnpu_jax.pipeline.recipes import Recipe, chain
 from qnpu_jax.pipeline.steps import Calibration, Context, Step
 

@@ -19,11 +19,11 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import ATTENTION_TENSORS, EMBED_TABLE, GRAPH, Graph, layer_widths
+from qnpu_jax.ir.graph import ATTENTION_TENSORS, EMBED_TABLE, GRAPH, Graph, layer_widths
 from qnpu_jax.mesh import data_size, host_array, host_tree, local_value, put_batch
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, lm_head_weight
-from qnpu_jax.models.quantized import (
+from qnpu_jax.models.taps import (
     CaptureTaps,
     ChannelAbsMaxTaps,
     ObserveTaps,

@@ -16,12 +16,12 @@ from typing import Any
 import yaml
 
 from qnpu_jax.errors import QnpuError, shown
-from qnpu_jax.export.graph import MUXQ_MAX_EXP, SIMULATIONS
 from qnpu_jax.fieldtypes import check_field_types
 from qnpu_jax.files import read_text
+from qnpu_jax.ir.graph import MUXQ_MAX_EXP, SIMULATIONS
 from qnpu_jax.limits import MAX_CALIB_WINDOWS, MAX_CONFIG_BYTES, check_seed
 from qnpu_jax.mesh import MeshConfig
-from qnpu_jax.models.quantized import SINK_PREFIXES
+from qnpu_jax.models.taps import SINK_PREFIXES
 from qnpu_jax.pipeline.stage1 import Stage1Config
 from qnpu_jax.quant.plan import QuantRule, check_block_fields
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
-from qnpu_jax.export.graph import MUXQ_MAX_EXP
+from qnpu_jax.ir.graph import MUXQ_MAX_EXP
 from qnpu_jax.mesh import MeshConfig
-from qnpu_jax.models.quantized import SINK_PREFIXES
+from qnpu_jax.models.taps import SINK_PREFIXES
 from qnpu_jax.pipeline.config import (
     INIT_SCHEMES,
     MAX_CALIB_WINDOWS,

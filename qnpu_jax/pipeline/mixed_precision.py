@@ -24,11 +24,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import LINEAR_INPUTS, LINEAR_OUTPUTS, UNROTATED_INPUT
+from qnpu_jax.ir.graph import LINEAR_INPUTS, LINEAR_OUTPUTS, UNROTATED_INPUT
 from qnpu_jax.mesh import data_size, host_array, put_batch
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
-from qnpu_jax.models.quantized import CaptureTaps, tapped_forward
+from qnpu_jax.models.taps import CaptureTaps, tapped_forward
 from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.quant.fake_quant import fake_quant
 from qnpu_jax.quant.plan import QuantPlan, TensorQuant

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import (
+from qnpu_jax.ir.graph import (
     ATTN_OUTPUT_INPUT,
     GLOBAL_ACTS,
     LAYER_ACTS,
@@ -29,7 +29,7 @@ from qnpu_jax.export.graph import (
     UNROTATED_OUTPUT,
 )
 from qnpu_jax.pipeline.config import SCALE_LEARNING_METHODS, QuantizeConfig
-from qnpu_jax.pipeline.model import QuantizedModel
+from qnpu_jax.pipeline.quantized_model import QuantizedModel
 from qnpu_jax.pipeline.steps import (
     STAGE1_TENSORS,
     Calibration,

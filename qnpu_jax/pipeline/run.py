@@ -5,9 +5,10 @@ run_dir/
                      pid; a second writer is refused by name. Removed at the end, never sealed
   config.yaml        the QuantizeConfig (a resumed run must match it)
   model.json, plan.json, learned/
-                     the QuantizedModel (`pipeline.model`): the steps that made it, the base
-                     weights' location and sha256 (a run loads only on those weights; runs
-                     made before they were recorded load on any base of the same config), the
+                     the QuantizedModel (`pipeline.quantized_model`): the steps that made
+                     it, the base weights' location and sha256 (a run loads only on those
+                     weights; runs made before they were recorded load on any base of the
+                     same config), the
                      final plan, and in orbax the rotations R1/R2, the quantizer state, the MLP
                      smoothing scales and GPTQ's weight codes where the recipe made them
   sensitivity.json   eq. (4) per layer and the promoted layers of the down_proj inputs;
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 from jax.sharding import Mesh
 
 from qnpu_jax.data import (
@@ -43,15 +45,23 @@ from qnpu_jax.data import (
 )
 from qnpu_jax.environment import environment_info
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
-from qnpu_jax.files import exclusive_lock, make_output_dir, remove_empty_dirs, write_json_atomic
+from qnpu_jax.files import (
+    exclusive_lock,
+    iter_jsonl,
+    make_output_dir,
+    remove_empty_dirs,
+    write_bytes_atomic,
+    write_json_atomic,
+)
+from qnpu_jax.ir.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
 from qnpu_jax.mesh import check_batch, is_primary, make_mesh, place_params, sync
 from qnpu_jax.mesh import describe as describe_mesh
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
-from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
+from qnpu_jax.models.load import load_model
+from qnpu_jax.models.taps import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline.config import QuantizeConfig, load_config
-from qnpu_jax.pipeline.model import QuantizedModel, StepRecord, nll_perplexity
+from qnpu_jax.pipeline.quantized_model import QuantizedModel, StepRecord, assemble, nll_perplexity
 from qnpu_jax.pipeline.recipes import Recipe, config_keys, for_config
 from qnpu_jax.pipeline.run_manifest import (
     RUN_LOCK,
@@ -248,10 +258,7 @@ def _quantize(
     command: str | None,
     announce: Callable[[str], None] | None,
 ) -> dict[str, Any]:
-    import yaml
 
-    from qnpu_jax.files import write_bytes_atomic
-    from qnpu_jax.models import load_model
 
     _check_run_dir(run_dir, config, resume)
     say = announce or (lambda message: None)
@@ -383,7 +390,6 @@ def _resumed(
 def _stage1_step_seconds(run_dir: Path) -> float | None:
     """Stage 1's step time summed over every recorded step, earlier attempts of a resumed run
     included (`seconds` covers this invocation only); None without a stage 1."""
-    from qnpu_jax.files import iter_jsonl
 
     path = run_dir / "stage1" / "metrics.jsonl"
     if not path.is_file():
@@ -409,8 +415,6 @@ def load_run(run_dir: Path) -> Run:
     """The finished run in `run_dir`, after its manifest and every file's hash are verified;
     no step runs. A run made before QuantizedModel (no model.json) is rebuilt from its
     config.yaml the way that version's quantize built it."""
-    from qnpu_jax.models import load_model
-    from qnpu_jax.pipeline.model import assemble
 
     run_dir = Path(run_dir)
     verify_run(run_dir)

@@ -28,14 +28,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 from tqdm import tqdm
 
 from qnpu_jax.data import sample_windows
 from qnpu_jax.errors import QnpuError, first_line
-from qnpu_jax.export.graph import EMBED_TABLE, LM_HEAD
 from qnpu_jax.fieldtypes import check_field_types
 from qnpu_jax.files import iter_jsonl
+from qnpu_jax.ir.graph import EMBED_TABLE, LM_HEAD
 from qnpu_jax.limits import MAX_CALIB_WINDOWS, check_at_most
 from qnpu_jax.mesh import (
     batch_sharding,
@@ -48,7 +49,7 @@ from qnpu_jax.mesh import (
 )
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import MATMUL_DTYPES, Params, next_token_nll
-from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, tapped_forward
+from qnpu_jax.models.taps import FakeQuantTaps, QuantState, tapped_forward
 from qnpu_jax.quant.fake_quant import log_to_scale, positive_scale, round_ste, scale_to_log
 from qnpu_jax.quant.plan import WEIGHTS, QuantPlan
 from qnpu_jax.quant.state import state_key
@@ -552,7 +553,6 @@ def step_batch(
 
 
 def _checkpoint_manager(directory: Path, config: Stage1Config) -> Any:
-    import orbax.checkpoint as ocp
 
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=config.checkpoint_every, max_to_keep=2, create=True
@@ -603,7 +603,6 @@ def run_stage1(
     into this mesh's shardings). `stop_after` ends early after that step (tests use it as a
     kill). On `mesh`, every tree is placed by `step_shardings` first.
     """
-    import orbax.checkpoint as ocp
 
     if mesh is not None:
         check_batch(mesh, config.batch_size, "stage 1 batch_size")

@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from qnpu_jax.data import load_documents, sample_windows, tokenize_documents
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import (
+from qnpu_jax.ir.graph import (
     CHANNEL_INPUTS,
     KV_TENSORS,
     LINEAR_INPUTS,
@@ -33,12 +34,12 @@ from qnpu_jax.export.graph import (
 )
 from qnpu_jax.mesh import place_params
 from qnpu_jax.models.llama import Params
-from qnpu_jax.models.quantized import state_entry
+from qnpu_jax.models.taps import state_entry
 from qnpu_jax.pipeline.calibrate import calibrate as calibrate_state
 from qnpu_jax.pipeline.calibrate import channel_absmax, collect_activation_stats
 from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits, tensor_sensitivity
-from qnpu_jax.pipeline.model import QuantizedModel
-from qnpu_jax.pipeline.outliers import choose_muxq, choose_shadows, shadow_summary
+from qnpu_jax.pipeline.outlier_paths import choose_muxq, choose_shadows, shadow_summary
+from qnpu_jax.pipeline.quantized_model import QuantizedModel
 from qnpu_jax.pipeline.stage1 import (
     Stage1Config,
     clip_logits,
@@ -96,7 +97,6 @@ class Calibration:
     ) -> Calibration:
         """`windows` random windows of `seq_len` tokens (drawn with `key`) of the text `spec`
         names (`qnpu_jax.data.load_documents`; "wiki": its calib split)."""
-        from qnpu_jax.data import load_documents, sample_windows, tokenize_documents
 
         split = "calib" if spec == "wiki" else None
         ids = tokenize_documents(load_documents(spec, split), tokenizer)
@@ -538,7 +538,7 @@ def _channel_input(plan: QuantPlan, tensor: str, what: str) -> TensorQuant:
 
 
 def shadow_outliers(tensor: str = UNROTATED_INPUT, clip: float = 99.99, keep: float = 0.15) -> Step:
-    """mllm-NPU's shadow outlier execution on the linear input `tensor` (`pipeline.outliers`):
+    """mllm-NPU's shadow outlier execution on the linear input `tensor` (`pipeline.outlier_paths`):
     in the ceil(keep·L) most important layers, its scale is re-set to clip |x| at the
     `clip`-th percentile of the calibration values and the channels that overflow that range
     become shadow channels (codes not clamped: the device adds their overflow back on a
@@ -595,7 +595,7 @@ def shadow_outliers(tensor: str = UNROTATED_INPUT, clip: float = 99.99, keep: fl
 
 
 def muxq(tensor: str = UNROTATED_INPUT, exp: int = 2, threshold: float = 6.0) -> Step:
-    """MUXQ on the linear input `tensor` (`pipeline.outliers`): its channels whose largest
+    """MUXQ on the linear input `tensor` (`pipeline.outlier_paths`): its channels whose largest
     |x| over the calibration exceeds `threshold` are shifted right by `exp` bits into the
     Body tensor, whose per-tensor scale is re-set to Body's range (Max-Min, symmetric) in the
     layers at 8 bits or fewer that have such channels; the device adds (2^exp − 1)·Aux·W.

@@ -18,10 +18,10 @@ import numpy as np
 from tqdm import tqdm
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import LINEAR_IO, layer_widths
+from qnpu_jax.ir.graph import LINEAR_IO, layer_widths
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
-from qnpu_jax.models.quantized import FakeQuantTaps, HessianTaps, QuantState, tapped_forward
+from qnpu_jax.models.taps import FakeQuantTaps, HessianTaps, QuantState, tapped_forward
 from qnpu_jax.quant.gptq import gptq_layers
 from qnpu_jax.quant.plan import QuantPlan
 

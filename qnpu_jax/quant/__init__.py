@@ -23,14 +23,14 @@ from qnpu_jax.quant.init import (
     scale_from_stats,
     update_range_stats,
 )
-from qnpu_jax.quant.integer import (
+from qnpu_jax.quant.plan import QuantPlan, QuantRule, TensorQuant, default_plan, uniform_plan
+from qnpu_jax.quant.requantize import (
     build_lut,
     fixed_point_multiplier,
     quantize_to_int,
     requantize_jax,
     requantize_np,
 )
-from qnpu_jax.quant.plan import QuantPlan, QuantRule, TensorQuant, default_plan, uniform_plan
 from qnpu_jax.quant.spec import QuantSpec, code_dtype, qrange, reduced_shape, resolve_axis
 
 __all__ = [

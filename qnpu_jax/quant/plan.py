@@ -20,7 +20,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import (
+from qnpu_jax.fieldtypes import check_field_types
+from qnpu_jax.ir.graph import (
     CHANNEL_INPUTS,
     EMBED_TABLE,
     GRAPH,
@@ -37,13 +38,12 @@ from qnpu_jax.export.graph import (
     Tensor,
     channel_mask,
 )
-from qnpu_jax.fieldtypes import check_field_types
 from qnpu_jax.quant.spec import QuantSpec, qrange
 from qnpu_jax.quant.state import is_layer_path
 
 INIT_METHODS = ("max_min", "mean_std", "percentile", "mse", "fixed")
 
-# The tensors of the shipped graph (`export.graph.GRAPH`), in graph order.
+# The tensors of the shipped graph (`ir.graph.GRAPH`), in graph order.
 WEIGHTS = LINEARS  # the decoder layer's weights
 LAYER_ACTIVATIONS = LAYER_ACTS  # its activations with an encoding
 GLOBAL_TENSORS = tuple(t.name for t in GRAPH.global_tensors)  # embedding, final norm, lm_head
@@ -196,7 +196,7 @@ class QuantPlan:
     Stored as a sorted tuple of pairs so the plan is hashable (a static jit argument).
     `simulation`: how the fake-quant forward computes the ops between quantizers, "fake"
     (float32) or "device" (the integer contract's tables and grids where they differ from
-    float: `FakeQuantTaps`, `export.graph.SIMULATIONS`).
+    float: `FakeQuantTaps`, `ir.graph.SIMULATIONS`).
     """
 
     entries: tuple[tuple[str, TensorQuant], ...]

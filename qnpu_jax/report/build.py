@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from qnpu_jax.files import write_bytes_atomic
 from qnpu_jax.report.plots import (
     plot_stage1_losses,
     plot_sweep,
@@ -266,7 +267,6 @@ def _html(title: str, command: str, sections: Sequence[Section], images: dict[st
 def write_report(out: Path, report: Report) -> list[Path]:
     """Write every file of `report` next to `out` (reports/NAME → reports/NAME.md, ...), each
     atomically; plots of an earlier report that this one does not make are removed."""
-    from qnpu_jax.files import write_bytes_atomic
 
     base = Path(out).parent
     written = [write_bytes_atomic(base / rel, data) for rel, data in report.files]

@@ -12,6 +12,7 @@ index). Each node is a box at its depth in the graph; an edge that carries a ten
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from collections.abc import Mapping
@@ -65,7 +66,6 @@ def draw_layer(
     import matplotlib
 
     matplotlib.use("Agg")
-    import io
 
     import matplotlib.pyplot as plt
     import onnx

@@ -23,7 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import LINEAR_INPUTS, UNROTATED_INPUT
+from qnpu_jax.ir.graph import LINEAR_INPUTS, UNROTATED_INPUT
+from qnpu_jax.pipeline.config import load_config
+from qnpu_jax.pipeline.run_manifest import verify_run
+from qnpu_jax.quant.plan import WEIGHTS, QuantPlan
 
 # lm-evaluation-harness headline metric per task, in the paper's Table 1 column order.
 HEADLINE: dict[str, str] = {
@@ -203,7 +206,6 @@ def granularity_name(tq: Any) -> str:
 def _granularity(plan: Any) -> str:
     """The granularity of the plan's linear weights and inputs, e.g. W per-channel / A
     per-tensor static."""
-    from qnpu_jax.quant.plan import WEIGHTS
 
     def axes_text(entries: list[Any]) -> str:
         kinds = {granularity_name(tq) for tq in entries}
@@ -249,9 +251,6 @@ def run_label(method: str, config: Any) -> str:
 
 def load_run_row(run_dir: Path) -> Row:
     """The row of a finished `qnpu quantize` run: report.json, config.yaml and plan.json."""
-    from qnpu_jax.pipeline.config import load_config
-    from qnpu_jax.pipeline.run_manifest import verify_run
-    from qnpu_jax.quant.plan import QuantPlan
 
     run_dir = Path(run_dir)
     verify_run(run_dir)

@@ -23,8 +23,8 @@ import numpy as np
 
 from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
 from qnpu_jax.environment import study_command
-from qnpu_jax.models import load_model
-from qnpu_jax.models.quantized import SINK_PREFIXES, FakeQuantTaps, sink_prefix, tapped_token_nll
+from qnpu_jax.models.load import load_model
+from qnpu_jax.models.taps import SINK_PREFIXES, FakeQuantTaps, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.quant import QuantPlan, uniform_plan
 from qnpu_jax.quant.state import get_entry

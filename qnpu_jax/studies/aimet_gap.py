@@ -26,9 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from qnpu_jax.export.onnx_run import encoding_entries
+from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
+from qnpu_jax.export.artifact import read_artifact
+from qnpu_jax.export.onnx_export import DATA_FILES, GRAPH_FILES
+from qnpu_jax.runtime.onnx_run import OnnxModel, _session, aimet_quantsim, encoding_entries
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import say, write_study_json
+from qnpu_jax.studies.simulation_gap import paired_gap
 
 
 class _Stats:
@@ -146,9 +150,6 @@ def _qdq_session(
     the names it found, in graph order."""
     import onnx
 
-    from qnpu_jax.export.artifact import read_artifact
-    from qnpu_jax.export.onnx_export import DATA_FILES, GRAPH_FILES
-    from qnpu_jax.export.onnx_run import _session
 
     art = read_artifact(out_dir)
     model = onnx.load_from_string(art.files[GRAPH_FILES[("qdq", "prefill")]])
@@ -173,8 +174,6 @@ def aimet_gap(export: Path, windows: np.ndarray, tensor_windows: int) -> dict[st
     `tensor_windows` windows, each side's NLL over all of them (module docstring)."""
     import onnx
 
-    from qnpu_jax.export.onnx_run import OnnxModel, aimet_quantsim
-    from qnpu_jax.studies.simulation_gap import paired_gap
 
     sim, loaded = aimet_quantsim(export)
     enc = json.loads((export / "model.encodings").read_text())
@@ -228,8 +227,6 @@ def aimet_gap(export: Path, windows: np.ndarray, tensor_windows: int) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
-    from qnpu_jax.export.onnx_run import OnnxModel
 
     parser = study_parser(__name__, __doc__, json=True)
     parser.add_argument("--onnx", type=Path, required=True, help="an ONNX export directory")

@@ -63,13 +63,39 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qnpu_jax.argtypes import comma_choices, positive_int
+from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
+from qnpu_jax.data.locations import wikitext2_spec
+from qnpu_jax.environment import study_command
+from qnpu_jax.errors import QnpuError
 from qnpu_jax.eval import TASKS
-from qnpu_jax.models.quantized import SINK_PREFIXES
-from qnpu_jax.report.table import HEADLINE, METHOD_LABELS, TASK_LABELS, TaskResult, pct
+from qnpu_jax.eval.zeroshot import task_source
+from qnpu_jax.models.load import load_model
+from qnpu_jax.models.taps import SINK_PREFIXES, sink_prefix
+from qnpu_jax.pipeline.config import QuantizeConfig, load_config
+from qnpu_jax.pipeline.recipes import describe, for_config
+from qnpu_jax.pipeline.run import evaluate, quantize
+from qnpu_jax.pipeline.stage1 import Stage1Config
+from qnpu_jax.report import Report, Section, assemble, table_sections, write_report
+from qnpu_jax.report.table import (
+    HEADLINE,
+    METHOD_LABELS,
+    TASK_LABELS,
+    TaskResult,
+    build_rows,
+    build_table,
+    legend,
+    load_eval,
+    load_run_row,
+    pct,
+    read_json,
+    rows_json,
+)
+from qnpu_jax.scoring import finish_eval_report, scored_model, zero_shot_report
 from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.harness import provenance, write_study_json
 
 if TYPE_CHECKING:
-    from qnpu_jax.cli import Scored
+    from qnpu_jax.scoring import Scored
 
 METHODS = ("float", "rtn", "quarot", "spinquant", "quantnpu")
 QUANT_METHODS = METHODS[1:]
@@ -165,7 +191,6 @@ class Cell:
 def eval_specs(args: argparse.Namespace) -> dict[str, str]:
     """Display name -> data spec of the two evaluation sets (WikiText-2: --wikitext, else the
     `wikitext2` spec's file under $QNPU_DATA_DIR)."""
-    from qnpu_jax.data.locations import wikitext2_spec
 
     if args.wikitext is None:
         return {"wiki": "wiki", "wikitext2": wikitext2_spec()}
@@ -174,8 +199,6 @@ def eval_specs(args: argparse.Namespace) -> dict[str, str]:
 
 
 def base_config(args: argparse.Namespace) -> Any:
-    from qnpu_jax.pipeline.config import QuantizeConfig
-    from qnpu_jax.pipeline.stage1 import Stage1Config
 
     stage1 = Stage1Config(
         steps=args.steps,
@@ -214,7 +237,6 @@ def float_path(args: argparse.Namespace) -> Path:
 
 
 def _cell(method: str, setting: str, config: Any, run_dir: Path, label: str = "") -> Cell:
-    from qnpu_jax.pipeline.recipes import for_config
 
     return Cell(method, setting, config, for_config(config), run_dir, label)
 
@@ -222,7 +244,6 @@ def _cell(method: str, setting: str, config: Any, run_dir: Path, label: str = ""
 def grid(args: argparse.Namespace) -> tuple[list[Cell], list[Cell]]:
     """(Table 1 cells of both settings, ablation cells): configs × recipes, the whole grid,
     selected or not."""
-    from qnpu_jax.pipeline.stage1 import Stage1Config
 
     base = base_config(args)
     kv = args.kv_bits
@@ -265,8 +286,6 @@ def selected(cell: Cell, args: argparse.Namespace) -> bool:
 
 def finished_report(cell: Cell) -> dict[str, Any] | None:
     """The report of a finished run with this cell's config, else None."""
-    from qnpu_jax.errors import QnpuError
-    from qnpu_jax.pipeline.config import load_config
 
     report = cell.run_dir / "report.json"
     saved = cell.run_dir / "config.yaml"
@@ -298,9 +317,6 @@ def run_cell(
     reference: Mapping[str, Any] | None = None,
 ) -> tuple[str, Any]:
     """("reused" | "ran", report) or ("error", message)."""
-    from qnpu_jax.errors import QnpuError
-    from qnpu_jax.pipeline.config import load_config
-    from qnpu_jax.pipeline.run import quantize
 
     saved = cell.run_dir / "config.yaml"
     try:
@@ -330,7 +346,6 @@ def run_cell(
 def grid_entry(cell: Cell, status: str, payload: Any, specs: Mapping[str, str]) -> dict[str, Any]:
     """The state of one cell: what the report's "grid" lists and the target checks read
     (perplexities and ratios keyed by evaluation name)."""
-    from qnpu_jax.pipeline.recipes import describe
 
     entry: dict[str, Any] = {
         "run_dir": str(cell.run_dir),
@@ -357,11 +372,6 @@ def float_cell(
     args: argparse.Namespace, specs: dict[str, str], command: str, model: Any = None
 ) -> dict[str, Any]:
     """Float perplexity on the same windows (cached in RUNS/float[-prefix-bos]/report.json)."""
-    from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
-    from qnpu_jax.errors import QnpuError
-    from qnpu_jax.models.quantized import sink_prefix
-    from qnpu_jax.pipeline.run import evaluate
-    from qnpu_jax.studies.harness import write_study_json
 
     protocol = {
         "model": args.model,
@@ -377,7 +387,6 @@ def float_cell(
             return {**cached, "status": "reused"}
         raise QnpuError(f"{path} was measured under another protocol: delete it")
     if model is None:
-        from qnpu_jax.models import load_model
 
         model = load_model(args.model)
     prefix = sink_prefix(args.prefix, model.tokenizer)
@@ -436,9 +445,6 @@ def score_tasks(
     Tasks already in the evals JSON are read back; the missing ones are scored if `compute`,
     and the JSON is rewritten after every task, so a killed invocation loses one task at most.
     """
-    from qnpu_jax.cli import finish_eval_report, scored_model, zero_shot_report
-    from qnpu_jax.errors import QnpuError
-    from qnpu_jax.report.table import load_eval, read_json
 
     path = evals_path(row_dir, args.limit, args.task_seed)
     names = task_order(args.tasks)
@@ -630,9 +636,6 @@ def compare_report(
     """The comparison as a `qnpu_jax.report.Report`: the finished cells' run directories and
     zero-shot files through `qnpu_jax.report.table` (the main table and the ablation's), the
     target checks and the grid's state as further sections."""
-    from qnpu_jax.report import Report, Section, assemble, table_sections
-    from qnpu_jax.report.table import build_rows, build_table, legend, rows_json
-    from qnpu_jax.studies.harness import provenance
 
     def evals(key: str) -> list[Path]:
         s = scores.get(key)
@@ -758,7 +761,6 @@ def _task_state(scores: TaskScores | None) -> dict[str, Any]:
 def add_protocol_args(parser: argparse.ArgumentParser, *, eval_windows: int, prefix: str) -> None:
     """The grid's protocol options (bits, data, sink prefix, seed) and stage 1's, shared by the
     studies that add rows to it."""
-    from qnpu_jax.pipeline.stage1 import Stage1Config
 
     s1 = Stage1Config()
     parser.add_argument("--kv-bits", type=int, default=8)
@@ -813,8 +815,6 @@ def add_task_args(parser: argparse.ArgumentParser) -> None:
 def check_tasks(args: argparse.Namespace) -> str | None:
     """Why the selected tasks cannot be scored (missing data), checked before any long run;
     None when they can."""
-    from qnpu_jax.errors import QnpuError
-    from qnpu_jax.eval.zeroshot import task_source
 
     if not args.tasks:
         return None
@@ -860,11 +860,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from qnpu_jax.environment import study_command
-    from qnpu_jax.errors import QnpuError
 
     command = study_command("compare_methods", argv)
-    from qnpu_jax.report import write_report
 
     start = time.perf_counter()
     try:
@@ -949,8 +946,6 @@ def checked_entry(
 ) -> dict[str, Any]:
     """`grid_entry`, with a finished run that `qnpu report` cannot read (a broken manifest,
     plan or report) turned into an error that names it."""
-    from qnpu_jax.errors import QnpuError
-    from qnpu_jax.report.table import load_run_row
 
     if status in FINISHED:
         try:

@@ -15,7 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from qnpu_jax.export.graph import KV_TENSORS, LINEAR_OUTPUTS, ROTATED_INPUTS, UNROTATED_INPUT
+from qnpu_jax.environment import study_command
+from qnpu_jax.ir.graph import KV_TENSORS, LINEAR_OUTPUTS, ROTATED_INPUTS, UNROTATED_INPUT
+from qnpu_jax.pipeline.run import evaluate, load_run, wiki_eval_windows
+from qnpu_jax.quant.plan import is_weight
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import run_summary, say, write_study_json
 
@@ -30,7 +33,6 @@ def _is_path(target: str) -> Callable[[str], bool]:
 
 def groups() -> dict[str, tuple[str, Callable[[str], bool]]]:
     """key -> (label, predicate on a plan path: True = this tensor goes back to float)."""
-    from qnpu_jax.quant.plan import is_weight
 
     return {
         "weights": (
@@ -75,11 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         "rotated linear input alone",
     )
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import study_command
 
     command = study_command("error_budget", argv)
 
-    from qnpu_jax.pipeline.run import evaluate, load_run, wiki_eval_windows
 
     say(f"reading and verifying the run {args.run}")
     run = load_run(args.run)

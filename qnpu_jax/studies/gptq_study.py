@@ -21,6 +21,16 @@ import dataclasses
 import time
 from typing import Any
 
+from qnpu_jax.argtypes import comma_choices
+from qnpu_jax.environment import study_command
+from qnpu_jax.pipeline.calibrate import reencode_weight
+from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
+from qnpu_jax.pipeline.weight_rounding import (
+    collect_hessians,
+    gptq_weight_codes,
+    rounded_weights,
+    weights_from_codes,
+)
 from qnpu_jax.quant.plan import is_weight
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.error_budget import without
@@ -30,7 +40,6 @@ GRIDS = ("learned", "mse", "max_min")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qnpu_jax.argtypes import comma_choices
 
     parser = study_parser(__name__, __doc__, run=True, eval_windows=32, json=True)
     parser.add_argument("--grids", type=comma_choices(GRIDS), default=GRIDS)
@@ -41,18 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         help="also both columns with every activation in float (the weight floor)",
     )
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import study_command
 
     command = study_command("gptq_study", argv)
 
-    from qnpu_jax.pipeline.calibrate import reencode_weight
-    from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
-    from qnpu_jax.pipeline.weight_rounding import (
-        collect_hessians,
-        gptq_weight_codes,
-        rounded_weights,
-        weights_from_codes,
-    )
 
     say(f"reading and verifying the run {args.run}")
     run = load_run(args.run)

@@ -9,12 +9,14 @@ from collections.abc import Mapping, Sized
 from pathlib import Path
 from typing import Any
 
+from qnpu_jax.environment import environment_info
+from qnpu_jax.files import write_json_atomic
+
 
 def provenance(command: str, started: float | None = None) -> dict[str, Any]:
     """The fields every study report ends with: `command` (re-runnable: `qnpu study NAME
     ARGS`), the `environment` it ran in, and the wall `seconds` since `started`
     (`time.perf_counter()`), when given."""
-    from qnpu_jax.environment import environment_info
 
     out: dict[str, Any] = {}
     if started is not None:
@@ -26,7 +28,6 @@ def write_study_json(
     path: Path | str, doc: Mapping[str, Any], *, command: str, started: float | None = None
 ) -> dict[str, Any]:
     """Write `doc` plus its provenance to `path` atomically; returns what was written."""
-    from qnpu_jax.files import write_json_atomic
 
     full = {**doc, **provenance(command, started)}
     write_json_atomic(Path(path), full)

@@ -37,10 +37,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.argtypes import comma_choices
-from qnpu_jax.export.graph import LINEARS, ROTATED_INPUTS
-from qnpu_jax.models.quantized import SINK_PREFIXES
+from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
+from qnpu_jax.environment import study_command
+from qnpu_jax.files import write_bytes_atomic
+from qnpu_jax.ir.graph import LINEARS, ROTATED_INPUTS
+from qnpu_jax.models.load import load_model
+from qnpu_jax.models.taps import SINK_PREFIXES, ObserveTaps, sink_prefix, tapped_forward
+from qnpu_jax.pipeline.calibrate import build_state
+from qnpu_jax.pipeline.recipes import run_keys
+from qnpu_jax.pipeline.run import evaluate
+from qnpu_jax.quant import init_range_stats, scale_from_stats, update_range_stats
+from qnpu_jax.quant.plan import QuantPlan, TensorQuant
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import write_study_json
+from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
 ACTIVATIONS = ROTATED_INPUTS  # the rotated linear inputs
 LINEAR_WEIGHTS = LINEARS
@@ -79,7 +89,6 @@ def cell_key(target: str, rotation: str, bits: int, init: str) -> str:
 def eval_plan(target: str, bits: int, num_layers: int) -> Any:
     """The tensors quantized in a cell. `init` is left at its default: the encodings are
     computed by this script, not by `calibrate`, so the plan's init field is not used."""
-    from qnpu_jax.quant.plan import QuantPlan, TensorQuant
 
     axis = 0 if target == "weights" else None
     entries = tuple(
@@ -90,7 +99,6 @@ def eval_plan(target: str, bits: int, num_layers: int) -> Any:
 
 @partial(jax.jit, static_argnames=("cfg", "taps", "prefix"))
 def _observe(params: Any, stats: Any, tokens: jax.Array, *, cfg: Any, taps: Any, prefix: Any):
-    from qnpu_jax.models.quantized import tapped_forward
 
     _, aux = tapped_forward(params, stats, tokens, cfg=cfg, taps=taps, prefix=prefix)
     return aux
@@ -100,8 +108,6 @@ def activation_stats(
     params: Any, cfg: Any, windows: np.ndarray, num_bins: int, prefix: tuple[int, ...]
 ) -> dict[str, Any]:
     """Host RangeStats (stacked over layers) of the activation targets over `windows`."""
-    from qnpu_jax.models.quantized import ObserveTaps
-    from qnpu_jax.quant import init_range_stats
 
     empty = init_range_stats((1,), num_bins=num_bins)
     stacked = jax.tree.map(lambda a: jnp.stack([a] * cfg.num_layers), empty)
@@ -114,7 +120,6 @@ def activation_stats(
 
 
 def _encode(stats: Any, init: str, spec: Any) -> tuple[np.ndarray, np.ndarray]:
-    from qnpu_jax.quant import scale_from_stats
 
     method, pct = INITS[init]
     kwargs = {} if pct is None else {"percentile": pct}
@@ -126,7 +131,6 @@ def activation_encodings(
     layer_stats: dict[str, Any], cells: list[tuple[int, str]], num_layers: int
 ) -> dict[tuple[int, str], dict[str, tuple[np.ndarray, np.ndarray]]]:
     """(bits, init) -> path -> (scale [L], zero_point [L]) of the activation targets."""
-    from qnpu_jax.quant.plan import TensorQuant
 
     out: dict[tuple[int, str], dict[str, Any]] = {c: {} for c in cells}
     for name, stats in layer_stats.items():
@@ -143,7 +147,6 @@ def activation_encodings(
 
 @jax.jit
 def _weight_stats(w: jax.Array) -> Any:
-    from qnpu_jax.quant import init_range_stats, update_range_stats
 
     empty = init_range_stats(w.shape, axis=0, num_bins=WEIGHT_NUM_BINS)
     return update_range_stats(empty, w, axis=0)
@@ -154,7 +157,6 @@ def weight_encodings(
 ) -> dict[tuple[int, str], dict[str, tuple[np.ndarray, np.ndarray]]]:
     """(bits, init) -> path -> per-output-channel (scale [L, out, 1], zero_point) of the
     linear weights, from per-layer statistics of each weight [out, in]."""
-    from qnpu_jax.quant.plan import TensorQuant
 
     out: dict[tuple[int, str], dict[str, Any]] = {c: {} for c in cells}
     for name in LINEAR_WEIGHTS:
@@ -307,18 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", default="reports/init_study.md")
     parser.add_argument("--fresh", action="store_true", help="ignore rows of an existing --json")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import study_command
 
     command = study_command("init_study", argv)
 
-    from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
-    from qnpu_jax.files import write_bytes_atomic
-    from qnpu_jax.models import load_model
-    from qnpu_jax.models.quantized import sink_prefix
-    from qnpu_jax.pipeline.calibrate import build_state
-    from qnpu_jax.pipeline.recipes import run_keys
-    from qnpu_jax.pipeline.run import evaluate
-    from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
     start = time.perf_counter()
     model = load_model(args.model)

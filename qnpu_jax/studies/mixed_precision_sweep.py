@@ -22,7 +22,7 @@ import numpy as np
 
 from qnpu_jax.environment import study_command
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import UNROTATED_INPUT as DOWN_IN
+from qnpu_jax.ir.graph import UNROTATED_INPUT as DOWN_IN
 from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.pipeline.mixed_precision import down_proj_sensitivity, mixed_layer_bits
 from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows

@@ -26,11 +26,20 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from qnpu_jax.export.graph import SIMULATIONS
+from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
+from qnpu_jax.environment import study_command
+from qnpu_jax.export.exporter import export_run
+from qnpu_jax.export.int_model import load_int_model
+from qnpu_jax.ir.graph import SIMULATIONS
+from qnpu_jax.models.taps import FakeQuantTaps, effective_state, tapped_forward
+from qnpu_jax.pipeline.run import load_run
+from qnpu_jax.quant.fake_quant import dequantize, positive_scale, quantize
+from qnpu_jax.runtime import emulator as E
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import say, write_study_json
+from qnpu_jax.studies.harness import run_summary, say, write_study_json
 
 # per tensor: [codes that differ, Σ (fake − device), max |fake − device|, codes compared]
 STAT_FIELDS = ("differ", "signed_sum", "max_abs", "count")
@@ -50,9 +59,7 @@ class ForcedTaps:
         return str(self.inner.simulation)
 
     def _wrap(self, prefix: str, tap: Any, state: dict[str, Any]) -> tuple[Any, Callable[[], Any]]:
-        import jax.numpy as jnp
 
-        from qnpu_jax.quant.fake_quant import dequantize, positive_scale, quantize
 
         trace, enc = state["trace"], state["enc"]
         stats: dict[str, Any] = {}
@@ -107,10 +114,7 @@ def window_stats(
     """{simulation: {tensor: [L or 1, 4] stats}} of one window [T] (see `STAT_FIELDS`): the
     fake-quant model (`params`, `plan`, `state`; its prefix on `prefix_params` where not
     `params`) forced onto `int_model`'s codes."""
-    import jax.numpy as jnp
 
-    from qnpu_jax.emulator import engine as E
-    from qnpu_jax.models.quantized import FakeQuantTaps, effective_state
 
     trace: dict[str, list[np.ndarray]] = {}
     E.run_chunk(int_model, window[None], E.new_cache(int_model, 1), trace)
@@ -147,7 +151,6 @@ def _forced_aux(
     prefix: Any,
 ) -> Any:
     """The forced forward's statistics; compiled once per simulation, not per window."""
-    from qnpu_jax.models.quantized import tapped_forward
 
     return tapped_forward(
         params, tap_state, tokens, cfg=cfg, taps=taps, prefix=prefix, prefix_params=prefix_params
@@ -172,12 +175,6 @@ def summarize(per_window: list[dict[str, np.ndarray]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
-    from qnpu_jax.environment import study_command
-    from qnpu_jax.export.exporter import export_run
-    from qnpu_jax.export.int_model import load_int_model
-    from qnpu_jax.pipeline.run import load_run
-    from qnpu_jax.studies.harness import run_summary
 
     parser = study_parser(__name__, __doc__, run=True, json=True)
     parser.add_argument("--artifact", type=Path, help="default: artifacts/<run name>")

@@ -65,8 +65,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qnpu_jax import cost
+from qnpu_jax.argtypes import comma_choices
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.files import write_bytes_atomic, write_json_atomic
+from qnpu_jax.memory_plan import model_architecture
+from qnpu_jax.models.load import load_model
+from qnpu_jax.pipeline import Calibration, QuantizedModel
+from qnpu_jax.pipeline.quantized_model import read_plan
+from qnpu_jax.pipeline.recipes import after_stage1, chain, outlier_steps
+from qnpu_jax.pipeline.run import calibration_data, evaluation_sets
+from qnpu_jax.quant.plan import QuantPlan
+from qnpu_jax.report.plots import _figure, _png
+from qnpu_jax.report.table import TASK_LABELS, average, pct, ppl_text, significance
+from qnpu_jax.scoring import scored_quantized
+from qnpu_jax.studies import compare_methods as cm
 from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.compare_methods import BITS, _task_state, add_protocol_args, add_task_args
+from qnpu_jax.studies.harness import write_study_json
 
 PROMPT, CHUNK, GENERATED = 512, 64, 128
 LATENCY_READING = "quantnpu-table3"  # the plot's x axis: the reading Table 12 supports
@@ -104,8 +120,6 @@ RECIPE_ROWS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from qnpu_jax.argtypes import comma_choices
-    from qnpu_jax.studies.compare_methods import BITS, add_protocol_args, add_task_args
 
     parser = study_parser(__name__, __doc__)
     parser.add_argument("--model", default="smollm2-135m")
@@ -151,7 +165,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def plan_cost(plan: Any, cfg: Any, devices: dict[str, Any]) -> dict[str, Any]:
     """A row's cost-model figures: counts of both phases, modelled seconds per reading."""
-    from qnpu_jax import cost
 
     out: dict[str, Any] = {}
     for phase in (cost.prefill(PROMPT, CHUNK), cost.decode(PROMPT, GENERATED)):
@@ -211,7 +224,6 @@ def post_recipe(config: Any, options: dict[str, Any]) -> Any:
     the run's config (a `QnpuError` when the config refuses them), then what they change
     after stage 1 (`recipes.after_stage1`): the outlier step alone on the calibrated model,
     or, when they promote down_proj outputs (a plan change), stage 2 again before it."""
-    from qnpu_jax.pipeline.recipes import after_stage1, chain, outlier_steps
 
     new = dataclasses.replace(config, **options)
     if new.down_out_mixed_precision != config.down_out_mixed_precision:
@@ -223,10 +235,6 @@ def _post_rows(
     run_dir: Path, config: Any, args: argparse.Namespace, loaded: Any, floats: dict[str, float]
 ) -> list[dict[str, Any]]:
     """The post-training rows on the finished run in `run_dir` (cached in RUNS/post/)."""
-    from qnpu_jax.files import write_json_atomic
-    from qnpu_jax.pipeline import Calibration, QuantizedModel
-    from qnpu_jax.pipeline.run import calibration_data, evaluation_sets
-    from qnpu_jax.studies import compare_methods as cm
 
     specs = cm.eval_specs(args)
     cache = Path(args.runs_dir) / "post"
@@ -295,9 +303,6 @@ def tasks_rows(rows: list[dict[str, Any]], which: str) -> list[dict[str, Any]]:
 
 def _post_scored(row: dict[str, Any], config: Any, loaded: Any) -> Any:
     """The post-training row's model rebuilt (its run, then its steps) as a `Scored`."""
-    from qnpu_jax.cli import scored_quantized
-    from qnpu_jax.pipeline import Calibration, QuantizedModel
-    from qnpu_jax.pipeline.run import calibration_data
 
     model = QuantizedModel.load(Path(row["base_dir"]), loaded)
     data = Calibration(*calibration_data(config, loaded.tokenizer))
@@ -317,7 +322,6 @@ def _post_scored(row: dict[str, Any], config: Any, loaded: Any) -> Any:
 def _task_cells(scores: Any) -> dict[str, Any]:
     """A row's zero-shot part of the JSON: status, file (as the compare grid's), per task
     score ± se and n."""
-    from qnpu_jax.studies.compare_methods import _task_state
 
     out = _task_state(scores)
     out["tasks"] = {
@@ -331,7 +335,6 @@ def _tasks_table(scored: list[tuple[str, Any]], names: list[str]) -> list[str]:
     """Markdown: one line per scored row (label, TaskScores), the first the float model's;
     ▼/▲ where a score (or LAMBADA's perplexity) differs from float's by more than two
     standard errors of the difference."""
-    from qnpu_jax.report.table import TASK_LABELS, average, pct, ppl_text, significance
 
     lambada = "lambada" in names
     head = [TASK_LABELS[t] for t in names] + ["Avg"] + (["LAMBADA ppl"] if lambada else [])
@@ -427,7 +430,6 @@ def pareto_front(rows: list[dict[str, Any]]) -> list[str]:
 def pareto_plot(rows: list[dict[str, Any]], floats: dict[str, float]) -> bytes:
     """Perplexity (wiki) against modelled prefill latency, one point per row, the Pareto
     front joined."""
-    from qnpu_jax.report.plots import _figure, _png
 
     fig = _figure(7.0, 4.5)
     ax = fig.add_subplot(1, 1, 1)
@@ -454,14 +456,6 @@ def pareto_plot(rows: list[dict[str, Any]], floats: dict[str, float]) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qnpu_jax import cost
-    from qnpu_jax.files import write_bytes_atomic
-    from qnpu_jax.memory_plan import model_architecture
-    from qnpu_jax.models import load_model
-    from qnpu_jax.pipeline.model import read_plan
-    from qnpu_jax.quant.plan import QuantPlan
-    from qnpu_jax.studies import compare_methods as cm
-    from qnpu_jax.studies.harness import write_study_json
 
     args = parse_args(argv)
     command = "qnpu study outliers " + " ".join(argv or sys.argv[1:])

@@ -29,9 +29,9 @@ import numpy as np
 from qnpu_jax.argtypes import positive_int
 from qnpu_jax.environment import study_command
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import LINEAR_INPUTS, LINEAR_IO, UNROTATED_INPUT
 from qnpu_jax.files import write_bytes_atomic
-from qnpu_jax.models.quantized import effective_state
+from qnpu_jax.ir.graph import LINEAR_INPUTS, LINEAR_IO, UNROTATED_INPUT
+from qnpu_jax.models.taps import effective_state
 from qnpu_jax.pipeline.calibrate import capture_activations
 from qnpu_jax.pipeline.run import calibration_data, load_run
 from qnpu_jax.pipeline.steps import STAGE1_TENSORS

@@ -26,8 +26,8 @@ import jax
 from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
 from qnpu_jax.environment import study_command
 from qnpu_jax.eval import perplexity
-from qnpu_jax.models import load_model
-from qnpu_jax.models.quantized import FakeQuantTaps, sink_prefix, tapped_token_nll
+from qnpu_jax.models.load import load_model
+from qnpu_jax.models.taps import FakeQuantTaps, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.quant import QuantPlan, default_plan, uniform_plan
 from qnpu_jax.studies import study_parser

@@ -28,7 +28,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qnpu_jax.export.graph import MLP_INPUT, UNROTATED_INPUT, UNROTATED_OUTPUT
+from qnpu_jax.environment import study_command
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.ir.graph import MLP_INPUT, UNROTATED_INPUT, UNROTATED_OUTPUT
+from qnpu_jax.pipeline.config import load_config
+from qnpu_jax.pipeline.quantized_model import nll_perplexity
+from qnpu_jax.pipeline.recipes import build_plan
+from qnpu_jax.pipeline.run import calibration_data, evaluation_sets, load_run
+from qnpu_jax.pipeline.steps import STAGE1_TENSORS, Calibration, calibrate, gptq, promote
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import say, write_study_json
 
@@ -55,16 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated eval sets, as the config's eval_data (default: wiki)",
     )
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import study_command
 
     command = study_command("restage2", argv)
 
-    from qnpu_jax.errors import QnpuError
-    from qnpu_jax.pipeline.config import load_config
-    from qnpu_jax.pipeline.model import nll_perplexity
-    from qnpu_jax.pipeline.recipes import build_plan
-    from qnpu_jax.pipeline.run import calibration_data, evaluation_sets, load_run
-    from qnpu_jax.pipeline.steps import STAGE1_TENSORS, Calibration, calibrate, gptq, promote
 
     try:
         say(f"reading and verifying the run {args.run}")

@@ -20,6 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from qnpu_jax.environment import study_command
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.pipeline.calibrate import calibrate
+from qnpu_jax.pipeline.recipes import config_stage1_plan as stage1_plan
+from qnpu_jax.pipeline.run import calibration_data, load_run
+from qnpu_jax.quant.state import get_entry
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import say, write_study_json
 
@@ -29,8 +35,6 @@ FLOOR = 1e-7
 
 def learnable_plan(plan: Any, config: Any) -> Any:
     """The sub-plan of the tensors stage 1 learned in a run with `config` (pure)."""
-    from qnpu_jax.errors import QnpuError
-    from qnpu_jax.pipeline.recipes import config_stage1_plan as stage1_plan
 
     entries = tuple((p, tq) for p, tq in stage1_plan(plan, config).entries if tq.learnable)
     if not entries:
@@ -39,7 +43,6 @@ def learnable_plan(plan: Any, config: Any) -> Any:
 
 
 def state_scale(state: Any, path: str) -> np.ndarray:
-    from qnpu_jax.quant.state import get_entry
 
     return np.asarray(get_entry(state, path).scale, np.float64)
 
@@ -72,13 +75,9 @@ def drift_rows(learned: Any, reference: Any, paths: list[str]) -> list[dict[str,
 def main(argv: list[str] | None = None) -> int:
     parser = study_parser(__name__, __doc__, run=True, json=True)
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import study_command
 
     command = study_command("scale_drift", argv)
 
-    from qnpu_jax.errors import QnpuError
-    from qnpu_jax.pipeline.calibrate import calibrate
-    from qnpu_jax.pipeline.run import calibration_data, load_run
 
     try:
         say(f"reading and verifying the run {args.run}")

@@ -14,6 +14,7 @@ reductions, so the differences are rounding, which stage 1 amplifies.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -22,16 +23,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from qnpu_jax.mesh import host_platform_flags
+from qnpu_jax.pipeline.calibrate import calibrate
+from qnpu_jax.pipeline.quantized_model import QuantizedModel, restore_learned
+from qnpu_jax.pipeline.recipes import config_stage1_plan, run_keys
+from qnpu_jax.pipeline.run import calibration_data, load_run
+from qnpu_jax.pipeline.stage1 import init_train_state, make_train_step, step_batch
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import write_study_json
 
 
 def flat_leaves(tree: Any) -> dict[str, np.ndarray]:
     """{"state/layers/q_proj/scale": array, ...} of a restored learned tree (pure)."""
-    import jax
 
     out: dict[str, np.ndarray] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -70,7 +76,6 @@ def run_on_mesh(
 ) -> dict[str, Any]:
     """`qnpu quantize --config CONFIG --mesh MESH` in a fresh process (with `devices` CPU
     platform devices; 0: the machine's own); its report."""
-    import json
 
     env = dict(os.environ)
     if devices:
@@ -93,13 +98,7 @@ def first_step_sensitivity(run_dir: Path, eps: float, seed: int = 0) -> dict[str
     once as it is and once with R1 + eps·N(0, 1): how far float noise of that size moves the
     cross-entropy and the gradient norm (the fake-quant loss is piecewise constant, so its
     rounding decisions turn tiny differences into finite ones)."""
-    import jax
 
-    from qnpu_jax.pipeline.calibrate import calibrate
-    from qnpu_jax.pipeline.model import QuantizedModel
-    from qnpu_jax.pipeline.recipes import config_stage1_plan, run_keys
-    from qnpu_jax.pipeline.run import calibration_data, load_run
-    from qnpu_jax.pipeline.stage1 import init_train_state, make_train_step, step_batch
 
     run = load_run(run_dir)
     model = QuantizedModel.load(run_dir / "resume", base=run.loaded)
@@ -148,7 +147,6 @@ def main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
 
-    from qnpu_jax.pipeline.model import restore_learned
 
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []

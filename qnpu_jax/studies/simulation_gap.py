@@ -44,15 +44,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.environment import study_command
 from qnpu_jax.eval import perplexity
 from qnpu_jax.export.exporter import export_run
-from qnpu_jax.export.graph import SIMULATIONS
-from qnpu_jax.export.int_model import load_int_model, open_engine
+from qnpu_jax.export.int_model import load_int_model
+from qnpu_jax.export.onnx_export import export_run_onnx
+from qnpu_jax.ir.graph import SIMULATIONS
+from qnpu_jax.models.taps import FakeQuantTaps, tapped_forward
 from qnpu_jax.pipeline.run import load_run
+from qnpu_jax.runtime.engines import open_engine
+from qnpu_jax.runtime.onnx_run import OnnxModel, aimet_quantsim
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import say, write_study_json
 
@@ -70,10 +76,7 @@ def _ppl(nll_fn: Any, windows: np.ndarray) -> dict[str, Any]:
 
 def _float_logit_gap(run: Any, onnx_dir: Path, window: np.ndarray) -> float:
     """max |logits_onnx − logits_jax| / max |logits_jax| of the float graphs on one window."""
-    import jax.numpy as jnp
 
-    from qnpu_jax.export.onnx_run import OnnxModel
-    from qnpu_jax.models.quantized import tapped_forward
 
     model = run.model
     ref, _ = tapped_forward(
@@ -87,10 +90,7 @@ def _float_logit_gap(run: Any, onnx_dir: Path, window: np.ndarray) -> float:
 
 def fake_quant_argmax(model: Any, windows: np.ndarray) -> np.ndarray:
     """The fake-quant model's greedy prediction [N, T-1] at each position of the windows."""
-    import jax
-    import jax.numpy as jnp
 
-    from qnpu_jax.models.quantized import FakeQuantTaps, tapped_forward
 
     params, taps = model.params(), FakeQuantTaps(model.require_plan())
     prefix_params = model.prefix_params()
@@ -205,8 +205,6 @@ def main(argv: list[str] | None = None) -> int:
         }
         tops: dict[str, list[np.ndarray]] = {}
         if args.onnx:
-            from qnpu_jax.export.onnx_export import export_run_onnx
-            from qnpu_jax.export.onnx_run import OnnxModel
 
             onnx_dir = args.exports / run.resolve().name
             if not (onnx_dir / "manifest.json").exists():
@@ -221,7 +219,6 @@ def main(argv: list[str] | None = None) -> int:
             qdq = OnnxModel(onnx_dir, qdq=True)
             scorers["onnxruntime_qdq"] = _recording_argmax(qdq, tops["onnxruntime_qdq"])
             if args.aimet:
-                from qnpu_jax.export.onnx_run import aimet_quantsim
 
                 sim, loaded = aimet_quantsim(onnx_dir)
                 entry["aimet_loaded"] = loaded

@@ -19,7 +19,15 @@ import re
 import time
 from typing import Any
 
-from qnpu_jax.export.graph import LINEAR_IO, SMOOTHED_LINEARS, UNROTATED_INPUT
+from qnpu_jax.environment import study_command
+from qnpu_jax.ir.graph import LINEAR_IO, SMOOTHED_LINEARS, UNROTATED_INPUT
+from qnpu_jax.models.load import load_model
+from qnpu_jax.models.taps import sink_prefix
+from qnpu_jax.pipeline.config import QuantizeConfig
+from qnpu_jax.pipeline.quantized_model import QuantizedModel
+from qnpu_jax.pipeline.recipes import for_config
+from qnpu_jax.pipeline.run import calibration_data, wiki_eval_windows
+from qnpu_jax.pipeline.steps import Calibration
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import write_study_json
 
@@ -56,17 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--calib-windows", type=int, default=16)
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import study_command
 
     command = study_command("smooth_study", argv)
 
-    from qnpu_jax.models import load_model
-    from qnpu_jax.models.quantized import sink_prefix
-    from qnpu_jax.pipeline.config import QuantizeConfig
-    from qnpu_jax.pipeline.model import QuantizedModel
-    from qnpu_jax.pipeline.recipes import for_config
-    from qnpu_jax.pipeline.run import calibration_data, wiki_eval_windows
-    from qnpu_jax.pipeline.steps import Calibration
 
     config = QuantizeConfig(
         model=args.model,

@@ -20,7 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qnpu_jax.export.graph import EMBED_TABLE, GRAPH, LM_HEAD
+from qnpu_jax.environment import study_command
+from qnpu_jax.errors import QnpuError
+from qnpu_jax.files import write_bytes_atomic
+from qnpu_jax.ir.graph import EMBED_TABLE, GRAPH, LM_HEAD
+from qnpu_jax.pipeline.calibrate import reencode_weight
+from qnpu_jax.pipeline.run import evaluate, load_run, wiki_eval_windows
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import run_summary, say, write_study_json
 
@@ -40,8 +45,6 @@ class Variant:
 
 def table_variants(plan: Any, state: Any, params: Any, cfg: Any) -> list[Variant]:
     """The run itself, then one change of the table tensors per variant (pure)."""
-    from qnpu_jax.errors import QnpuError
-    from qnpu_jax.pipeline.calibrate import reencode_weight
 
     missing = [p for p in TABLE_TENSORS if plan.get(p) is None]
     if missing:
@@ -110,13 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = study_parser(__name__, __doc__, run=True, eval_windows=32, json=True)
     parser.add_argument("--md", default="reports/table_cost.md")
     args = parser.parse_args(argv)
-    from qnpu_jax.environment import study_command
 
     command = study_command("table_cost", argv)
 
-    from qnpu_jax.errors import QnpuError
-    from qnpu_jax.files import write_bytes_atomic
-    from qnpu_jax.pipeline.run import evaluate, load_run, wiki_eval_windows
 
     try:
         say(f"reading and verifying the run {args.run}")

@@ -33,7 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qnpu_jax.files import write_bytes_atomic
+from qnpu_jax.pipeline.recipes import for_config
+from qnpu_jax.pipeline.stage1 import Stage1Config
+from qnpu_jax.studies import compare_methods as cm
 from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.compare_methods import add_protocol_args
+from qnpu_jax.studies.harness import write_study_json
 
 # (row, label, QuantizeConfig overrides); block fields filled from the arguments
 ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -87,7 +93,6 @@ QUANTNPU_ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
 def row_config(base: Any, over: dict[str, Any], args: argparse.Namespace) -> Any:
     """The QuantizeConfig of one row: RTN with all down_proj inputs at 16 bits (Table 1's
     setting), or Quant.npu's setting (b) for the Quant.npu row."""
-    from qnpu_jax.pipeline.stage1 import Stage1Config
 
     over = dict(over)
     block = over.pop("block", None)
@@ -128,10 +133,6 @@ def _table(rows: list[dict[str, Any]], floats: dict[str, float]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qnpu_jax.files import write_bytes_atomic
-    from qnpu_jax.pipeline.recipes import for_config
-    from qnpu_jax.studies import compare_methods as cm
-    from qnpu_jax.studies.harness import write_study_json
 
     args = parse_args(argv)
     command = "qnpu study weight_granularity " + " ".join(argv or sys.argv[1:])
@@ -174,7 +175,6 @@ def _weights_text(config: Any) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from qnpu_jax.studies.compare_methods import add_protocol_args
 
     parser = study_parser(__name__, __doc__)
     parser.add_argument("--model", default="smollm2-135m")

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import (
+from qnpu_jax.ir.graph import (
     GRAPH,
     LINEAR_BIAS,
     NORM_READERS,

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import (
+from qnpu_jax.ir.graph import (
     EMBED_TABLE,
     FINAL_NORM,
     LINEAR_BIAS,

@@ -19,7 +19,7 @@ from typing import Any
 
 from jax.typing import ArrayLike
 
-from qnpu_jax.export.graph import UNROTATED_INPUT
+from qnpu_jax.ir.graph import UNROTATED_INPUT
 from qnpu_jax.transforms.equalize import fold_pair
 
 Params = dict[str, Any]

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import check_generation_room
+from qnpu_jax.ir.graph import check_generation_room
 
 SELECTIONS = ("best", "vote", "beam")
 

@@ -34,16 +34,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 from flax import struct
 from jax.sharding import Mesh
 
 from qnpu_jax.errors import QnpuError, first_line
+from qnpu_jax.eval import perplexity
 from qnpu_jax.files import write_json_atomic
-from qnpu_jax.mesh import place_params
+from qnpu_jax.mesh import data_size, host_tree, is_primary, place_params, sync
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
-from qnpu_jax.models.load import WeightsIdentity
-from qnpu_jax.models.quantized import FakeQuantTaps, QuantState, tapped_token_nll
+from qnpu_jax.models.load import WeightsIdentity, load_model
+from qnpu_jax.models.taps import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline.weight_rounding import weights_from_codes
 from qnpu_jax.quant.plan import QuantPlan
 from qnpu_jax.quant.state import state_from_tree
@@ -137,7 +139,6 @@ class QuantizedModel(struct.PyTreeNode):
     def from_float(cls, loaded: Any, *, prefix: str | tuple[int, ...] = ()) -> QuantizedModel:
         """The float `loaded` model (a `LoadedModel`) before any step. `prefix`: the sink
         prefix, token ids or a name ("bos", "none") that `sink_prefix` resolves."""
-        from qnpu_jax.models.quantized import sink_prefix
 
         ids = sink_prefix(prefix, loaded.tokenizer) if isinstance(prefix, str) else prefix
         return cls(
@@ -235,7 +236,6 @@ class QuantizedModel(struct.PyTreeNode):
     def save(self, directory: Path) -> Path:
         """Write the model to `directory` (see the module docstring); model.json goes last.
         In a multi-host job every process calls it and the primary one writes."""
-        from qnpu_jax.mesh import is_primary, sync
 
         self.check_base_unchanged()  # before anything is written
         directory = Path(directory)
@@ -286,7 +286,6 @@ class QuantizedModel(struct.PyTreeNode):
         directory = Path(directory)
         meta = _read_model_json(directory / "model.json")
         if base is None:
-            from qnpu_jax.models import load_model
 
             base = load_model(meta["source"])
         if _config_json(base.config) != meta["config"]:
@@ -382,8 +381,6 @@ def nll_perplexity(
 ) -> dict[str, Any]:
     """{"ppl", "windows", "tokens"} of `nll` over `windows`, on `mesh` as many windows at a time
     as its data axis has devices (one without a mesh)."""
-    from qnpu_jax.eval import perplexity
-    from qnpu_jax.mesh import data_size
 
     result = perplexity(nll, windows, batch_size=data_size(mesh), progress=progress, mesh=mesh)
     return {"ppl": result.ppl, "windows": result.windows, "tokens": result.predicted_tokens}
@@ -407,9 +404,7 @@ def save_learned(
     temporary sibling and a rename; as host arrays, so a run made on a mesh loads on any
     device count. Every process of a multi-host
     job calls it (the arrays are gathered); the primary one writes."""
-    import orbax.checkpoint as ocp
 
-    from qnpu_jax.mesh import host_tree, is_primary, sync
 
     tree: dict[str, Any] = {} if state is None else {"state": state}
     if r1 is not None:
@@ -440,7 +435,6 @@ def save_learned(
 
 def restore_learned(directory: Path) -> dict[str, Any]:
     """The orbax tree in directory/learned, with orbax's failures as a QnpuError naming it."""
-    import orbax.checkpoint as ocp
 
     path = (Path(directory) / "learned").resolve()
     if not path.exists():

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from qnpu_jax.errors import QnpuError
+
 # /2: the activation columns follow the op order (/1 had silu_out before up_out)
 FORMAT_GRAPH = "qnpu-llama-int/2"
 # /3: /2 plus channel lists of linear inputs (shadow channels `graph.shadow`, MUXQ channels
@@ -401,7 +403,6 @@ def model_widths(model: dict[str, Any]) -> dict[str, int]:
 def channel_mask(lists: Any, width: int) -> np.ndarray:
     """bool [L, width]: True on each layer's listed channels (a plan's shadow or MUXQ lists,
     or an artifact's −1 padded rows: negative entries are skipped)."""
-    from qnpu_jax.errors import QnpuError
 
     mask = np.zeros((len(lists), width), bool)
     for layer, chans in enumerate(lists):
@@ -498,7 +499,6 @@ def expected_tensors(model: dict[str, Any], graph: dict[str, Any]) -> dict[str, 
 def check_room(filled: int, new: int, max_context: int) -> None:
     """Refuse `new` positions after `filled` ones past the artifact's maximum context, before
     any of them runs."""
-    from qnpu_jax.errors import QnpuError
 
     if filled + new > max_context:
         raise QnpuError(
@@ -517,7 +517,6 @@ def check_generation_room(
     """Greedy decoding of `max_new_tokens` after a `prompt` feeds all but the last new token
     back: refuse up front what the cache cannot hold, instead of stopping short. `context`
     names the limit in the message (the float model says "the model's context")."""
-    from qnpu_jax.errors import QnpuError
 
     if max_new_tokens < 1:
         raise QnpuError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

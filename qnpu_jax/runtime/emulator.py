@@ -5,7 +5,7 @@ requantization, LUT non-linearities, integer RMSNorm and softmax, an integer KV 
 fixed prefill chunk (the last chunk padded). No JAX: this is the independent reference the
 JAX integer forward is checked against, bit for bit.
 
-Matmuls run as float32 BLAS on integer values, split (`export.exact_dot.dot_plan`, from the
+Matmuls run as float32 BLAS on integer values, split (`ir.exact_dot.dot_plan`, from the
 operands' magnitudes at each call) so that every partial sum is an integer below 2^24: then
 any summation order is exact. Float64 or int64 take over where float32 cannot.
 """
@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.exact_dot import dot_plan, run_dot_plan
-from qnpu_jax.export.graph import (
+from qnpu_jax.export.int_model import IntModel
+from qnpu_jax.ir.exact_dot import dot_plan, run_dot_plan
+from qnpu_jax.ir.graph import (
     HEAD_NORM_MAX,
     LAYER_INPUT,
     LOGITS_RANGE,
@@ -27,13 +28,7 @@ from qnpu_jax.export.graph import (
     SCORES,
     check_room,
 )
-from qnpu_jax.export.int_model import (
-    IntegerEngine,
-    IntModel,
-    KVCache,
-    check_cache_batch,
-    check_tokens,
-)
+from qnpu_jax.runtime.interface import IntegerEngine, KVCache, check_cache_batch, check_tokens
 
 I64 = np.int64
 INT64_MAX = np.iinfo(np.int64).max

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError, some_of
+from qnpu_jax.export.artifact import read_artifact
+from qnpu_jax.export.int_model import stored_tokenizer
 from qnpu_jax.export.onnx_export import (
     DATA_FILES,
     EMBED_FILES,
@@ -170,7 +174,6 @@ class OnnxModel:
 
     def tokenizer(self) -> Any:
         """The tokenizer the export stores."""
-        from qnpu_jax.export.int_model import stored_tokenizer
 
         return stored_tokenizer(self.files, self.manifest.get("tokenizer", {}), self.path)
 
@@ -180,7 +183,6 @@ def _on_input_grid(rows: np.ndarray, encodings: bytes, name: str) -> np.ndarray:
     graph's QuantizeLinear and the fake-quant model round: the host quantizes the graph's
     input, as a device's host does (it feeds codes). Both the QDQ graph and a QuantSim then
     see values on the grid, whatever their rule for halves (AIMET rounds them up)."""
-    import json
 
     entries = encoding_entries(json.loads(encodings), "activation_encodings")
     if name not in entries:
@@ -194,7 +196,6 @@ def _on_input_grid(rows: np.ndarray, encodings: bytes, name: str) -> np.ndarray:
 def _read_export(path: Path) -> Any:
     """The verified export at `path`. When its encodings file fails verification (edited by
     hand), the refusal also names the entry that disagrees with the QDQ graph, if one does."""
-    from qnpu_jax.export.artifact import read_artifact
 
     try:
         return read_artifact(path)
@@ -265,7 +266,6 @@ def check_encodings(directory: Path, data: bytes, graph: bytes | None = None) ->
     """The export's AIMET encodings name only tensors of its float prefill graph (`graph`: its
     verified bytes; None: read from `directory`), each in its section (activations: node
     outputs; parameters: initializers); QnpuError otherwise."""
-    import json
 
     import onnx
 
@@ -315,7 +315,6 @@ def check_encodings_match_qdq(data: bytes, qdq_graph: bytes) -> None:
     has the bit-width, scale and offset of the tensor's QuantizeLinear, each weight entry the
     bit-width and scales of its DequantizeLinear, each cache output (present_*) its cache
     input's entry. QnpuError naming the first entry that differs (an edited file)."""
-    import json
 
     import onnx
     from onnx import helper, numpy_helper
@@ -418,8 +417,6 @@ def aimet_quantsim(
     so exactly the plan's tensors are quantized. Raises QnpuError when an entry does not end
     up on an enabled quantizer of its own with the file's bit-width.
     """
-    import json
-    import logging
 
     import onnx
 
@@ -436,7 +433,6 @@ def aimet_quantsim(
     sim = QuantizationSimModel(model, param_type="int8", activation_type="int16")
     enc_path = path / ENCODINGS_FILE
     if not enc_path.is_file():
-        from qnpu_jax.export.artifact import read_artifact
 
         why = read_artifact(path).manifest.get("onnx", {}).get("encodings", {}).get("why")
         raise QnpuError(f"{path} has no AIMET encodings for QuantSim to load: {why}")

@@ -12,7 +12,7 @@ Arithmetic is exact integer arithmetic in int64, which needs `jax.enable_x64(Tru
 `int_forward` refuses to trace without it; the convenience functions (`prefill`,
 `run_chunk`, `token_nll`, `generate`) scope it themselves and leave it off afterwards.
 Matmuls run as float32 dots of the integer values by default, split as
-`export.exact_dot.dot_plan` says for the artifact's ranges (each layer's own for the linears,
+`ir.exact_dot.dot_plan` says for the artifact's ranges (each layer's own for the linears,
 one `lax.switch` branch per distinct plan; the largest over layers for attention) so that
 every partial sum is an integer below 2^24 and any summation order is exact; `matmul="f64"`
 (sums below 2^53, checked) and `matmul="i64"` select one float64 or int64 dot instead.
@@ -35,23 +35,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.exact_dot import EXACT, DotPlan, dot_plan, run_dot_plan
-from qnpu_jax.export.graph import (
+from qnpu_jax.export.int_model import IntModel, centered_weights
+from qnpu_jax.ir.exact_dot import EXACT, DotPlan, dot_plan, run_dot_plan
+from qnpu_jax.ir.graph import (
     HEAD_NORM_MAX,
     LAYER_INPUT,
     LOGITS_RANGE,
     SCORES,
     check_room,
 )
-from qnpu_jax.export.int_model import (
-    IntegerEngine,
-    IntModel,
-    KVCache,
-    centered_weights,
-    check_cache_batch,
-    check_tokens,
-)
-from qnpu_jax.quant.integer import requantize_jax
+from qnpu_jax.quant.requantize import requantize_jax
+from qnpu_jax.runtime.interface import IntegerEngine, KVCache, check_cache_batch, check_tokens
 
 MATMULS = ("f32", "f64", "i64")
 LAYER_OPS = ("rmsnorm", "linear", "rope", "attention", "add", "lut", "mul")

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.export.graph import (
+from qnpu_jax.ir.graph import (
     ATTENTION_TENSORS,
     EMBED_TABLE,
     GRAPH,
@@ -70,7 +70,7 @@ class FakeQuantTaps:
     quantization error of eq. (3), ‖DQ(Q(x)) − x‖² / ‖x‖² with x held constant (only s, z
     move), as {"local_error": {name: scalar}} per layer.
     The plan's `simulation` "device": the forward computes what the integer contract computes
-    where float differs (`export.graph.SIMULATIONS`). Ties round to even in both: the device's
+    where float differs (`ir.graph.SIMULATIONS`). Ties round to even in both: the device's
     requantization rounds halves up, but most float32 ties are not ties in its exact integer
     arithmetic, and rounding them up biases the codes (`qnpu study op_gap`).
     """
