@@ -221,3 +221,20 @@ def test_each_random_source_takes_its_own_seed_else_the_runs():
     assert crossed == [data(run_keys(0))[0], data(run_keys(1))[1], data(run_keys(2))[2]]
     with pytest.raises(QnpuError, match="data_seed"):
         QuantizeConfig(data_seed=-1)
+
+
+def test_pyproject_lists_every_package_and_ships_the_top_level_configs():
+    """The wheel's package list is written out (configs/ is mapped in as qnpu_jax.configs): a
+    package added under qnpu_jax/ without being listed would be left out of `pip install .`."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {
+        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "qnpu_jax").rglob("__init__.py")
+    }
+    assert set(setuptools["packages"]) == on_disk | {"qnpu_jax.configs"}
+    assert setuptools["package-dir"] == {"qnpu_jax.configs": "configs"}
+    assert not (ROOT / "qnpu_jax" / "configs").exists()
+    from qnpu_jax.pipeline.config import shipped_configs
+
+    assert set(shipped_configs()) == {p.stem for p in (ROOT / "configs").glob("*.yaml")}

@@ -399,13 +399,13 @@ def _mesh_config(value: Any) -> MeshConfig:
     return MeshConfig(**value)
 
 
-SHIPPED_CONFIGS = "configs"  # package data of qnpu_jax: the configs named by --config NAME
+SHIPPED_CONFIGS = "qnpu_jax.configs"  # the top-level configs/, installed as this package
 _BITS = re.compile(r"w(\d+)a(\d+)(?:kv(\d+))?")
 
 
 def shipped_configs() -> dict[str, Any]:
     """{name: resource} of the configs shipped inside the package (name = file stem)."""
-    root = resources.files("qnpu_jax").joinpath(SHIPPED_CONFIGS)
+    root = resources.files(SHIPPED_CONFIGS)
     if not root.is_dir():
         return {}
     return {

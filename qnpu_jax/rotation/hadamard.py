@@ -31,14 +31,6 @@ _CONSTRUCTIONS = (
 )
 
 
-def _is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    if n % 2 == 0:
-        return n == 2
-    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
-
-
 def _prime_power(q: int) -> tuple[int, int] | None:
     """(p, m) with q = p^m and p prime, or None."""
     if q < 2:
