@@ -20,6 +20,7 @@ import jax
 from qnpu_jax import cost
 from qnpu_jax.argtypes import positive_int, use_help_formatter
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
+from qnpu_jax.data.locations import DATA_DIR_FLAG, data_dir_override
 from qnpu_jax.errors import QnpuError, StorageFullError
 from qnpu_jax.eval import TASKS, perplexity
 from qnpu_jax.eval.zeroshot import task_source
@@ -41,17 +42,18 @@ from qnpu_jax.memory_plan import (
     shipped_architectures,
     stage1_memory,
 )
-from qnpu_jax.mesh import initialize_distributed
+from qnpu_jax.mesh import MeshConfig, initialize_distributed, make_mesh
+from qnpu_jax.mesh import describe as describe_mesh
 from qnpu_jax.models.config import ModelConfig, RopeConfig
 from qnpu_jax.models.llama import generate
 from qnpu_jax.models.load import load_model
 from qnpu_jax.models.taps import SINK_PREFIXES, prefix_name
-from qnpu_jax.pipeline.config import load_config, parse_bits, shipped_configs
+from qnpu_jax.pipeline.config import load_config, parse_bits, read_run_config, shipped_configs
 from qnpu_jax.pipeline.config_doc import settings_summary, show_config
 from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits
-from qnpu_jax.pipeline.quantized_model import _read_model_json, read_plan
 from qnpu_jax.pipeline.recipes import build_plan, for_config
 from qnpu_jax.pipeline.run import quantize
+from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.quant.plan import is_weight
 from qnpu_jax.report import build_report, write_report
 from qnpu_jax.runtime.decode import (
@@ -75,314 +77,26 @@ def build_parser() -> argparse.ArgumentParser:
         prog="qnpu", description="Static integer-only quantization of small LLMs for mobile NPUs."
     )
     parser.add_argument("--version", action="version", version=f"qnpu {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    ev = sub.add_parser("eval", help="perplexity of a model on a text corpus")
-    source = ev.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="smollm2-135m, a .gguf file, an HF dir or org/name")
-    source.add_argument("--run", type=Path, help="a `qnpu quantize` run: its fake-quant model")
-    source.add_argument("--artifact", type=Path, help="an integer artifact (`qnpu export`)")
-    source.add_argument(
-        "--onnx", type=Path, help="an ONNX export (`qnpu export --format onnx`), in onnxruntime"
-    )
-    ev.add_argument(
-        "--engine",
-        choices=ENGINES,
-        default="emulator",
-        help="with --artifact: the numpy NPU emulator or the JAX integer forward",
-    )
-    ev.add_argument(
-        "--qdq", action="store_true", help="with --onnx: the QDQ graphs (default: float)"
-    )
-    ev.add_argument(
-        "--data",
-        help="perplexity text: wiki | wikitext2 | wikitext:PATH | hf:NAME[:CONFIG]:SPLIT | a file "
-        "(with --run: the run's first eval_data)",
-    )
-    ev.add_argument(
-        "--tasks",
-        default="ppl",
-        help="comma list of ppl (perplexity on --data) and zero-shot tasks: piqa, hellaswag, "
-        "arc_easy, arc_challenge, winogrande, lambada",
-    )
-    ev.add_argument(
-        "--task-data",
+    parser.add_argument(
+        DATA_DIR_FLAG,
         metavar="DIR|hf",
         default=None,
-        help="zero-shot task data: a directory (README 'Data' gives its layout), or hf for "
-        "the Hugging Face `datasets` cache (default: $QNPU_DATA_DIR)",
+        help="where the `wikitext2` data and the zero-shot task data are read from: a directory "
+        "(docs/cli.md 'Data' gives its layout), or hf for the Hugging Face `datasets` cache "
+        "(default: $QNPU_DATA_DIR; `qnpu eval --task-data` still wins for the tasks)",
     )
-    ev.add_argument(
-        "--limit",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="zero-shot: a seeded subset of N items per task (default: every item)",
-    )
-    ev.add_argument("--seed", type=int, default=0, help="zero-shot subset seed")
-    ev.add_argument("--split", default=None, help="wiki split: calib, eval (default) or all")
-    ev.add_argument(
-        "--seq-len",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="perplexity window length in tokens: the text is cut into non-overlapping windows "
-        "of N tokens (with --run: the run's seq_len)",
-    )
-    ev.add_argument(
-        "--max-windows",
-        type=positive_int,
-        default=None,
-        metavar="K",
-        help="perplexity on the first K windows only (default: every window)",
-    )
-    ev.add_argument(
-        "--batch-size", type=positive_int, default=None, help="default: 1 (ppl), 8 (tasks)"
-    )
-    ev.add_argument("--json", type=Path, default=None, help="write the report here")
-    ev.add_argument("--no-progress", action="store_true", help="no progress bars")
-    ev.add_argument(
-        "--prefix",
-        choices=SINK_PREFIXES,
-        default=None,
-        help="sink prefix before every window (default: none; a run's own prefix with --run)",
-    )
-
-    qz = sub.add_parser(
-        "quantize",
-        help="quantize a model into a run dir (a config by name or file, or --method/--bits)",
-    )
-    qz.add_argument(
-        "--config", default=None, help="a shipped config NAME (`qnpu configs`) or a YAML file"
-    )
-    qz.add_argument("--model", default=None, help="overrides the config's model")
-    qz.add_argument(
-        "--method",
-        default=None,
-        help="rtn, quarot, spinquant, quantnpu or mobilequant (overrides the config's)",
-    )
-    qz.add_argument("--bits", default=None, help="w4a8, w8a8, w4a4kv8, ... (overrides)")
-    qz.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one config key (YAML value; stage1.KEY for stage 1), repeatable",
-    )
-    qz.add_argument(
-        "--mesh",
-        default=None,
-        metavar="DATAxFSDP",
-        help="device mesh, e.g. 1x8 or 2x4 (overrides the config's; default auto: all on fsdp)",
-    )
-    qz.add_argument(
-        "--distributed",
-        action="store_true",
-        help="join a multi-host job first (jax.distributed.initialize; or QNPU_DISTRIBUTED=1)",
-    )
-    qz.add_argument("--out", required=True, type=Path, help="the run directory")
-    qz.add_argument("--resume", action="store_true", help="continue the run in --out")
-    qz.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-    ex = sub.add_parser(
-        "export", help="export a run to an integer artifact, ONNX graphs or AIMET encodings"
-    )
-    ex.add_argument("--run", required=True, type=Path, help="a finished `qnpu quantize` run")
-    ex.add_argument("--out", required=True, type=Path, help="the artifact directory")
-    ex.add_argument(
-        "--format",
-        choices=("qnpu", "onnx", "aimet"),
-        default="qnpu",
-        help="qnpu: the integer artifact; onnx: float + QDQ ONNX graphs with AIMET encodings "
-        "(docs/deploy.md); aimet: the encodings alone",
-    )
-    ex.add_argument(
-        "--aimet-version", choices=("1.0.0", "0.6.1"), default="1.0.0", help="AIMET schema"
-    )
-    ex.add_argument(
-        "--max-context", type=positive_int, default=None, help="positions (default 2048+prefix)"
-    )
-    ex.add_argument(
-        "--prefill-chunk", type=positive_int, default=64, help="tokens per prefill step (graph)"
-    )
-    ex.add_argument("--no-progress", action="store_true", help="no phase lines on stderr")
-
-    em = sub.add_parser(
-        "emulate",
-        help="generation with an integer artifact: greedy, or N parallel samples and a selection",
-    )
-    em.add_argument(
-        "--artifact", required=True, type=Path, help="an integer artifact (`qnpu export`)"
-    )
-    em.add_argument("--prompt", required=True, help="the text to continue")
-    em.add_argument(
-        "--max-new-tokens", type=positive_int, default=32, help="tokens generated at most"
-    )
-    em.add_argument(
-        "--engine",
-        choices=ENGINES,
-        default="emulator",
-        help="the numpy NPU emulator or the JAX integer forward (bit for bit alike)",
-    )
-    em.add_argument(
-        "--samples", type=positive_int, default=1, help="N samples decoded as one batch"
-    )
-    em.add_argument(
-        "--select",
-        choices=SELECTIONS,
-        default="best",
-        help="best: highest likelihood; vote: most frequent continuation; beam: beam search "
-        "of width N",
-    )
-    em.add_argument(
-        "--temperature",
-        type=float,
-        default=None,
-        help="default 0 (greedy) for one sample, 1 for several; beam search ignores it",
-    )
-    em.add_argument(
-        "--top-p",
-        type=float,
-        default=1.0,
-        help="nucleus sampling: the smallest set of tokens whose probability reaches P",
-    )
-    em.add_argument("--seed", type=int, default=0, help="sample i draws from (seed, i)")
-
-    sub.add_parser("configs", help="list the shipped configs (`qnpu quantize --config NAME`)")
-
-    cf = sub.add_parser("config", help="show a config resolved: every key, its value, its meaning")
-    cf_sub = cf.add_subparsers(dest="config_command", required=True)
-    show = cf_sub.add_parser(
-        "show",
-        help="print a config as `qnpu quantize` would run it: every key with its meaning "
-        "(docs/config.md), as YAML that --config reads back",
-    )
-    show.add_argument(
-        "config",
-        nargs="?",
-        default=None,
-        help="a shipped config NAME (`qnpu configs`) or a YAML file (default: the defaults)",
-    )
-    show.add_argument("--model", default=None, help="overrides the config's model")
-    show.add_argument("--method", default=None, help="overrides the config's method")
-    show.add_argument("--bits", default=None, help="w4a8, w8a8, w4a4kv8, ... (overrides)")
-    show.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one config key (as `qnpu quantize --set`), repeatable",
-    )
-
-    st = sub.add_parser(
-        "study",
-        help="run a study (the measurements of docs/results.md); without NAME, list them",
-        description="Run a study (the measurements of docs/results.md), or list them.",
-        add_help=False,
-    )
-    st.add_argument(
-        "-h", "--help", dest="study_help", action="store_true", help="this help and the studies"
-    )
-    st.add_argument("name", nargs="?", help="the study; `qnpu study NAME --help` for its options")
-    st.add_argument("study_args", nargs=argparse.REMAINDER, help="the study's own arguments")
-    st.set_defaults(study_usage=st.format_help)
-
-    rp = sub.add_parser(
-        "report", help="results table (paper Table 1 shape) and plots from runs and evals"
-    )
-    rp.add_argument(
-        "--runs", required=True, nargs="+", type=Path, help="finished `qnpu quantize` runs"
-    )
-    rp.add_argument(
-        "--evals",
-        nargs="+",
-        type=Path,
-        default=[],
-        help="`qnpu eval --json` files: the float model (--model), runs, artifacts",
-    )
-    rp.add_argument(
-        "--sweep", type=Path, default=None, help="JSON of `qnpu study mixed_precision_sweep`"
-    )
-    rp.add_argument(
-        "--out",
-        required=True,
-        type=Path,
-        help="reports/NAME: writes NAME.md, NAME.html, NAME.json and NAME/*.png",
-    )
-
-    pm = sub.add_parser(
-        "plan-memory",
-        help="stage 1's memory per device for model configs on meshes (XLA's analysis, no weights)",
-    )
-    pm.add_argument(
-        "--model",
-        nargs="+",
-        default=None,
-        help="shipped architectures (--list), config.json files or HF directories",
-    )
-    pm.add_argument("--list", action="store_true", help="list the shipped architectures")
-    pm.add_argument(
-        "--devices",
-        nargs="+",
-        type=positive_int,
-        default=[1],
-        help="device counts, each an automatic (1, n) mesh; on a CPU host, n platform devices",
-    )
-    pm.add_argument(
-        "--base-dtype", nargs="+", default=["float32"], help="frozen base: float32, bfloat16"
-    )
-    pm.add_argument(
-        "--compute-dtype",
-        nargs="+",
-        default=["float32"],
-        help="the linears' matmul operands in stage 1: float32, bfloat16",
-    )
-    pm.add_argument(
-        "--seq-len", type=positive_int, default=2048, help="stage 1's window length in tokens"
-    )
-    pm.add_argument(
-        "--batch-size", type=positive_int, default=2, help="stage 1's windows per micro-batch"
-    )
-    pm.add_argument(
-        "--grad-accum", type=positive_int, default=2, help="micro-batches per stage-1 step"
-    )
-    pm.add_argument("--no-remat", action="store_true", help="keep every layer's activations")
-    pm.add_argument("--budget-gib", type=float, default=80.0, help="a device's memory")
-    pm.add_argument("--json", type=Path, default=None, help="write the report here")
-
-    co = sub.add_parser(
-        "cost",
-        help="a plan's MACs by precision pair, bytes, LUT lookups and modelled NPU latency",
-    )
-    co_src = co.add_mutually_exclusive_group()
-    co_src.add_argument(
-        "--config", default=None, help="a shipped config NAME or a YAML file (default: defaults)"
-    )
-    co_src.add_argument("--run", type=Path, default=None, help="a finished run's plan instead")
-    co.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one config key, repeatable",
-    )
-    co.add_argument("--model", default=None, help="shipped architecture or config.json (overrides)")
-    co.add_argument("--prefill", type=positive_int, default=512, help="prompt tokens")
-    co.add_argument("--chunk", type=positive_int, default=64, help="prefill chunk (the artifact's)")
-    co.add_argument("--decode", type=positive_int, default=128, help="generated tokens")
-    co.add_argument("--json", type=Path, default=None, help="write the report here")
-
-    gen = sub.add_parser("generate", help="greedy continuation of a prompt")
-    gen.add_argument(
-        "--model", required=True, help="smollm2-135m, a .gguf file, an HF dir or org/name"
-    )
-    gen.add_argument("--prompt", required=True, help="the text to continue")
-    gen.add_argument(
-        "--max-new-tokens", type=positive_int, default=32, help="tokens generated at most"
-    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_eval_parser(sub)
+    add_quantize_parser(sub)
+    add_export_parser(sub)
+    add_emulate_parser(sub)
+    add_configs_parser(sub)
+    add_config_parser(sub)
+    add_study_parser(sub)
+    add_report_parser(sub)
+    add_plan_memory_parser(sub)
+    add_cost_parser(sub)
+    add_generate_parser(sub)
     return use_help_formatter(parser)
 
 
@@ -437,6 +151,119 @@ def _scored_onnx(args: argparse.Namespace) -> Scored:
     )
 
 
+def _perplexity_report(
+    args: argparse.Namespace, scored: Scored, docs: list[str], split: str | None
+) -> dict[str, Any]:
+    """`qnpu eval`'s task ppl: `docs` in windows of --seq-len tokens scored by `scored`, the
+    result printed; its entries of the report."""
+    if args.seq_len > scored.max_length:
+        raise QnpuError(
+            f"--seq-len {args.seq_len} exceeds the model's context "
+            f"({scored.max_length} positions after the sink prefix)"
+        )
+    ids = tokenize_documents(docs, scored.tokenizer)
+    windows = eval_windows(ids, args.seq_len, args.max_windows)
+    print(
+        f"{scored.label} on {args.data}{f' ({split})' if split else ''}: {len(docs)} "
+        f"documents, {len(ids)} tokens, {len(windows)} windows of {args.seq_len}",
+        file=sys.stderr,
+    )
+    result = perplexity(
+        scored.nll_fn, windows, batch_size=args.batch_size or 1, progress=not args.no_progress
+    )
+    entries: dict[str, Any] = {
+        "data": args.data,
+        "split": split,
+        "seq_len": args.seq_len,
+        "windows": result.windows,
+        "max_windows": args.max_windows,
+        "batch_size": args.batch_size or 1,
+        "text_tokens": len(ids),
+        "tokens": result.predicted_tokens,
+        "nll_mean": result.nll_sum / result.predicted_tokens,
+        "ppl": result.ppl,
+        "seconds": result.seconds,
+    }
+    print(
+        f"ppl {result.ppl:.4f} over {result.predicted_tokens} predicted tokens "
+        f"({result.seconds:.1f} s)"
+    )
+    return entries
+
+
+def add_eval_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    ev = sub.add_parser("eval", help="perplexity of a model on a text corpus")
+    source = ev.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="smollm2-135m, a .gguf file, an HF dir or org/name")
+    source.add_argument("--run", type=Path, help="a `qnpu quantize` run: its fake-quant model")
+    source.add_argument("--artifact", type=Path, help="an integer artifact (`qnpu export`)")
+    source.add_argument(
+        "--onnx", type=Path, help="an ONNX export (`qnpu export --format onnx`), in onnxruntime"
+    )
+    ev.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="emulator",
+        help="with --artifact: the numpy NPU emulator or the JAX integer forward",
+    )
+    ev.add_argument(
+        "--qdq", action="store_true", help="with --onnx: the QDQ graphs (default: float)"
+    )
+    ev.add_argument(
+        "--data",
+        help="perplexity text: wiki | wikitext2 | wikitext:PATH | hf:NAME[:CONFIG]:SPLIT | a file "
+        "(with --run: the run's first eval_data)",
+    )
+    ev.add_argument(
+        "--tasks",
+        default="ppl",
+        help="comma list of ppl (perplexity on --data) and zero-shot tasks: piqa, hellaswag, "
+        "arc_easy, arc_challenge, winogrande, lambada",
+    )
+    ev.add_argument(
+        "--task-data",
+        metavar="DIR|hf",
+        default=None,
+        help="zero-shot task data: a directory (docs/cli.md 'Data' gives its layout), or hf for "
+        "the Hugging Face `datasets` cache (default: $QNPU_DATA_DIR)",
+    )
+    ev.add_argument(
+        "--limit",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="zero-shot: a seeded subset of N items per task (default: every item)",
+    )
+    ev.add_argument("--seed", type=int, default=0, help="zero-shot subset seed")
+    ev.add_argument("--split", default=None, help="wiki split: calib, eval (default) or all")
+    ev.add_argument(
+        "--seq-len",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="perplexity window length in tokens: the text is cut into non-overlapping windows "
+        "of N tokens (with --run: the run's seq_len)",
+    )
+    ev.add_argument(
+        "--max-windows",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="perplexity on the first K windows only (default: every window)",
+    )
+    ev.add_argument(
+        "--batch-size", type=positive_int, default=None, help="default: 1 (ppl), 8 (tasks)"
+    )
+    ev.add_argument("--json", type=Path, default=None, help="write the report here")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ev.add_argument(
+        "--prefix",
+        choices=SINK_PREFIXES,
+        default=None,
+        help="sink prefix before every window (default: none; a run's own prefix with --run)",
+    )
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -450,8 +277,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     check_seed(args.seed, "--seed")
     if want_ppl and args.run is not None and (args.data is None or args.seq_len is None):
         run_config = _run_config(args.run)  # the run's own evaluation text and window length
-        args.data = args.data or run_config.eval_data[0]
-        args.seq_len = args.seq_len or run_config.seq_len
+        args.data = args.data or run_config.eval.data[0]
+        args.seq_len = args.seq_len or run_config.data.seq_len
         print(f"--data {args.data} --seq-len {args.seq_len} (the run's)", file=sys.stderr)
     if want_ppl and (args.data is None or args.seq_len is None):
         raise QnpuError("perplexity (task ppl) needs --data and --seq-len")
@@ -476,38 +303,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         scored = _scored_model(args)
     report: dict[str, Any] = dict(scored.report)
     if want_ppl:
-        if args.seq_len > scored.max_length:
-            raise QnpuError(
-                f"--seq-len {args.seq_len} exceeds the model's context "
-                f"({scored.max_length} positions after the sink prefix)"
-            )
-        ids = tokenize_documents(docs, scored.tokenizer)
-        windows = eval_windows(ids, args.seq_len, args.max_windows)
-        print(
-            f"{scored.label} on {args.data}{f' ({split})' if split else ''}: {len(docs)} "
-            f"documents, {len(ids)} tokens, {len(windows)} windows of {args.seq_len}",
-            file=sys.stderr,
-        )
-        result = perplexity(
-            scored.nll_fn, windows, batch_size=args.batch_size or 1, progress=not args.no_progress
-        )
-        report |= {
-            "data": args.data,
-            "split": split,
-            "seq_len": args.seq_len,
-            "windows": result.windows,
-            "max_windows": args.max_windows,
-            "batch_size": args.batch_size or 1,
-            "text_tokens": len(ids),
-            "tokens": result.predicted_tokens,
-            "nll_mean": result.nll_sum / result.predicted_tokens,
-            "ppl": result.ppl,
-            "seconds": result.seconds,
-        }
-        print(
-            f"ppl {result.ppl:.4f} over {result.predicted_tokens} predicted tokens "
-            f"({result.seconds:.1f} s)"
-        )
+        report |= _perplexity_report(args, scored, docs, split)
     if zero_shot:
         report |= zero_shot_report(
             scored,
@@ -527,9 +323,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _run_config(run: Path) -> Any:
     """The config of the run in `run` (its config.yaml), read without loading the run."""
 
-    if not (Path(run) / "config.yaml").is_file():
-        raise QnpuError(f"{run} is not a finished run: config.yaml is missing")
-    return load_config(Path(run) / "config.yaml")
+    return read_run_config(RunDir(run))
 
 
 def quantize_config(args: argparse.Namespace) -> Any:
@@ -573,6 +367,45 @@ def announcer(started: float) -> Callable[[str], None]:
     return announce
 
 
+def add_quantize_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    qz = sub.add_parser(
+        "quantize",
+        help="quantize a model into a run dir (a config by name or file, or --method/--bits)",
+    )
+    qz.add_argument(
+        "--config", default=None, help="a shipped config NAME (`qnpu configs`) or a YAML file"
+    )
+    qz.add_argument("--model", default=None, help="overrides the config's model")
+    qz.add_argument(
+        "--method",
+        default=None,
+        help="rtn, quarot, spinquant, quantnpu or mobilequant (overrides the config's)",
+    )
+    qz.add_argument("--bits", default=None, help="w4a8, w8a8, w4a4kv8, ... (overrides)")
+    qz.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key (YAML value; stage1.KEY for stage 1), repeatable",
+    )
+    qz.add_argument(
+        "--mesh",
+        default=None,
+        metavar="DATAxFSDP",
+        help="device mesh, e.g. 1x8 or 2x4 (overrides the config's; default auto: all on fsdp)",
+    )
+    qz.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a multi-host job first (jax.distributed.initialize; or QNPU_DISTRIBUTED=1)",
+    )
+    qz.add_argument("--out", required=True, type=Path, help="the run directory")
+    qz.add_argument("--resume", action="store_true", help="continue the run in --out")
+    qz.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
 
     initialize_distributed(True if args.distributed else None)
@@ -597,6 +430,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         )
     print(f"run written to {args.out}")
     return 0
+
+
+def add_configs_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    sub.add_parser("configs", help="list the shipped configs (`qnpu quantize --config NAME`)")
 
 
 def cmd_configs(args: argparse.Namespace) -> int:
@@ -625,11 +462,53 @@ def config_about(text: str) -> str:
     return joined[: end.end()] if end else joined
 
 
+def add_config_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    cf = sub.add_parser("config", help="show a config resolved: every key, its value, its meaning")
+    cf_sub = cf.add_subparsers(dest="config_command", required=True)
+    show = cf_sub.add_parser(
+        "show",
+        help="print a config as `qnpu quantize` would run it: every key with its meaning "
+        "(docs/config.md), as YAML that --config reads back",
+    )
+    show.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="a shipped config NAME (`qnpu configs`) or a YAML file (default: the defaults)",
+    )
+    show.add_argument("--model", default=None, help="overrides the config's model")
+    show.add_argument("--method", default=None, help="overrides the config's method")
+    show.add_argument("--bits", default=None, help="w4a8, w8a8, w4a4kv8, ... (overrides)")
+    show.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key (as `qnpu quantize --set`), repeatable",
+    )
+
+
 def cmd_config(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides, config_updates(args))
     print(show_config(config, config_source(args)), end="")
     return 0
+
+
+def add_study_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    st = sub.add_parser(
+        "study",
+        help="run a study (the measurements of docs/results.md); without NAME, list them",
+        description="Run a study (the measurements of docs/results.md), or list them.",
+        add_help=False,
+    )
+    st.add_argument(
+        "-h", "--help", dest="study_help", action="store_true", help="this help and the studies"
+    )
+    st.add_argument("name", nargs="?", help="the study; `qnpu study NAME --help` for its options")
+    st.add_argument("study_args", nargs=argparse.REMAINDER, help="the study's own arguments")
+    st.set_defaults(study_usage=st.format_help)
 
 
 def cmd_study(args: argparse.Namespace) -> int:
@@ -642,6 +521,31 @@ def cmd_study(args: argparse.Namespace) -> int:
             print(f"{'  ' if args.study_help else ''}{name:24s} {describe(name)}")
         return 0
     return run_study(args.name, args.study_args)
+
+
+def add_report_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    rp = sub.add_parser(
+        "report", help="results table (paper Table 1 shape) and plots from runs and evals"
+    )
+    rp.add_argument(
+        "--runs", required=True, nargs="+", type=Path, help="finished `qnpu quantize` runs"
+    )
+    rp.add_argument(
+        "--evals",
+        nargs="+",
+        type=Path,
+        default=[],
+        help="`qnpu eval --json` files: the float model (--model), runs, artifacts",
+    )
+    rp.add_argument(
+        "--sweep", type=Path, default=None, help="JSON of `qnpu study mixed_precision_sweep`"
+    )
+    rp.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="reports/NAME: writes NAME.md, NAME.html, NAME.json and NAME/*.png",
+    )
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -677,6 +581,17 @@ def utf8_argument(text: str, flag: str) -> str:
     return text
 
 
+def add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    gen = sub.add_parser("generate", help="greedy continuation of a prompt")
+    gen.add_argument(
+        "--model", required=True, help="smollm2-135m, a .gguf file, an HF dir or org/name"
+    )
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument(
+        "--max-new-tokens", type=positive_int, default=32, help="tokens generated at most"
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
 
     utf8_argument(args.prompt, "--prompt")
@@ -695,9 +610,49 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plan_memory(args: argparse.Namespace) -> int:
+def add_plan_memory_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    pm = sub.add_parser(
+        "plan-memory",
+        help="stage 1's memory per device for model configs on meshes (XLA's analysis, no weights)",
+    )
+    pm.add_argument(
+        "--model",
+        nargs="+",
+        default=None,
+        help="shipped architectures (--list), config.json files or HF directories",
+    )
+    pm.add_argument("--list", action="store_true", help="list the shipped architectures")
+    pm.add_argument(
+        "--devices",
+        nargs="+",
+        type=positive_int,
+        default=[1],
+        help="device counts, each an automatic (1, n) mesh; on a CPU host, n platform devices",
+    )
+    pm.add_argument(
+        "--base-dtype", nargs="+", default=["float32"], help="frozen base: float32, bfloat16"
+    )
+    pm.add_argument(
+        "--compute-dtype",
+        nargs="+",
+        default=["float32"],
+        help="the linears' matmul operands in stage 1: float32, bfloat16",
+    )
+    pm.add_argument(
+        "--seq-len", type=positive_int, default=2048, help="stage 1's window length in tokens"
+    )
+    pm.add_argument(
+        "--batch-size", type=positive_int, default=2, help="stage 1's windows per micro-batch"
+    )
+    pm.add_argument(
+        "--grad-accum", type=positive_int, default=2, help="micro-batches per stage-1 step"
+    )
+    pm.add_argument("--no-remat", action="store_true", help="keep every layer's activations")
+    pm.add_argument("--budget-gib", type=float, default=80.0, help="a device's memory")
+    pm.add_argument("--json", type=Path, default=None, help="write the report here")
 
-    from qnpu_jax.mesh import MeshConfig, describe, make_mesh
+
+def cmd_plan_memory(args: argparse.Namespace) -> int:
 
     if args.list:
         print("\n".join(sorted(shipped_architectures())))
@@ -745,7 +700,7 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
                 mesh = make_mesh(MeshConfig(data=1, fsdp=n), devices)
                 row = {
                     "model": spec,
-                    "mesh": describe(mesh),
+                    "mesh": describe_mesh(mesh),
                     **dataclasses.asdict(setting),
                     **stage1_memory(cfg, mesh, setting),
                 }
@@ -760,7 +715,6 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
                     f"{'' if row['fits_budget'] else f'  (over {args.budget_gib:g} GiB)'}"
                 )
     if args.json is not None:
-
         write_study_json(
             args.json,
             {"budget_gib": args.budget_gib, "backend": jax.default_backend(), "rows": rows},
@@ -768,6 +722,31 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
             started=started,
         )
     return 0
+
+
+def add_cost_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    co = sub.add_parser(
+        "cost",
+        help="a plan's MACs by precision pair, bytes, LUT lookups and modelled NPU latency",
+    )
+    co_src = co.add_mutually_exclusive_group()
+    co_src.add_argument(
+        "--config", default=None, help="a shipped config NAME or a YAML file (default: defaults)"
+    )
+    co_src.add_argument("--run", type=Path, default=None, help="a finished run's plan instead")
+    co.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key, repeatable",
+    )
+    co.add_argument("--model", default=None, help="shipped architecture or config.json (overrides)")
+    co.add_argument("--prefill", type=positive_int, default=512, help="prompt tokens")
+    co.add_argument("--chunk", type=positive_int, default=64, help="prefill chunk (the artifact's)")
+    co.add_argument("--decode", type=positive_int, default=128, help="generated tokens")
+    co.add_argument("--json", type=Path, default=None, help="write the report here")
 
 
 def cmd_cost(args: argparse.Namespace) -> int:
@@ -868,17 +847,16 @@ def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, s
 
         if args.overrides:
             raise QnpuError("--set changes a config; a run's plan is fixed")
-        plan = read_plan(args.run / "plan.json")
+        run = RunDir(args.run)
+        plan = run.read_plan()
         if args.model is not None:
             return plan, architecture(args.model), f"run {args.run}", args.model
-        meta = _read_model_json(args.run / "model.json")
+        meta = run.read_model_json()
         try:
             data = dict(meta["config"])
             cfg = ModelConfig(**{**data, "rope": RopeConfig(**data["rope"])})
         except (TypeError, KeyError) as e:
-            raise QnpuError(
-                f"{args.run / 'model.json'}: its model config is unreadable ({e})"
-            ) from e
+            raise QnpuError(f"{run.model_json_path}: its model config is unreadable ({e})") from e
         return plan, cfg, f"run {args.run}", str(meta["source"])
 
     config = load_config(args.config, args.overrides)
@@ -886,26 +864,47 @@ def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, s
     n = cfg.num_layers
     ranked = [float(n - i) for i in range(n)]  # which layers is the scan's: only counts matter
 
-    def promoted(fraction: float, base_bits: int = 8) -> tuple[int, ...] | None:
-        return mixed_layer_bits(ranked, fraction, base_bits) if fraction > 0 else None
+    def base_bits(tensor: str) -> int:  # the down_proj input and output are 8-bit tensors
+        return 8 if tensor in (UNROTATED_INPUT, UNROTATED_OUTPUT) else config.bits.a
 
-    down_in = promoted(config.mixed_precision) if config.down_in_bits == 8 else None
-    plan = build_plan(
-        config,
-        n,
-        down_in,
-        promoted(config.down_out_mixed_precision),
-        promoted(config.mlp_in_mixed_precision, config.a_bits),
-        promoted(config.attn_out_mixed_precision, config.a_bits),
-    )
+    promoted = {
+        tensor: mixed_layer_bits(ranked, share, base_bits(tensor))
+        for tensor, share in config.promoted().items()
+    }
+    plan = build_plan(config, n, promoted)
     where = f"config {args.config}" if args.config else "the default config"
-    what = f"{where} ({config.method} {config.bits_name})"
-    if config.shadow_outliers is not None or config.muxq_exp is not None:
+    what = f"{where} ({config.method} {config.bits.name})"
+    if config.outliers.shadow_clip is not None or config.outliers.muxq_exp is not None:
         what += (
             "; its shadow or MUXQ channels are chosen in calibration and are not counted here "
             "(`qnpu cost --run` of a run counts them)"
         )
     return plan, cfg, what, args.model or config.model
+
+
+def add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    ex = sub.add_parser(
+        "export", help="export a run to an integer artifact, ONNX graphs or AIMET encodings"
+    )
+    ex.add_argument("--run", required=True, type=Path, help="a finished `qnpu quantize` run")
+    ex.add_argument("--out", required=True, type=Path, help="the artifact directory")
+    ex.add_argument(
+        "--format",
+        choices=("qnpu", "onnx", "aimet"),
+        default="qnpu",
+        help="qnpu: the integer artifact; onnx: float + QDQ ONNX graphs with AIMET encodings "
+        "(docs/deploy.md); aimet: the encodings alone",
+    )
+    ex.add_argument(
+        "--aimet-version", choices=("1.0.0", "0.6.1"), default="1.0.0", help="AIMET schema"
+    )
+    ex.add_argument(
+        "--max-context", type=positive_int, default=None, help="positions (default 2048+prefix)"
+    )
+    ex.add_argument(
+        "--prefill-chunk", type=positive_int, default=64, help="tokens per prefill step (graph)"
+    )
+    ex.add_argument("--no-progress", action="store_true", help="no phase lines on stderr")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -932,6 +931,49 @@ def cmd_export(args: argparse.Namespace) -> int:
     )
     print(f"integer artifact written to {out}")
     return 0
+
+
+def add_emulate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    em = sub.add_parser(
+        "emulate",
+        help="generation with an integer artifact: greedy, or N parallel samples and a selection",
+    )
+    em.add_argument(
+        "--artifact", required=True, type=Path, help="an integer artifact (`qnpu export`)"
+    )
+    em.add_argument("--prompt", required=True, help="the text to continue")
+    em.add_argument(
+        "--max-new-tokens", type=positive_int, default=32, help="tokens generated at most"
+    )
+    em.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="emulator",
+        help="the numpy NPU emulator or the JAX integer forward (bit for bit alike)",
+    )
+    em.add_argument(
+        "--samples", type=positive_int, default=1, help="N samples decoded as one batch"
+    )
+    em.add_argument(
+        "--select",
+        choices=SELECTIONS,
+        default="best",
+        help="best: highest likelihood; vote: most frequent continuation; beam: beam search "
+        "of width N",
+    )
+    em.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="default 0 (greedy) for one sample, 1 for several; beam search ignores it",
+    )
+    em.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: the smallest set of tokens whose probability reaches P",
+    )
+    em.add_argument("--seed", type=int, default=0, help="sample i draws from (seed, i)")
 
 
 def cmd_emulate(args: argparse.Namespace) -> int:
@@ -995,7 +1037,8 @@ def main(argv: Sequence[str] | None = None, *, exit_on_failed_write: bool = Fals
         "study": cmd_study,
     }
     try:
-        with storage_full_is_an_error():  # a full disk: one line, not orbax's thread dumps
+        # a full disk: one line, not orbax's thread dumps; --data-dir: $QNPU_DATA_DIR meanwhile
+        with storage_full_is_an_error(), data_dir_override(args.data_dir):
             return commands[args.command](args)
     except (QnpuError, OSError) as e:  # OSError: an unwritable or vanished path
         print(f"qnpu: error: {e}", file=sys.stderr)

@@ -22,11 +22,11 @@ outliers in every layer). Every constant is in `DeviceModel` with its source.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.ir.graph import GRAPH, Op, layer_widths
+from qnpu_jax.ir.graph import GRAPH, MODEL_ONLY_KINDS, Op, OpKind, check_handlers, layer_widths
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.quant.plan import QuantPlan, TensorQuant, is_weight, uniform_plan
 
@@ -104,7 +104,7 @@ class OpCost:
 
     layer: int | None
     name: str
-    kind: str
+    kind: OpKind
     macs: Mapping[str, int]
     weight_bytes: float = 0.0
     act_bytes: float = 0.0
@@ -140,6 +140,80 @@ def _check_plan(plan: QuantPlan, cfg: ModelConfig) -> None:
         raise QnpuError(f"the plan has {plan.num_layers} layers, the model config {cfg.num_layers}")
 
 
+ActBits = Callable[[str, int], int | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerCost:
+    """What the counts of one layer's ops read: the plan, the model, the phase, the widths
+    of the layer's values and the bits of each (`act_bits(name, layer)`)."""
+
+    plan: QuantPlan
+    cfg: ModelConfig
+    phase: Phase
+    widths: Mapping[str, int]
+    act_bits: ActBits
+    layer: int
+
+
+def _cost_linear(c: _LayerCost, op: Op, ins: list[int | None], o: int | None) -> OpCost:
+    layer, widths, t = c.layer, c.widths, c.phase.tokens
+    width = widths[op.out_name]
+    wq = c.plan.get(f"layers/{op.weight_name}")
+    cost = _linear_cost(layer, op, ins[0], o, wq, widths[op.ins[0]], width, t, c.phase.weight_reads)
+    source = c.plan.get(f"layers/{op.ins[0]}")
+    hot = source.shadow_channels[layer] if source and source.shadow_channels else ()
+    if hot:  # mllm-NPU: the overflow of the hot channels, on the CPU, merged back
+        moved = _shadow_bytes(op.ins[0], len(hot), widths, width, o, layer, t, c.act_bits)
+        cost = dataclasses.replace(cost, cpu_macs=t * len(hot) * width, syncs=1, cross_bytes=moved)
+    aux = source.muxq_channels[layer] if source and source.muxq_channels else ()
+    if aux:  # MUXQ: the Aux matmul of the outlier channels, on the NPU
+        macs = {p: n + t * len(aux) * width for p, n in cost.macs.items()}
+        cost = dataclasses.replace(cost, macs=macs)
+    if wq is not None and not wq.symmetric:  # z_w·Σx: a row sum and a product
+        extra = t * (widths[op.ins[0]] + width)  # per output, on the NPU
+        macs = {p: n + extra for p, n in cost.macs.items()}
+        cost = dataclasses.replace(cost, macs=macs)
+    return cost
+
+
+def _cost_attention(c: _LayerCost, op: Op, ins: list[int | None], o: int | None) -> OpCost:
+    return _attention_cost(c.plan, c.cfg, c.layer, op, ins, o, c.phase)
+
+
+def _cost_elementwise(c: _LayerCost, op: Op, ins: list[int | None], o: int | None) -> OpCost:
+    """An element-wise op: its input and output codes move."""
+    t, width = c.phase.tokens, c.widths[op.out_name]
+    moved = sum(_size(b) * c.widths[n] for b, n in zip(ins, op.ins, strict=True))
+    return OpCost(
+        c.layer,
+        op.out_name,
+        op.kind,
+        {},
+        act_bytes=t * (moved + _size(o) * width),
+        requants=t * width if o is not None else 0,
+    )
+
+
+def _cost_lut(c: _LayerCost, op: Op, ins: list[int | None], o: int | None) -> OpCost:
+    """An element-wise op with a table lookup per output element."""
+    cost = _cost_elementwise(c, op, ins, o)
+    return dataclasses.replace(cost, lut_lookups=c.phase.tokens * c.widths[op.out_name])
+
+
+# The counts of each layer op (`plan_costs`; the model's ops are counted after the layers).
+LAYER_COSTS: dict[OpKind, Callable[[_LayerCost, Op, list[int | None], int | None], OpCost]] = {
+    OpKind.RMSNORM: _cost_elementwise,
+    OpKind.LINEAR: _cost_linear,
+    OpKind.ROPE: _cost_elementwise,
+    OpKind.ATTENTION: _cost_attention,
+    OpKind.ADD: _cost_elementwise,
+    OpKind.LUT: _cost_lut,
+    OpKind.MUL: _cost_elementwise,
+}
+check_handlers(LAYER_COSTS, "the cost model (layer ops)", MODEL_ONLY_KINDS)
+
+
 def plan_costs(plan: QuantPlan, cfg: ModelConfig, phase: Phase) -> tuple[OpCost, ...]:
     """Every op's counts in `phase`, layer ops first (layer by layer, graph order), then the
     model's (embedding, final norm, lm_head)."""
@@ -159,46 +233,10 @@ def plan_costs(plan: QuantPlan, cfg: ModelConfig, phase: Phase) -> tuple[OpCost,
 
     out: list[OpCost] = []
     for layer in range(cfg.num_layers):
+        c = _LayerCost(plan, cfg, phase, widths, act_bits, layer)
         for op in GRAPH.layer:
             ins = [act_bits(n, layer) for n in op.ins]
-            o = act_bits(op.out_name, layer)
-            width = widths[op.out_name]
-            if op.kind == "linear":
-                wq = plan.get(f"layers/{op.weight_name}")
-                cost = _linear_cost(
-                    layer, op, ins[0], o, wq, widths[op.ins[0]], width, t, phase.weight_reads
-                )
-                source = plan.get(f"layers/{op.ins[0]}")
-                hot = source.shadow_channels[layer] if source and source.shadow_channels else ()
-                if hot:  # mllm-NPU: the overflow of the hot channels, on the CPU, merged back
-                    moved = _shadow_bytes(op.ins[0], len(hot), widths, width, o, layer, t, act_bits)
-                    cost = dataclasses.replace(
-                        cost, cpu_macs=t * len(hot) * width, syncs=1, cross_bytes=moved
-                    )
-                aux = source.muxq_channels[layer] if source and source.muxq_channels else ()
-                if aux:  # MUXQ: the Aux matmul of the outlier channels, on the NPU
-                    macs = {p: n + t * len(aux) * width for p, n in cost.macs.items()}
-                    cost = dataclasses.replace(cost, macs=macs)
-                if wq is not None and not wq.symmetric:  # z_w·Σx: a row sum and a product
-                    extra = t * (widths[op.ins[0]] + width)  # per output, on the NPU
-                    macs = {p: n + extra for p, n in cost.macs.items()}
-                    cost = dataclasses.replace(cost, macs=macs)
-                out.append(cost)
-            elif op.kind == "attention":
-                out.append(_attention_cost(plan, cfg, layer, op, ins, o, phase))
-            else:  # element-wise: its input and output codes move
-                moved = sum(_size(b) * widths[n] for b, n in zip(ins, op.ins, strict=True))
-                out.append(
-                    OpCost(
-                        layer,
-                        op.out_name,
-                        op.kind,
-                        {},
-                        act_bytes=t * (moved + _size(o) * width),
-                        lut_lookups=t * width if op.kind == "lut" else 0,
-                        requants=t * width if o is not None else 0,
-                    )
-                )
+            out.append(LAYER_COSTS[op.kind](c, op, ins, act_bits(op.out_name, layer)))
     # the model's ops: embedding rows gathered, the final norm, lm_head
     d = cfg.hidden_size
     table = plan.get(embed_op.weight_name)
@@ -207,7 +245,7 @@ def plan_costs(plan: QuantPlan, cfg: ModelConfig, phase: Phase) -> tuple[OpCost,
         OpCost(
             None,
             embed_op.out.name,
-            "embed",
+            OpKind.EMBED,
             {},
             weight_bytes=t * d * _size(_bits(table, 0))
             + (t * SCALE_BYTES if table is not None else 0),
@@ -222,7 +260,7 @@ def plan_costs(plan: QuantPlan, cfg: ModelConfig, phase: Phase) -> tuple[OpCost,
         OpCost(
             None,
             norm_op.out.name,
-            "rmsnorm",
+            OpKind.RMSNORM,
             {},
             act_bytes=n * d * (_size(last) + _size(n_out)),
             requants=n * d if n_out is not None else 0,
@@ -256,7 +294,7 @@ def _linear_cost(
     return OpCost(
         layer,
         op.out_name,
-        "linear",
+        OpKind.LINEAR,
         {f"A{_label(a)}W{_label(w)}": t * n_in * n_out},
         weight_bytes=weight_reads * rows_bytes,
         act_bytes=t * (n_in * _size(a) + n_out * _size(o)),
@@ -287,7 +325,7 @@ def _attention_cost(
     return OpCost(
         layer,
         op.out_name,
-        "attention",
+        OpKind.ATTENTION,
         macs,
         act_bytes=t * hq * hd * (_size(q) + _size(o)) + visits * (_size(s) + _size(p)),
         kv_bytes=phase.kv_reads * hkv * hd * (_size(k) + _size(v)),
@@ -312,9 +350,9 @@ def _shadow_bytes(
     back to the NPU the linear's output codes (linears sharing `x` count its inputs each)."""
     producer = next(op for op in GRAPH.layer if op.out_name == x)
     width = next(
-        widths[op.out_name] for op in GRAPH.layer if op.kind == "linear" and op.ins[0] == x
+        widths[op.out_name] for op in GRAPH.layer if op.kind == OpKind.LINEAR and op.ins[0] == x
     )
-    if producer.kind == "mul":
+    if producer.kind == OpKind.MUL:
         inputs = sum(hot * (act_bits(n, layer) or 32) for n in producer.ins) / 8
     else:
         inputs = widths[producer.ins[0]] * (act_bits(producer.ins[0], layer) or 32) / 8
@@ -404,7 +442,7 @@ def latency(costs: Iterable[OpCost], device: DeviceModel, num_linears: int) -> d
 
 def num_linears(cfg: ModelConfig) -> int:
     """The linears of the model (layers' and lm_head): what a shadow path could attach to."""
-    return cfg.num_layers * len(GRAPH.ops("linear")) + 1
+    return cfg.num_layers * len(GRAPH.ops(OpKind.LINEAR)) + 1
 
 
 def _solve(f: Any, target: float, lo: float, hi: float) -> float:
@@ -453,21 +491,6 @@ def fit_device(cfg: ModelConfig, **fixed: float) -> DeviceModel:
         if all(abs(fit[k] / before[k] - 1) < 1e-12 for k in fit):
             return DeviceModel(**{**fixed, **fit})
     raise QnpuError("cost model fit: the three anchors did not converge")
-
-
-def plan_report(
-    plan: QuantPlan, cfg: ModelConfig, phases: Iterable[Phase], device: DeviceModel
-) -> dict[str, Any]:
-    """{phase name: counts and modelled latency} of a plan (JSON-ready)."""
-    out: dict[str, Any] = {}
-    for phase in phases:
-        costs = plan_costs(plan, cfg, phase)
-        out[phase.name] = {
-            "phase": dataclasses.asdict(phase),
-            **totals(costs),
-            "latency_model": latency(costs, device, num_linears(cfg)),
-        }
-    return out
 
 
 def devices(anchor: ModelConfig) -> dict[str, DeviceModel]:

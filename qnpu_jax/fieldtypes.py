@@ -14,7 +14,8 @@ from qnpu_jax.errors import QnpuError, shown
 _HINTS: dict[type, dict[str, Any]] = {}  # each class's resolved annotations
 
 
-def _hints(cls: type) -> dict[str, Any]:
+def field_hints(cls: type) -> dict[str, Any]:
+    """{field: its annotation, resolved} of the dataclass `cls`."""
     if cls not in _HINTS:
         _HINTS[cls] = typing.get_type_hints(cls)
     return _HINTS[cls]
@@ -28,7 +29,10 @@ def _arms(hint: Any) -> tuple[Any, ...]:
 
 def conforms(value: Any, hint: Any) -> bool:
     """Whether `value` is of type `hint`: bool, int (not bool), float (an int too), str, None,
-    unions, tuple[X, ...] and classes; other hints (Any, mappings) are not checked."""
+    unions, tuple[X, ...], classes and Literal (the type of its values: which of them is the
+    caller's check, with its own message); other hints (Any, mappings) are not checked."""
+    if typing.get_origin(hint) is typing.Literal:
+        return any(conforms(value, type(v)) for v in typing.get_args(hint))
     if len(_arms(hint)) > 1:
         return any(conforms(value, arm) for arm in _arms(hint))
     if hint is type(None) or hint is None:
@@ -56,6 +60,8 @@ def conforms(value: Any, hint: Any) -> bool:
 def describe(hint: Any) -> str:
     """`hint` in a config's words: "an integer", "null or a number", "a list of strings"."""
     arms = _arms(hint)
+    if typing.get_origin(hint) is typing.Literal:
+        return describe(type(typing.get_args(hint)[0]))
     if len(arms) > 1:
         rest = [describe(a) for a in arms if a is not type(None)]
         return " or ".join((["null"] if type(None) in arms else []) + rest)
@@ -76,12 +82,15 @@ def describe(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
+def check_type(value: Any, hint: Any, name: str) -> None:
+    """A QnpuError "{name} must be ..., got ..." unless `value` is of type `hint`."""
+    if not conforms(value, hint):
+        raise QnpuError(f"{name} must be {describe(hint)}, got {shown(value)}")
+
+
 def check_field_types(obj: Any, label: str = "") -> None:
     """A QnpuError "{label}{field} must be ..., got ..." for the first field of the dataclass
     instance `obj` whose value is not of its annotated type."""
-    hints = _hints(type(obj))
+    hints = field_hints(type(obj))
     for field in dataclasses.fields(obj):
-        value = getattr(obj, field.name)
-        hint = hints.get(field.name, Any)
-        if not conforms(value, hint):
-            raise QnpuError(f"{label}{field.name} must be {describe(hint)}, got {shown(value)}")
+        check_type(getattr(obj, field.name), hints.get(field.name, Any), f"{label}{field.name}")

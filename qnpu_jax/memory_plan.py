@@ -161,7 +161,7 @@ def stage1_memory(cfg: ModelConfig, mesh: Any, setting: MemorySetting) -> dict[s
     )
     plan = config_stage1_plan(
         default_plan(cfg.num_layers, w_bits=setting.w_bits, a_bits=setting.a_bits),
-        QuantizeConfig(w_bits=setting.w_bits, a_bits=setting.a_bits),
+        QuantizeConfig.of(w_bits=setting.w_bits, a_bits=setting.a_bits),
     )
     params = abstract_params(cfg, setting.base_dtype)
     frozen = abstract_state(plan, cfg)

@@ -52,7 +52,7 @@ def scored_model(
         prefix_params = finished.model.prefix_params()
         taps: Any = FakeQuantTaps(finished.model.require_plan())
         prefix_spec = prefix or config.prefix
-        label = f"run {run} ({config.method} W{config.w_bits}A{config.a_bits})"
+        label = f"run {run} ({config.method} W{config.bits.w}A{config.bits.a})"
     elif model is not None:
         loaded = load_model(model)
         params, state, taps, prefix_params = loaded.params, None, None, None

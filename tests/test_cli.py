@@ -216,3 +216,49 @@ def test_configs_lists_whole_first_sentences(capsys):
         assert about.endswith((".", ")")) and f"{name} {about}" in listed, name
     assert config_about("# One. Two\n# three.\nmodel: m\n# later.\n") == "One."
     assert config_about("# a sentence cut\n# over lines.\n") == "a sentence cut over lines."
+
+
+def test_data_dir_flag_is_where_wikitext2_and_the_task_data_are_read(tmp_path, monkeypatch, capsys):
+    """`qnpu --data-dir DIR` stands for $QNPU_DATA_DIR (and wins over it) for one command: the
+    `wikitext2` spec and the zero-shot tasks are read from DIR. `eval --qdq` without --onnx fails
+    right after the text is read, before any model loads: the cheapest command that reads it."""
+    from qnpu_jax.data import load_documents
+    from qnpu_jax.data.locations import DATA_DIR_ENV, data_dir_override
+    from qnpu_jax.data.sources import wikitext_rows
+
+    data = tmp_path / "data"
+    (data / "wikitext-2-raw").mkdir(parents=True)
+    raw = data / "wikitext-2-raw" / "wiki.test.raw"
+    raw.write_text(" \n = Title = \n \n Some words of the test split . \n")
+    elsewhere = tmp_path / "elsewhere"  # the variable's directory, which the flag overrides
+    elsewhere.mkdir()
+    monkeypatch.setenv(DATA_DIR_ENV, str(elsewhere))
+    with data_dir_override(str(data)):
+        assert os.environ[DATA_DIR_ENV] == str(data)
+        assert load_documents("wikitext2") == wikitext_rows(raw.read_text())
+    assert os.environ[DATA_DIR_ENV] == str(elsewhere)  # as before after the command
+
+    ev = ["eval", "--model", "smollm2-135m", "--data", "wikitext2", "--seq-len", "8", "--qdq"]
+    assert main(["--data-dir", str(data), *ev]) == 2
+    assert "--qdq applies to --onnx only" in capsys.readouterr().err  # the text was read
+    assert os.environ[DATA_DIR_ENV] == str(elsewhere)
+    assert main(ev) == 2  # without the flag: the variable's directory, which lacks the file
+    assert f"{elsewhere / 'wikitext-2-raw' / 'wiki.test.raw'} does not exist" in (
+        capsys.readouterr().err
+    )
+    raw.write_text(" \n \n")  # read from DIR indeed: its (blank) text is refused
+    assert main(["--data-dir", str(data), *ev]) == 2
+    assert f"data 'wikitext:{raw}' holds no text" in capsys.readouterr().err
+
+    tasks = ["eval", "--model", "smollm2-135m", "--tasks", "piqa"]
+    assert main(["--data-dir", str(data), *tasks]) == 2  # checked before the model loads
+    err = capsys.readouterr().err
+    assert err.startswith("qnpu: error:") and f"not found: {data / 'piqa'}" in err
+
+    monkeypatch.delenv(DATA_DIR_ENV)
+    assert main(ev) == 2
+    assert "QNPU_DATA_DIR is not set" in (err := capsys.readouterr().err) and "--data-dir" in err
+    missing = tmp_path / "no-such-dir"
+    assert main(["--data-dir", str(missing), *ev]) == 2
+    assert capsys.readouterr().err == f"qnpu: error: --data-dir {missing}: no such directory\n"
+    assert DATA_DIR_ENV not in os.environ

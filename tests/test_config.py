@@ -132,11 +132,11 @@ def test_every_config_key_has_a_meaning_and_docs_config_md_is_current():
 
 def test_config_show_prints_every_key_with_its_meaning_and_reads_back(tmp_path, capsys):
     from qnpu_jax.cli import main
-    from qnpu_jax.pipeline.config import QuantizeConfig, load_config
+    from qnpu_jax.pipeline.config import KEYS, load_config
 
     assert main(["config", "show", "smollm2-135m-quarot-w8a8"]) == 0
     shown = capsys.readouterr().out
-    keys = [f.name for f in dataclasses.fields(QuantizeConfig)]
+    keys = list(KEYS)
     lines = {line.split(":")[0]: line for line in shown.splitlines() if not line.startswith(" ")}
     for key in keys:
         assert key in lines and " # " in lines[key], key
@@ -171,7 +171,7 @@ def test_shipped_configs_name_only_data_a_user_has():
 
     for name, resource in shipped_configs().items():
         config = load_config(name)
-        assert set(config.eval_data) | {config.calib_data} <= {"wiki", "wikitext2"}, name
+        assert set(config.eval.data) | {config.data.calib} <= {"wiki", "wikitext2"}, name
         assert "shared/" not in resource.read_text(), name
 
 
@@ -187,10 +187,10 @@ def test_wikitext2_is_read_from_qnpu_data_dir_or_a_clear_error(tmp_path, monkeyp
     for way in ("QNPU_DATA_DIR=DIR", "wikitext-2-raw/wiki.test.raw", "wikitext:PATH", "=hf"):
         assert way in str(e.value), way
     paper = load_config("smollm2-135m-quantnpu-w4a8-paper")
-    assert paper.eval_data == ("wiki", "wikitext2")
+    assert paper.eval.data == ("wiki", "wikitext2")
     with pytest.raises(QnpuError, match=r"eval_data 'wikitext2': .*QNPU_DATA_DIR is not set"):
         # checked before any model or tokenizer (hence the text alone here)
-        evaluation_sets(dataclasses.replace(paper, eval_data=("wikitext2",)), None, 10**6)
+        evaluation_sets(paper.replace(eval_data=("wikitext2",)), None, 10**6)
     shared = ROOT.parent / "shared" / "data"
     monkeypatch.setenv("QNPU_DATA_DIR", str(shared))
     file = shared / "wikitext-2-raw" / "wiki.test.raw"
@@ -238,3 +238,23 @@ def test_pyproject_lists_every_package_and_ships_the_top_level_configs():
     from qnpu_jax.pipeline.config import shipped_configs
 
     assert set(shipped_configs()) == {p.stem for p in (ROOT / "configs").glob("*.yaml")}
+
+
+def test_keys_place_every_field_once_and_of_and_replace_take_them():
+    """`KEYS` maps the flat YAML keys onto the nested config one to one; the promotions are
+    named as the tensors they scan."""
+    from qnpu_jax.pipeline.config import GROUPS, KEYS, Promotions, QuantizeConfig
+    from qnpu_jax.pipeline.mixed_precision import SCANNED_TENSORS
+
+    places = set(KEYS.values())
+    grouped = {f"{g}.{f.name}" for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
+    own = {f.name for f in dataclasses.fields(QuantizeConfig) if f.name not in GROUPS}
+    assert len(places) == len(KEYS) and places == grouped | own
+    assert {f.name for f in dataclasses.fields(Promotions)} <= set(SCANNED_TENSORS)
+    config = QuantizeConfig.of(w_bits=8, mixed_precision=0.2, eval_windows=None)
+    assert (config.bits.w, config.promotions.down_in, config.eval.windows) == (8, 0.2, None)
+    assert config.replace(a_bits=4).bits == dataclasses.replace(config.bits, a=4)
+    assert QuantizeConfig.of(**config.flat()) == config
+    assert config.replace(down_in_bits=16).promoted() == {}
+    with pytest.raises(QnpuError, match=r"unknown config key\(s\) \['bits'\]"):
+        config.replace(bits=4)

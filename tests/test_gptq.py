@@ -356,10 +356,10 @@ def test_config_names_bad_weight_rounding():
     from qnpu_jax.pipeline.config import QuantizeConfig
 
     with pytest.raises(QnpuError, match="weight_rounding"):
-        QuantizeConfig(weight_rounding="awq")
+        QuantizeConfig.of(weight_rounding="awq")
     with pytest.raises(QnpuError, match="gptq_damp"):
-        QuantizeConfig(weight_rounding="gptq", gptq_damp=0.0)
-    assert QuantizeConfig.from_dict({"weight_rounding": "gptq"}).weight_rounding == "gptq"
+        QuantizeConfig.of(weight_rounding="gptq", gptq_damp=0.0)
+    assert QuantizeConfig.from_dict({"weight_rounding": "gptq"}).weights.rounding == "gptq"
 
 
 def test_mixed_precision_sweep_reproduces_the_run_at_its_own_share(gptq_run, tmp_path):

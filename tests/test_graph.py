@@ -12,14 +12,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from qnpu_jax import cost
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.export import exporter, onnx_export
 from qnpu_jax.export.aimet import aimet_encodings
 from qnpu_jax.export.exporter import export_model, tokenizer_info, write_exported
 from qnpu_jax.export.int_model import IntModel, load_int_model
 from qnpu_jax.ir import graph as G
+from qnpu_jax.ir.graph import LAYER_ONLY_KINDS, MODEL_ONLY_KINDS, OpKind
+from qnpu_jax.models import llama
 from qnpu_jax.models.taps import CaptureTaps, FakeQuantTaps, tapped_forward, tapped_token_nll
 from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.quant.plan import all_paths, default_plan
+from qnpu_jax.runtime import emulator, jax_engine
 from qnpu_jax.runtime.emulator import EmulatorEngine
 from qnpu_jax.runtime.jax_engine import JaxIntEngine
 
@@ -30,10 +35,10 @@ def _with_up_activation(graph: G.Graph) -> G.Graph:
     """`graph` with one new op: SiLU of the up projection's output, which the product then
     takes in place of up_out (SwiGLU becomes SiLU(gate)·SiLU(up))."""
     layer = list(graph.layer)
-    i = next(k for k, op in enumerate(layer) if op.kind == "mul")
+    i = next(k for k, op in enumerate(layer) if op.kind == OpKind.MUL)
     mul = layer[i]
     new = G.Op(
-        "lut",
+        OpKind.LUT,
         ("up_out",),
         G.Tensor(NEW, "mlp.up_act_fn.output", "16", "ffn"),
         f"layers.{NEW}",
@@ -41,6 +46,64 @@ def _with_up_activation(graph: G.Graph) -> G.Graph:
     )
     layer[i : i + 1] = [new, dataclasses.replace(mul, ins=(mul.ins[0], NEW))]
     return dataclasses.replace(graph, layer=tuple(layer))
+
+
+# Every interpreter's dispatch table and the kinds it declares not handled.
+INTERPRETERS = {
+    "expected_tensors (layer ops)": (G.EXPECTED_LAYER, MODEL_ONLY_KINDS),
+    "expected_tensors (model ops)": (G.EXPECTED_MODEL, LAYER_ONLY_KINDS),
+    "the float forward (layer ops)": (llama.FLOAT_LAYER_OPS, MODEL_ONLY_KINDS),
+    "the emulator (layer ops)": (emulator.LAYER_OPS, MODEL_ONLY_KINDS),
+    "the emulator (model ops)": (emulator.MODEL_OPS, LAYER_ONLY_KINDS),
+    "the integer forward (layer ops)": (jax_engine.LAYER_OPS, MODEL_ONLY_KINDS),
+    "the integer forward (model ops)": (jax_engine.MODEL_OPS, LAYER_ONLY_KINDS),
+    "the exporter (layer ops)": (exporter.LAYER_CONSTS, MODEL_ONLY_KINDS),
+    "the exporter (model ops)": (exporter.MODEL_CONSTS, LAYER_ONLY_KINDS),
+    "the ONNX exporter (layer ops)": (onnx_export.LAYER_NODES, MODEL_ONLY_KINDS),
+    "the ONNX exporter (model ops)": (onnx_export.MODEL_NODES, LAYER_ONLY_KINDS),
+    "the cost model (layer ops)": (cost.LAYER_COSTS, MODEL_ONLY_KINDS),
+}
+
+
+@pytest.mark.parametrize("who", sorted(INTERPRETERS))
+def test_each_interpreter_covers_exactly_the_op_kinds(who):
+    table, not_handled = INTERPRETERS[who]
+    assert all(type(k) is OpKind for k in table)
+    assert set(table) | not_handled == set(OpKind)
+    assert not set(table) & not_handled
+    G.check_handlers(table, who, not_handled)
+
+
+def test_the_declared_kinds_split_the_op_kinds():
+    assert {OpKind.EMBED, OpKind.LAYERS} == MODEL_ONLY_KINDS
+    assert set(OpKind) - MODEL_ONLY_KINDS - LAYER_ONLY_KINDS == {OpKind.RMSNORM, OpKind.LINEAR}
+    assert tuple(OpKind) == G.OPS
+    assert {op.kind for op in (*G.GRAPH.layer, *G.GRAPH.model)} == set(OpKind)
+
+
+def test_check_handlers_names_the_interpreter_and_the_kinds():
+    table = dict(emulator.LAYER_OPS)
+    del table[OpKind.LUT]
+    with pytest.raises(ValueError, match=r"^the emulator \(layer ops\): no handler .*: lut$"):
+        G.check_handlers(table, "the emulator (layer ops)", MODEL_ONLY_KINDS)
+    with pytest.raises(ValueError, match=r"^who: no handler for op kinds: embed, layers$"):
+        G.check_handlers(emulator.LAYER_OPS, "who")
+    bad = {**emulator.LAYER_OPS, "gelu": None}
+    with pytest.raises(ValueError, match=r"who: keys that are not op kinds: 'gelu'"):
+        G.check_handlers(bad, "who", MODEL_ONLY_KINDS)
+    with pytest.raises(ValueError, match=r"both handled and declared not handled: rmsnorm"):
+        G.check_handlers(emulator.LAYER_OPS, "who", {*MODEL_ONLY_KINDS, OpKind.RMSNORM})
+
+
+def test_op_kinds_are_the_artifact_strings():
+    entry = G.graph_ops()["layer"][0]
+    assert type(entry["op"]) is str and entry["op"] == "rmsnorm" == OpKind.RMSNORM
+    assert G.op_kind("lut", "where") is OpKind.LUT
+    with pytest.raises(QnpuError, match=r"^where 'conv': no such op kind \(embed, layers, "):
+        G.op_kind("conv", "where")
+    assert G.Op("mul", (), None, "c", value="v").kind is OpKind.MUL  # strings are converted
+    with pytest.raises(ValueError, match="unknown op kind 'conv'"):
+        G.Op("conv", (), None, "c", value="v")
 
 
 @pytest.fixture(scope="module")

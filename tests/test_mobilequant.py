@@ -148,7 +148,7 @@ def test_clip_logits_start_at_the_calibrated_encoding_and_move_it(two_layer, sym
 
 def test_stage1_learns_equalization_and_clipping_and_stays_equivalent(two_layer, tmp_path):
     fp, data = two_layer
-    config = QuantizeConfig(
+    config = QuantizeConfig.of(
         model="two-layer", method="mobilequant", seq_len=48, calib_windows=4,
         stage1=Stage1Config(steps=3, batch_size=1, checkpoint_every=3, lr_equalization=0.05),
     )  # fmt: skip
@@ -229,30 +229,32 @@ def test_block_objective_is_the_layers_error_against_the_float_layers(two_layer)
 
 
 def test_mobilequant_config_defaults_and_refusals():
-    mq = QuantizeConfig(method="mobilequant")
+    mq = QuantizeConfig(method="mobilequant").mobilequant
     assert (mq.equalize, mq.weight_clipping, mq.asymmetric_activations, mq.selective) == (
         0.5, True, True, False
     )  # fmt: skip
-    plain = QuantizeConfig()
+    plain = QuantizeConfig().mobilequant
     assert (plain.equalize, plain.weight_clipping, plain.asymmetric_activations) == (
         None, False, False
     )  # fmt: skip
     assert plain.selective is True
+    mq = QuantizeConfig(method="mobilequant")
     assert QuantizeConfig.from_dict(mq.to_dict()) == mq
     with pytest.raises(QnpuError, match="weight_clipping is learned"):
-        QuantizeConfig(method="quarot", weight_clipping=True)
+        QuantizeConfig.of(method="quarot", weight_clipping=True)
     with pytest.raises(QnpuError, match="choose one"):
-        QuantizeConfig(equalize=0.5, smooth_mlp=0.3)
+        QuantizeConfig.of(equalize=0.5, smooth_mlp=0.3)
     with pytest.raises(QnpuError, match="equalize must be"):
-        QuantizeConfig(equalize=1.5)
+        QuantizeConfig.of(equalize=1.5)
     with pytest.raises(QnpuError, match="per-block"):
-        QuantizeConfig(method="mobilequant", weight_block=32)
+        QuantizeConfig.of(method="mobilequant", weight_block=32)
     with pytest.raises(QnpuError, match="symmetric down_proj input"):
-        QuantizeConfig(method="mobilequant", muxq_exp=2)
+        QuantizeConfig.of(method="mobilequant", muxq_exp=2)
     with pytest.raises(QnpuError, match="per-block weights are symmetric"):
-        QuantizeConfig(method="mobilequant", weight_clipping=False, weight_block=32)
-    assert QuantizeConfig(method="mobilequant").asymmetric_weights
-    assert not QuantizeConfig(method="mobilequant", asymmetric_weights=False).asymmetric_weights
+        QuantizeConfig.of(method="mobilequant", weight_clipping=False, weight_block=32)
+    assert QuantizeConfig(method="mobilequant").mobilequant.asymmetric_weights
+    off = QuantizeConfig.of(method="mobilequant", asymmetric_weights=False)
+    assert not off.mobilequant.asymmetric_weights
 
 
 def test_mobilequant_artifact_runs_bit_exact_on_both_engines(two_layer, tmp_path):
@@ -266,7 +268,7 @@ def test_mobilequant_artifact_runs_bit_exact_on_both_engines(two_layer, tmp_path
     from qnpu_jax.export.int_model import load_int_model, validate_graph
 
     fp, data = two_layer
-    config = QuantizeConfig(
+    config = QuantizeConfig.of(
         model="two-layer", method="mobilequant", seq_len=48, calib_windows=4,
         stage1=Stage1Config(steps=2, batch_size=1, checkpoint_every=2),
     )  # fmt: skip

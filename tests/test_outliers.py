@@ -356,7 +356,7 @@ def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_pat
     # and it is the model `qnpu quantize` makes with the row's options (same stage 1)
     from qnpu_jax.pipeline.run import load_run, quantize
 
-    full = dataclasses.replace(config, **shadow_down_out["options"])
+    full = config.replace(**shadow_down_out["options"])
     quantize(full, tmp_path / "full", progress=False)
     again = load_run(tmp_path / "full").model
     assert [r.name for r in again.steps][-3:] == shadow_down_out["steps"]
@@ -637,10 +637,10 @@ def test_every_recipe_row_is_a_valid_config_with_a_run_directory_of_its_own(monk
 
     monkeypatch.setenv("QNPU_DATA_DIR", str(SHARED_DATA))  # the default --wikitext's home
     args = outliers.parse_args([])
-    base = dataclasses.replace(cm.base_config(args), down_in_bits=8, mixed_precision=0.1)
+    base = cm.base_config(args).replace(down_in_bits=8, mixed_precision=0.1)
     dirs = {cm._run_dir(args, "quantnpu", 4, 8, 8, "ours")}
     for method, setting, _, options in outliers.RECIPE_ROWS.values():
-        config = dataclasses.replace(base, method=method, **options)  # validated on construction
-        assert all(getattr(config, k) == v for k, v in options.items())
+        config = base.replace(method=method, **options)  # validated on construction
+        assert all(config.value(k) == v for k, v in options.items())
         dirs.add(cm._run_dir(args, method, 4, 8, 8, setting))
     assert len(dirs) == len(outliers.RECIPE_ROWS) + 1

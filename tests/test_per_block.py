@@ -70,13 +70,13 @@ def test_plan_fields_are_validated():
     with pytest.raises(QnpuError, match="needs a block size"):
         default_plan(2, rules=[QuantRule(pattern="layers/q_proj", block_scale_bits=4)])
     with pytest.raises(QnpuError, match="weight_block"):
-        QuantizeConfig(weight_block=100)
+        QuantizeConfig.of(weight_block=100)
     with pytest.raises(QnpuError, match="weight_block"):
-        QuantizeConfig(weight_block_scale_bits=4)
+        QuantizeConfig.of(weight_block_scale_bits=4)
     with pytest.raises(QnpuError, match=r"weight_block must be null or an integer, got 64\.0"):
-        QuantizeConfig(weight_block=64.0)
+        QuantizeConfig.of(weight_block=64.0)
     with pytest.raises(QnpuError, match="gptq does not support per-block"):
-        QuantizeConfig(weight_block=64, weight_rounding="gptq")
+        QuantizeConfig.of(weight_block=64, weight_rounding="gptq")
     with pytest.raises(QnpuError, match="layers/q_proj: per-block weights need"):
         default_plan(2, rules=[QuantRule(pattern="layers/q_proj", block=64, axis=None)])
     with pytest.raises(QnpuError, match="no 'percentile'"):
@@ -366,9 +366,7 @@ def test_config_keys_make_the_block_plan():
         tq = plan.get(f"layers/{name}")
         assert (tq.bits, tq.block, tq.block_scale_bits) == (4, 64, 4)
     assert plan.get("lm_head").block is None and plan.get("layers/attn_in").bits == 16
-    plain = build_plan(
-        dataclasses.replace(config, weight_block=None, weight_block_scale_bits=None), 3
-    )
+    plain = build_plan(config.replace(weight_block=None, weight_block_scale_bits=None), 3)
     assert plain.get("layers/q_proj").block is None
 
 
@@ -382,13 +380,13 @@ def test_weight_granularity_rows(monkeypatch):
     base = cm.base_config(args)
     configs = {k: wg.row_config(base, o, args) for k, _, o in (*wg.ROWS, *wg.QUANTNPU_ROWS)}
     assert len(configs) == len(wg.ROWS) + 2
-    assert configs["quantnpu-channel"].weight_block is None
+    assert configs["quantnpu-channel"].weights.block is None
     lpbq = configs["executorch-lpbq"]
-    assert (lpbq.method, lpbq.w_bits, lpbq.a_bits, lpbq.down_in_bits) == ("rtn", 4, 16, 16)
-    assert (lpbq.weight_block, lpbq.weight_block_scale_bits) == (32, 4)
-    assert configs["rtn-w4a8-block"].weight_block_scale_bits is None
-    assert configs["executorch-smollm2"].kv_bits == 16
-    assert configs["rtn-w4a16-channel"].weight_block is None
+    assert (lpbq.method, lpbq.bits.w, lpbq.bits.a, lpbq.bits.down_in) == ("rtn", 4, 16, 16)
+    assert (lpbq.weights.block, lpbq.weights.block_scale_bits) == (32, 4)
+    assert configs["rtn-w4a8-block"].weights.block_scale_bits is None
+    assert configs["executorch-smollm2"].bits.kv == 16
+    assert configs["rtn-w4a16-channel"].weights.block is None
     qnpu = configs["quantnpu-lpbq"]
-    assert qnpu.method == "quantnpu" and qnpu.down_in_bits == 8 and qnpu.mixed_precision == 0.1
+    assert qnpu.method == "quantnpu" and qnpu.bits.down_in == 8 and qnpu.promotions.down_in == 0.1
     assert wg._weights_text(lpbq) == "LPBQ 32 (4-bit block scales)"

@@ -11,7 +11,7 @@ from conftest import SHARED_DATA, run_artifact_ppl  # tests/ is on sys.path (roo
 
 from qnpu_jax import QnpuError
 from qnpu_jax.cli import main
-from qnpu_jax.pipeline.config import QuantizeConfig, load_config
+from qnpu_jax.pipeline.config import QuantizeConfig, load_config, read_run_config
 from qnpu_jax.pipeline.mixed_precision import (
     down_proj_sensitivity,
     mixed_layer_bits,
@@ -19,6 +19,7 @@ from qnpu_jax.pipeline.mixed_precision import (
     relative_error_sum,
     tensor_sensitivity,
 )
+from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.quant import QuantPlan, default_plan
 
 
@@ -61,6 +62,13 @@ def test_quantize_quantnpu_run_and_eval_it(two_layer_dir, tmp_path, capsys):
     ]
     assert steps == [1, 2]
     assert load_config(out / "config.yaml") == load_config(config)
+    run = RunDir(out)  # its readers give the same (issue 39)
+    assert run.read_report() == report and run.read_plan() == plan
+    assert read_run_config(run) == load_config(config)
+    rows = run.read_stage1_metrics()
+    assert rows is not None and [row["step"] for _, row in rows] == steps
+    assert run.resume.has_model_json  # the model before stage 1: what --resume continues
+    assert run.read_sensitivity() == report["sensitivity"]
     capsys.readouterr()
     # the run's fake-quant model evaluated by `qnpu eval --run` on the same windows
     ev = ["eval", "--run", str(out), "--data", "wiki", "--seq-len", "32", "--max-windows", "2"]
@@ -239,7 +247,7 @@ def test_shipped_configs_load_by_name_and_by_path():
 
     from qnpu_jax.pipeline.config import shipped_configs
 
-    files = sorted(Path(__file__).parents[1].glob("qnpu_jax/configs/*.yaml"))
+    files = sorted(Path(__file__).parents[1].glob("configs/*.yaml"))
     shipped = shipped_configs()
     assert len(files) >= 13 and sorted(shipped) == sorted(f.stem for f in files)
     for path in files:
@@ -256,8 +264,8 @@ def test_overrides_and_config_free_quantize_configs(capsys):
 
     base = load_config("smollm2-135m-quantnpu-w4a8")
     got = load_config("smollm2-135m-quantnpu-w4a8", ["stage1.steps=120", "eval_data=[wiki, x]"])
-    assert got.stage1.steps == 120 and got.eval_data == ("wiki", "x")
-    assert got.stage1.lr_scale == base.stage1.lr_scale and got.seq_len == base.seq_len
+    assert got.stage1.steps == 120 and got.eval.data == ("wiki", "x")
+    assert got.stage1.lr_scale == base.stage1.lr_scale and got.data.seq_len == base.data.seq_len
     assert parse_bits("W4A8KV8") == {"w_bits": 4, "a_bits": 8, "kv_bits": 8}
     for bad, message in (
         (["seq_len"], "expected KEY=VALUE"),
@@ -277,7 +285,7 @@ def test_overrides_and_config_free_quantize_configs(capsys):
         return SimpleNamespace(**(defaults | kw))
 
     free = quantize_config(args(method="rtn", bits="w8a8", overrides=["seq_len=64"]))
-    assert free == QuantizeConfig(method="rtn", w_bits=8, a_bits=8, seq_len=64)
+    assert free == QuantizeConfig.of(method="rtn", w_bits=8, a_bits=8, seq_len=64)
     meshed = quantize_config(args(config="quick", mesh="2x4"))
     assert meshed.mesh.data == 2 and meshed.mesh.fsdp == 4
     named = quantize_config(args(config="quick", bits="w8a8kv8", model="m", method="quarot"))
@@ -343,15 +351,17 @@ def test_ablation_knobs_shape_the_plans():
     from qnpu_jax.pipeline.recipes import build_plan
     from qnpu_jax.pipeline.recipes import config_stage1_plan as stage1_plan
 
-    linears = QuantizeConfig(scope="linears", selective=False, init_scheme="max_min")
-    plan = build_plan(linears, 4, None)
+    linears = QuantizeConfig.of(scope="linears", selective=False, init_scheme="max_min")
+    plan = build_plan(linears, 4)
     assert "layers/q_out" in plan and "layers/down_in" in plan and "layers/q_proj" in plan
     for float_tensor in ("layers/scores", "layers/resid_mlp", "lm_head", "layers/silu_out"):
         assert float_tensor not in plan
     assert plan.get("layers/q_proj").init == "max_min"
     s1 = stage1_plan(plan, linears)
     assert s1.get("layers/o_out").learnable and s1.get("layers/k_rope") is None  # not a linear
-    selective = stage1_plan(build_plan(QuantizeConfig(), 4, (8, 16, 8, 8)), QuantizeConfig())
+    selective = stage1_plan(
+        build_plan(QuantizeConfig(), 4, {"down_in": (8, 16, 8, 8)}), QuantizeConfig()
+    )
     assert set(selective.paths()) == {
         f"layers/{n}"
         for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -360,13 +370,9 @@ def test_ablation_knobs_shape_the_plans():
     assert all(tq.learnable for _, tq in selective.entries)
     assert selective.get("layers/down_in").layer_bits == (8, 16, 8, 8)
     frozen_down = QuantizeConfig(learn_down_in=False)
-    assert (
-        not stage1_plan(build_plan(frozen_down, 4, None), frozen_down)
-        .get("layers/down_in")
-        .learnable
-    )
+    assert not stage1_plan(build_plan(frozen_down, 4), frozen_down).get("layers/down_in").learnable
     spin = QuantizeConfig(method="spinquant")
-    assert not any(tq.learnable for _, tq in stage1_plan(build_plan(spin, 4, None), spin).entries)
+    assert not any(tq.learnable for _, tq in stage1_plan(build_plan(spin, 4), spin).entries)
 
 
 def test_eval_zero_shot_tasks_on_a_run_and_float(two_layer_dir, tmp_path, capsys, monkeypatch):

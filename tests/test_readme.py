@@ -51,6 +51,26 @@ def test_the_examples_are_found_and_each_has_its_output() -> None:
     assert all(out is not None for _, out in EXAMPLES.values()), EXAMPLES.keys()
 
 
+TEST_COMMAND = (
+    "python3 -m venv .venv && . .venv/bin/activate && bash scripts/install.sh --test"
+    " && python3 -m pytest -q"
+)
+
+
+def test_readme_is_a_short_manual_that_keeps_the_test_command() -> None:
+    """README is the user's manual (at most 250 lines; the references live in docs/), and CI
+    reads the test command from its line, which must stay byte for byte."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 250, len(lines)
+    assert TEST_COMMAND in lines
+
+
+def test_the_quick_start_imports_only_the_top_level_package() -> None:
+    code, _ = EXAMPLES["quick-start"]
+    imports = [line for line in code.splitlines() if line.startswith(("import ", "from "))]
+    assert imports == ["from pathlib import Path", "import qnpu_jax as qj"], imports
+
+
 def test_output_comparison_catches_a_changed_number_or_word() -> None:
     want = "plan: quantnpu W4A8KV8 29 tensors\nrun: 10.313888519433728\n"
     assert same_output("plan: quantnpu W4A8KV8 29 tensors\nrun: 10.31388852\n", want)

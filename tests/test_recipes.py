@@ -245,7 +245,7 @@ def test_choose_rotation_keeps_the_candidate_with_the_lowest_calibration_loss(tw
     windows = (np.arange(96).reshape(3, 32) * 37) % fp.config.vocab_size
     data = Calibration(np.arange(200), windows)
     fused = steps.fuse_norms()(QuantizedModel.from_float(fp, prefix="none"), data)
-    config = QuantizeConfig(a_bits=4, rotation_candidates=3, seed=5)
+    config = QuantizeConfig.of(a_bits=4, rotation_candidates=3, seed=5)
     keys = rotation_keys(config)
     assert len(keys) == 3
     np.testing.assert_array_equal(

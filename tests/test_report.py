@@ -47,7 +47,7 @@ def write_run(
     """A finished run dir as `qnpu quantize` leaves it (without the orbax checkpoints)."""
     run = root / "runs" / name
     run.mkdir(parents=True)
-    config = QuantizeConfig(method=method, w_bits=w, a_bits=a, mixed_precision=0.0)
+    config = QuantizeConfig.of(method=method, w_bits=w, a_bits=a, mixed_precision=0.0)
     (run / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
     rules = [QuantRule(pattern="layers/down_in", layer_bits=down_in_bits)] if down_in_bits else []
     plan = default_plan(LAYERS, w_bits=w, a_bits=a, rules=rules)

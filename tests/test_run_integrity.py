@@ -18,7 +18,10 @@ import pytest
 import yaml
 
 from qnpu_jax.cli import main
+from qnpu_jax.pipeline.config import load_config, read_run_config
+from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.pipeline.run_manifest import RUN_LOCK, seal_run, verify_run
+from qnpu_jax.quant import QuantPlan
 
 DEAD_PID = 99_999_999  # above any pid_max: kill(pid, 0) says there is no such process
 
@@ -50,6 +53,35 @@ def rtn_run(two_layer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     assert not (run / RUN_LOCK).exists()  # removed at the end, never sealed
     verify_run(run)
     return run
+
+
+def test_run_dir_names_and_reads_a_finished_run(rtn_run: Path) -> None:
+    """`RunDir` (issue 39): every file of a finished run by its property, each reader giving
+    what the file holds."""
+    run = RunDir(rtn_run)
+    assert run.is_sealed and run.has_config and run.has_model_json and run.has_report
+    named = {
+        run.config_path,
+        run.model_json_path,
+        run.plan_path,
+        run.learned_path,
+        run.report_path,
+        run.manifest_path,
+    }
+    report = json.loads((rtn_run / "report.json").read_text())
+    if report["sensitivity"] is not None:
+        named.add(run.sensitivity_path())
+    assert set(rtn_run.iterdir()) == named  # no stage 1, no resume/, the lock removed
+    sealed = {rel.split("/", 1)[0] for rel in verify_run(rtn_run)["files"]}
+    assert sealed == {p.name for p in named - {run.manifest_path}}
+    assert read_run_config(run) == load_config(rtn_run / "config.yaml")
+    assert run.read_report() == report
+    assert run.read_plan() == QuantPlan.from_dict(json.loads((rtn_run / "plan.json").read_text()))
+    meta = run.read_model_json()
+    assert meta == json.loads((rtn_run / "model.json").read_text())
+    assert meta["format"] == "qnpu-quantized-model" and [s["name"] for s in meta["steps"]]
+    assert run.read_stage1_metrics() is None and not run.resume.has_model_json
+    assert run.read_sensitivity() == report["sensitivity"]
 
 
 # ------------------------------------------------------------------ 14: one writer per run

@@ -27,10 +27,10 @@ def _shape(name: str) -> str:
     config = load_config(name, ["model=smollm2-135m"])
     steps = [s["name"] for s in describe(for_config(config))]
     stored = (
-        config.weight_clipping,
-        config.asymmetric_activations,
-        config.weight_block is not None,
-        config.selective,
+        config.mobilequant.weight_clipping,
+        config.mobilequant.asymmetric_activations,
+        config.weights.block is not None,
+        config.mobilequant.selective,
     )
     return json.dumps([steps, stored])
 
@@ -70,10 +70,10 @@ def _assert_save_load_same(model: QuantizedModel, fp, data: Calibration, tmp_pat
 @pytest.mark.parametrize("name", CONFIGS)
 def test_load_of_save_is_the_same_model(name: str, two_layer_dir: Path, tmp_path: Path) -> None:
     config = load_config(name, [f"model={two_layer_dir}", *_SHORT])
-    if config.weight_rounding == "gptq":  # GPTQ needs as many tokens as down_proj's inputs
+    if config.weights.rounding == "gptq":  # GPTQ needs as many tokens as down_proj's inputs
         config = load_config(name, [f"model={two_layer_dir}", *_SHORT, "calib_windows=48"])
     fp = load_model(config.model)
-    data = _calibration(fp, config.seq_len, config.calib_windows)
+    data = _calibration(fp, config.data.seq_len, config.data.windows)
     model = for_config(config)(QuantizedModel.from_float(fp, prefix=config.prefix), data)
     _assert_save_load_same(model, fp, data, tmp_path)
 

@@ -32,22 +32,26 @@ def test_compare_grid_matches_the_settings(cm, tmp_path, monkeypatch):
     assert "quantnpu-w4a4kv8-ablation-static-joint" in names
     for c in table:
         cfg = c.config
-        assert cfg.eval_data[0] == "wiki" and cfg.eval_data[1].startswith("wikitext:")
-        assert cfg.eval_data[1] == f"wikitext:{SHARED_DATA / 'wikitext-2-raw/wiki.test.raw'}"
+        assert cfg.eval.data[0] == "wiki" and cfg.eval.data[1].startswith("wikitext:")
+        assert cfg.eval.data[1] == f"wikitext:{SHARED_DATA / 'wikitext-2-raw/wiki.test.raw'}"
         if c.setting == "table1":
-            assert (cfg.down_in_bits, cfg.mixed_precision) == (16, 0.0)
+            assert (cfg.bits.down_in, cfg.promotions.down_in) == (16, 0.0)
         elif c.method == "quantnpu":
-            assert (cfg.down_in_bits, cfg.mixed_precision) == (8, 0.1)
+            assert (cfg.bits.down_in, cfg.promotions.down_in) == (8, 0.1)
         else:
-            assert (cfg.down_in_bits, cfg.mixed_precision) == (8, 0.0)
+            assert (cfg.bits.down_in, cfg.promotions.down_in) == (8, 0.0)
         # stage-1 flags reach only the methods with a stage 1 (so other runs stay reusable)
         assert (cfg.stage1.steps == 3) == (c.method in ("spinquant", "quantnpu"))
     static_joint, init, selective, mixed10, mixed100, frozen = (c.config for c in ablation)
-    assert all(c.config.scope == "linears" and c.config.w_bits == 4 for c in ablation)
-    assert (static_joint.init_scheme, static_joint.selective) == ("max_min", False)
-    assert (init.init_scheme, init.selective, init.mixed_precision) == ("aware", False, 0.0)
-    assert (selective.selective, selective.mixed_precision) == (True, 0.0)
-    assert (mixed10.mixed_precision, mixed100.mixed_precision) == (0.1, 1.0)
+    assert all(c.config.scope == "linears" and c.config.bits.w == 4 for c in ablation)
+
+    def knobs(c):
+        return c.init_scheme, c.mobilequant.selective, c.promotions.down_in
+
+    assert knobs(static_joint)[:2] == ("max_min", False)
+    assert knobs(init) == ("aware", False, 0.0)
+    assert knobs(selective)[1:] == (True, 0.0)
+    assert (mixed10.promotions.down_in, mixed100.promotions.down_in) == (0.1, 1.0)
     # the down_proj flag both ways: the chain learns it (§4.3.1), the side row does not
     assert all(c.learn_down_in for c in (static_joint, init, selective, mixed10, mixed100))
     assert frozen == dataclasses.replace(mixed10, learn_down_in=False)
@@ -331,8 +335,8 @@ def test_scale_drift_compares_the_learned_scales_with_their_rule(tiny_cfg, tiny_
     from qnpu_jax.pipeline.recipes import build_plan
 
     sd = load_script("scale_drift")
-    config = QuantizeConfig(model="smollm2-135m", method="quantnpu", w_bits=4, a_bits=8)
-    plan = build_plan(config, tiny_cfg.num_layers, None)
+    config = QuantizeConfig.of(model="smollm2-135m", method="quantnpu", w_bits=4, a_bits=8)
+    plan = build_plan(config, tiny_cfg.num_layers)
     sub = sd.learnable_plan(plan, config)
     paths = [p for p, _ in sub.entries]
     assert {"layers/q_proj", "layers/attn_in", "layers/down_in"} <= set(paths)

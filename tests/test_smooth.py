@@ -182,6 +182,6 @@ def test_report_labels_name_the_options_beyond_the_paper():
     from qnpu_jax.report.table import run_label
 
     assert run_label("quantnpu", QuantizeConfig()) == "Quant.npu"
-    both = QuantizeConfig(smooth_mlp=0.3, weight_rounding="gptq")
+    both = QuantizeConfig.of(smooth_mlp=0.3, weight_rounding="gptq")
     assert run_label("quantnpu", both) == "Quant.npu + smoothing α=0.3 + GPTQ"
     assert both.summary()["smooth_mlp"] == 0.3

@@ -225,7 +225,7 @@ def test_distillation_objective_is_the_kl_from_the_float_model_and_training_lowe
     """objective "kl": the fit term is the mean KL(float || fake-quant) of the next-token
     distributions (checked against a direct computation), 0 between equal distributions,
     and the jitted step trains on it while reporting the cross-entropy. (Whether it trains
-    a better model is measured on SmolLM2, docs/results.md: on this 2-layer model at W4A4
+    a better model is measured on SmolLM2, docs/changelog.md: on this 2-layer model at W4A4
     the loss moves by the rounding noise either way.)"""
     from qnpu_jax.models.taps import FakeQuantTaps, tapped_forward
     from qnpu_jax.pipeline.stage1 import distillation_kl, stage1_loss, transformed_params

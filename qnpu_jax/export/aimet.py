@@ -34,7 +34,7 @@ import numpy as np
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import read_bytes_bounded, write_bytes_atomic
-from qnpu_jax.ir.graph import GRAPH, Graph, Op
+from qnpu_jax.ir.graph import GRAPH, Graph, Op, OpKind
 
 VERSIONS = ("1.0.0", "0.6.1")
 NAMINGS = ("hf", "native")
@@ -57,7 +57,7 @@ class _Names:
 
     @classmethod
     def of(cls, graph: Graph) -> _Names:
-        split = [op.kind for op in graph.model].index("layers")
+        split = [op.kind for op in graph.model].index(OpKind.LAYERS)
 
         def tensors(ops: tuple[Op, ...]) -> tuple[str, ...]:
             return tuple(t.name for op in ops for t in (op.weight, op.out) if t is not None)

@@ -28,12 +28,17 @@ from qnpu_jax.ir.graph import (
     FORMAT_GRAPH_CHANNELS,
     GRAPH,
     HEAD_NORM_MAX,
+    LAYER_ONLY_KINDS,
     LOGITS_SCALE,
+    MODEL_ONLY_KINDS,
     NORM_FRACTION_BITS,
     NORM_UNIT_BITS,
     ROPE_FRACTION_BITS,
     SOFTMAX_ROLE,
     Graph,
+    Op,
+    OpKind,
+    check_handlers,
 )
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import (
@@ -424,6 +429,290 @@ def context_positions(cfg: ModelConfig, prefix_tokens: int, max_context: int | N
     return max_context
 
 
+@dataclasses.dataclass
+class _Export:
+    """What the constant builders read (the model, plan, state and encodings) and what they
+    fill: the artifact's tensors, the int4 ones, the channel lists and asymmetric linears."""
+
+    params: Params  # as given: the offline sink prefix runs on them (or `prefix_params`)
+    np_params: Params  # float32 numpy
+    cfg: ModelConfig
+    plan: QuantPlan
+    state: QuantState
+    graph: Graph
+    acts: dict[str, list[IntEncoding]]
+    outer: dict[str, IntEncoding]
+    prefix: tuple[int, ...]
+    prefix_params: Params | None
+    tensors: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    int4: set[str] = dataclasses.field(default_factory=set)
+    shadow: dict[str, int] = dataclasses.field(default_factory=dict)
+    muxq: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    weight_zero: list[str] = dataclasses.field(default_factory=list)  # asymmetric linears
+
+    @property
+    def n(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def layers(self) -> Params:
+        return self.np_params["layers"]  # type: ignore[no-any-return]
+
+    def enc(self, name: str, i: int) -> IntEncoding:
+        """The encoding of value `name` in layer i (the layer input: the previous output)."""
+        g = self.graph
+        if name == g.layer_input:
+            if i == 0:
+                layers_op = next(op for op in g.model if op.kind == OpKind.LAYERS)
+                return self.outer[layers_op.ins[0]]
+            return self.enc(g.layer[-1].out_name, i - 1)
+        return self.acts[name][i]
+
+    def scales(self, name: str) -> np.ndarray:
+        """The per-layer scales [L] of value `name`, in float64."""
+        return np.array([self.enc(name, i).scale for i in range(self.n)])
+
+    def model_enc(self, name: str) -> IntEncoding:
+        """The encoding of model-level value `name`: a global activation's, or the last
+        layer's (the layers op's output)."""
+        return self.outer[name] if name in self.outer else self.enc(name, self.n - 1)
+
+
+def _act_tables(x: _Export) -> None:
+    """Activation ranges and zero points, [L, len(layer acts)] and [len(global acts)]."""
+    layer_acts = [t.name for t in x.graph.layer_acts]
+    for field in ("zero_point", "qmin", "qmax"):
+        x.tensors[f"layers.act.{field}"] = np.array(
+            [[getattr(x.enc(a, i), field) for a in layer_acts] for i in range(x.n)], np.int32
+        )
+        x.tensors[f"act.{field}"] = np.array(
+            [getattr(e, field) for e in x.outer.values()], np.int32
+        )
+
+
+def _channel_lists(x: _Export) -> None:
+    """Channel lists of linear inputs: shadow channels (mllm-NPU) and MUXQ's outlier channels."""
+    for act in (t.name for t in x.graph.layer_acts):
+        tq = x.plan.get(f"layers/{act}")
+        if tq is not None and tq.shadow_channels is not None:
+            x.tensors[f"layers.shadow.{act}.channels"] = _padded_channels(tq.shadow_channels)
+            x.shadow[act] = x.tensors[f"layers.shadow.{act}.channels"].shape[1]
+        if tq is not None and tq.muxq_channels is not None and tq.muxq_exp is not None:
+            x.tensors[f"layers.muxq.{act}.channels"] = _padded_channels(tq.muxq_channels)
+            k = x.tensors[f"layers.muxq.{act}.channels"].shape[1]
+            x.muxq[act] = {"exp": tq.muxq_exp, "channels": k}
+
+
+def _linear_consts(x: _Export, op: Op) -> None:
+    """Codes [L, out, in], per-output-channel requantization into the output."""
+    src, dst, c, n = op.ins[0], op.out_name, op.const, x.n
+    name = op.weight_name
+    tq = x.plan.get(f"layers/{name}")
+    assert tq is not None
+    w = x.layers[name]
+    s_state = np.asarray(x.state["layers"][name].scale, np.float32)
+    z_state = np.asarray(x.state["layers"][name].zero_point, np.float32)
+    codes, ms, shs, biases, blocks, zeros = [], [], [], [], [], []
+    for i in range(n):
+        where = f"layers.{i}.{name}"
+        z_w = weight_zero_points(tq, z_state[i], where)
+        q, s_w, block_scales = _layer_weight_codes(w[i], tq, i, s_state[i], where, z_w)
+        codes.append(q)
+        zeros.append(z_w)
+        if block_scales is not None:
+            blocks.append(block_scales)
+        s_acc = x.enc(src, i).scale * s_w.astype(np.float64)
+        m, sh = _requant(s_acc / x.enc(dst, i).scale, where)
+        ms.append(m)
+        shs.append(sh)
+        if op.bias and op.bias in x.layers:
+            b = np.rint(x.layers[op.bias][i].astype(np.float64) / s_acc)
+            if np.abs(b).max() >= 2**31:
+                raise QnpuError(f"layers.{i}.{op.bias} does not fit int32 at s_in·s_w")
+            biases.append(b.astype(np.int32))
+    x.tensors[f"{c}.weight"] = np.stack(codes)
+    x.tensors[f"{c}.M"] = np.stack(ms)
+    x.tensors[f"{c}.shift"] = np.stack(shs)
+    if biases:
+        x.tensors[f"{c}.bias"] = np.stack(biases)
+    if blocks:  # LPBQ: the engines run the int8 codes k·q (`int_model.lpbq_weights`)
+        x.tensors[f"{c}.block_scale"] = np.stack(blocks)
+    if not tq.symmetric:  # the matmul subtracts z_w[o]·Σ_i xc_i
+        x.tensors[f"{c}.weight_zero_point"] = np.stack(zeros)
+        x.weight_zero.append(c)
+    if max(tq.layer_bits or (tq.bits,)) <= 4:
+        x.int4.add(f"{c}.weight")
+
+
+def _rmsnorm_consts(x: _Export, op: Op) -> None:
+    """γ = 1 after fuse_norms; kept general for unrotated methods."""
+    src, dst, eps = op.ins[0], op.out_name, x.cfg.rms_norm_eps
+    norms = [
+        _norm_constants(
+            x.layers[op.gain][i], x.enc(src, i), x.enc(dst, i), eps, f"layers.{i}.{op.gain}"
+        )
+        for i in range(x.n)
+    ]
+    for k, v in _stack(norms).items():
+        x.tensors[f"{op.const}.{k}"] = v
+
+
+def _rope_consts(x: _Export, op: Op) -> None:
+    """Q14 tables: requantize s_in·2^-14 / s_out (Qwen3: each head RMSNormed into 16 bits
+    first)."""
+    src, dst, c, cfg = op.ins[0], op.out_name, op.const, x.cfg
+    s_in = x.scales(src)
+    if cfg.qk_norm and op.head_norm:
+        gains = np.asarray(x.layers[op.head_norm], np.float64)  # [L, hd]
+        s_in = np.maximum(np.abs(gains).max(axis=1), 1e-30) * math.sqrt(cfg.head_dim)
+        s_in = s_in / HEAD_NORM_MAX
+        norms = [
+            _norm_constants(
+                gains[i],
+                x.enc(src, i),
+                IntEncoding(float(s_in[i]), 0, -HEAD_NORM_MAX, HEAD_NORM_MAX),
+                cfg.rms_norm_eps,
+                f"layers.{i}.{op.head_norm}",
+            )
+            for i in range(x.n)
+        ]
+        for k, v in _stack(norms).items():
+            x.tensors[f"{c}.norm.{k}"] = v
+    real = s_in * 2.0**-ROPE_FRACTION_BITS / x.scales(dst)
+    x.tensors[f"{c}.M"], x.tensors[f"{c}.shift"] = _requant(real, c)
+
+
+def _attention_consts(x: _Export, op: Op) -> None:
+    """Scores requantization, exp LUT of the softmax, P·V requantization; the sink prefix's
+    K/V codes."""
+    q_in, k_in, v_in = op.ins
+    scores, probs = (t.name for t in op.inner)
+    t = x.tensors
+    real = x.scales(q_in) * x.scales(k_in) / math.sqrt(x.cfg.head_dim) / x.scales(scores)
+    t["layers.scores.M"], t["layers.scores.shift"] = _requant(real, "layers.scores")
+    exp_luts = []
+    for i in range(x.n):
+        diff = IntEncoding(x.enc(scores, i).scale, 0, 0, (1 << 16) - 1)
+        exp_luts.append(_lut(lambda v: np.exp(-v), diff, x.enc(probs, i)).astype(np.uint16))
+    t["layers.softmax.exp_lut"] = np.stack(exp_luts)
+    real = x.scales(v_in) / PROBS_SCALE_DENOMINATOR / x.scales(op.out_name)
+    t["layers.pv.M"], t["layers.pv.shift"] = _requant(real, "layers.pv")
+    if x.prefix:
+        t["layers.prefix.k"], t["layers.prefix.v"] = prefix_cache_codes(
+            x.params if x.prefix_params is None else x.prefix_params,
+            x.cfg,
+            x.plan,
+            x.state,
+            x.prefix,
+            x.acts[k_in],
+            x.acts[v_in],
+            x.graph,
+        )
+
+
+def _add_consts(x: _Export, op: Op) -> None:
+    """Two inputs rescaled into the output with one shared shift."""
+    dst = op.out_name
+    triples = [
+        _two_input_rescale(
+            x.enc(op.ins[0], i).scale / x.enc(dst, i).scale,
+            x.enc(op.ins[1], i).scale / x.enc(dst, i).scale,
+            f"layers.{i}.{dst}",
+        )
+        for i in range(x.n)
+    ]
+    arr = np.array(triples, np.int64)
+    x.tensors[f"{op.const}.Ma"] = arr[:, 0].astype(np.int32)
+    x.tensors[f"{op.const}.Mb"] = arr[:, 1].astype(np.int32)
+    x.tensors[f"{op.const}.shift"] = arr[:, 2].astype(np.int32)
+
+
+def _lut_consts(x: _Export, op: Op) -> None:
+    """A table over the input's whole code range."""
+    src = op.ins[0]
+    f = LUT_FUNCTIONS[op.fn]
+    luts = [_lut(f, x.enc(src, i), x.enc(op.out_name, i)) for i in range(x.n)]
+    if len({len(t) for t in luts}) != 1:
+        raise QnpuError(f"layers/{src}: the {op.fn} LUTs need one bit-width in every layer")
+    x.tensors[f"{op.const}.lut"] = _narrow(np.stack(luts))
+
+
+def _mul_consts(x: _Export, op: Op) -> None:
+    """The product requantized."""
+    real = x.scales(op.ins[0]) * x.scales(op.ins[1]) / x.scales(op.out_name)
+    x.tensors[f"{op.const}.M"], x.tensors[f"{op.const}.shift"] = _requant(real, op.const)
+
+
+ConstBuilder = Callable[[_Export, Op], None]
+# The constants of each layer op, stacked over layers (`export_model`).
+LAYER_CONSTS: dict[OpKind, ConstBuilder] = {
+    OpKind.RMSNORM: _rmsnorm_consts,
+    OpKind.LINEAR: _linear_consts,
+    OpKind.ROPE: _rope_consts,
+    OpKind.ATTENTION: _attention_consts,
+    OpKind.ADD: _add_consts,
+    OpKind.LUT: _lut_consts,
+    OpKind.MUL: _mul_consts,
+}
+check_handlers(LAYER_CONSTS, "the exporter (layer ops)", MODEL_ONLY_KINDS)
+
+
+def _embed_consts(x: _Export, op: Op) -> None:
+    """Per-row int8 codes, requantized row by row into the output."""
+    table = op.weight_name
+    tq = x.plan.get(table)
+    assert tq is not None
+    s_rows = np.asarray(get_entry(x.state, table).scale, np.float32).reshape(-1, 1)
+    x.tensors[f"{op.const}.table"] = _weight_codes(
+        x.np_params[table], s_rows, np.zeros_like(s_rows), tq.spec(), table
+    )
+    m, sh = _requant(s_rows[:, 0].astype(np.float64) / x.outer[op.out_name].scale, table)
+    x.tensors[f"{op.const}.M"], x.tensors[f"{op.const}.shift"] = m, sh
+
+
+def _layers_consts(x: _Export, op: Op) -> None:
+    """Every layer op's constants (LAYER_CONSTS)."""
+    for layer_op in x.graph.layer:
+        build = LAYER_CONSTS.get(layer_op.kind)
+        if build is None:  # MODEL_ONLY_KINDS
+            raise QnpuError(f"the exporter has no {layer_op.kind.value!r} op in a layer")
+        build(x, layer_op)
+
+
+def _final_norm_consts(x: _Export, op: Op) -> None:
+    final = _norm_constants(
+        x.np_params[op.gain],
+        x.model_enc(op.ins[0]),
+        x.outer[op.out_name],
+        x.cfg.rms_norm_eps,
+        op.gain,
+    )
+    for k, v in final.items():
+        x.tensors[f"{op.const}.{k}"] = v
+
+
+def _lm_head_consts(x: _Export, op: Op) -> None:
+    """W8 per channel; int32 logits at the fixed scale LOGITS_SCALE."""
+    name, c = op.weight_name, op.const
+    tq = x.plan.get(name)
+    assert tq is not None
+    head = np.asarray(lm_head_weight(x.np_params), np.float32)
+    s_head = np.asarray(get_entry(x.state, name).scale, np.float32).reshape(-1, 1)
+    x.tensors[f"{c}.weight"] = _weight_codes(head, s_head, np.zeros_like(s_head), tq.spec(), name)
+    real = x.model_enc(op.ins[0]).scale * s_head[:, 0].astype(np.float64) / LOGITS_SCALE
+    x.tensors[f"{c}.M"], x.tensors[f"{c}.shift"] = _requant(real, name)
+
+
+# The constants of each model op (`export_model`).
+MODEL_CONSTS: dict[OpKind, ConstBuilder] = {
+    OpKind.EMBED: _embed_consts,
+    OpKind.LAYERS: _layers_consts,
+    OpKind.RMSNORM: _final_norm_consts,
+    OpKind.LINEAR: _lm_head_consts,
+}
+check_handlers(MODEL_CONSTS, "the exporter (model ops)", LAYER_ONLY_KINDS)
+
+
 def export_model(
     params: Params,
     cfg: ModelConfig,
@@ -456,230 +745,50 @@ def export_model(
     if cfg.head_dim % 2:
         raise QnpuError("RoPE needs an even head dimension")
     np_params = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
-    layers = np_params["layers"]
     acts, outer = _activation_encodings(plan, state, n, graph)
-    layer_acts = [t.name for t in graph.layer_acts]
-    embed_op, _, norm_op, head_op = graph.model  # embed → layers → final norm → lm_head
-    tensors: dict[str, np.ndarray] = {}
-    int4: set[str] = set()
-
-    def enc(name: str, i: int) -> IntEncoding:
-        """The encoding of value `name` in layer i (the layer input: the previous output)."""
-        if name == graph.layer_input:
-            return outer[embed_op.out_name] if i == 0 else enc(graph.layer[-1].out_name, i - 1)
-        return acts[name][i]
-
-    def scales(name: str) -> np.ndarray:
-        """The per-layer scales [L] of value `name`, in float64."""
-        return np.array([enc(name, i).scale for i in range(n)])
-
-    # Activation ranges and zero points, [L, len(layer acts)] and [len(global acts)].
-    for field in ("zero_point", "qmin", "qmax"):
-        tensors[f"layers.act.{field}"] = np.array(
-            [[getattr(enc(a, i), field) for a in layer_acts] for i in range(n)], np.int32
-        )
-        tensors[f"act.{field}"] = np.array([getattr(e, field) for e in outer.values()], np.int32)
-
-    # Channel lists of linear inputs: shadow channels (mllm-NPU) and MUXQ's outlier channels.
-    shadow: dict[str, int] = {}
-    muxq: dict[str, dict[str, int]] = {}
-    weight_zero: list[str] = []  # the linears with asymmetric weights
-    for act in layer_acts:
-        tq = plan.get(f"layers/{act}")
-        if tq is not None and tq.shadow_channels is not None:
-            tensors[f"layers.shadow.{act}.channels"] = _padded_channels(tq.shadow_channels)
-            shadow[act] = tensors[f"layers.shadow.{act}.channels"].shape[1]
-        if tq is not None and tq.muxq_channels is not None and tq.muxq_exp is not None:
-            tensors[f"layers.muxq.{act}.channels"] = _padded_channels(tq.muxq_channels)
-            k = tensors[f"layers.muxq.{act}.channels"].shape[1]
-            muxq[act] = {"exp": tq.muxq_exp, "channels": k}
-
-    # Embedding: per-row int8 codes, requantized row by row into embed_out.
-    table = embed_op.weight_name
-    tq = plan.get(table)
-    assert tq is not None
-    s_rows = np.asarray(get_entry(state, table).scale, np.float32).reshape(-1, 1)
-    tensors["embed.table"] = _weight_codes(
-        np_params[table], s_rows, np.zeros_like(s_rows), tq.spec(), table
-    )
-    m, sh = _requant(s_rows[:, 0].astype(np.float64) / outer[embed_op.out_name].scale, table)
-    tensors["embed.M"], tensors["embed.shift"] = m, sh
-
-    eps = cfg.rms_norm_eps
-    for op in graph.layer:
-        src, dst, c = op.ins[0], op.out_name, op.const
-        if op.kind == "linear":
-            # codes [L, out, in], per-output-channel requantization into the output
-            name = op.weight_name
-            tq = plan.get(f"layers/{name}")
-            assert tq is not None
-            w = layers[name]
-            s_state = np.asarray(state["layers"][name].scale, np.float32)
-            z_state = np.asarray(state["layers"][name].zero_point, np.float32)
-            codes, ms, shs, biases, blocks, zeros = [], [], [], [], [], []
-            for i in range(n):
-                where = f"layers.{i}.{name}"
-                z_w = weight_zero_points(tq, z_state[i], where)
-                q, s_w, block_scales = _layer_weight_codes(w[i], tq, i, s_state[i], where, z_w)
-                codes.append(q)
-                zeros.append(z_w)
-                if block_scales is not None:
-                    blocks.append(block_scales)
-                s_acc = enc(src, i).scale * s_w.astype(np.float64)
-                m, sh = _requant(s_acc / enc(dst, i).scale, where)
-                ms.append(m)
-                shs.append(sh)
-                if op.bias and op.bias in layers:
-                    b = np.rint(layers[op.bias][i].astype(np.float64) / s_acc)
-                    if np.abs(b).max() >= 2**31:
-                        raise QnpuError(f"layers.{i}.{op.bias} does not fit int32 at s_in·s_w")
-                    biases.append(b.astype(np.int32))
-            tensors[f"{c}.weight"] = np.stack(codes)
-            tensors[f"{c}.M"] = np.stack(ms)
-            tensors[f"{c}.shift"] = np.stack(shs)
-            if biases:
-                tensors[f"{c}.bias"] = np.stack(biases)
-            if blocks:  # LPBQ: the engines run the int8 codes k·q (`int_model.lpbq_weights`)
-                tensors[f"{c}.block_scale"] = np.stack(blocks)
-            if not tq.symmetric:  # the matmul subtracts z_w[o]·Σ_i xc_i
-                tensors[f"{c}.weight_zero_point"] = np.stack(zeros)
-                weight_zero.append(c)
-            if max(tq.layer_bits or (tq.bits,)) <= 4:
-                int4.add(f"{c}.weight")
-        elif op.kind == "rmsnorm":
-            # γ = 1 after fuse_norms; kept general for unrotated methods
-            norms = [
-                _norm_constants(
-                    layers[op.gain][i], enc(src, i), enc(dst, i), eps, f"layers.{i}.{op.gain}"
-                )
-                for i in range(n)
-            ]
-            for k, v in _stack(norms).items():
-                tensors[f"{c}.{k}"] = v
-        elif op.kind == "rope":  # Q14 tables: requantize s_in·2^-14 / s_out
-            s_in = scales(src)
-            if cfg.qk_norm and op.head_norm:  # Qwen3: each head RMSNormed into 16 bits first
-                gains = np.asarray(layers[op.head_norm], np.float64)  # [L, hd]
-                s_in = np.maximum(np.abs(gains).max(axis=1), 1e-30) * math.sqrt(cfg.head_dim)
-                s_in = s_in / HEAD_NORM_MAX
-                norms = [
-                    _norm_constants(
-                        gains[i],
-                        enc(src, i),
-                        IntEncoding(float(s_in[i]), 0, -HEAD_NORM_MAX, HEAD_NORM_MAX),
-                        eps,
-                        f"layers.{i}.{op.head_norm}",
-                    )
-                    for i in range(n)
-                ]
-                for k, v in _stack(norms).items():
-                    tensors[f"{c}.norm.{k}"] = v
-            real = s_in * 2.0**-ROPE_FRACTION_BITS / scales(dst)
-            tensors[f"{c}.M"], tensors[f"{c}.shift"] = _requant(real, c)
-        elif op.kind == "attention":
-            # scores requantization, exp LUT of the softmax, P·V requantization
-            q_in, k_in, v_in = op.ins
-            scores, probs = (t.name for t in op.inner)
-            real = scales(q_in) * scales(k_in) / math.sqrt(cfg.head_dim) / scales(scores)
-            tensors["layers.scores.M"], tensors["layers.scores.shift"] = _requant(
-                real, "layers.scores"
-            )
-            exp_luts = []
-            for i in range(n):
-                diff = IntEncoding(enc(scores, i).scale, 0, 0, (1 << 16) - 1)
-                exp_luts.append(_lut(lambda x: np.exp(-x), diff, enc(probs, i)).astype(np.uint16))
-            tensors["layers.softmax.exp_lut"] = np.stack(exp_luts)
-            real = scales(v_in) / PROBS_SCALE_DENOMINATOR / scales(dst)
-            tensors["layers.pv.M"], tensors["layers.pv.shift"] = _requant(real, "layers.pv")
-            if prefix:
-                k_codes, v_codes = prefix_cache_codes(
-                    params if prefix_params is None else prefix_params,
-                    cfg,
-                    plan,
-                    state,
-                    prefix,
-                    acts[k_in],
-                    acts[v_in],
-                    graph,
-                )
-                tensors["layers.prefix.k"], tensors["layers.prefix.v"] = k_codes, v_codes
-        elif op.kind == "add":  # two inputs rescaled into the output with one shared shift
-            triples = [
-                _two_input_rescale(
-                    enc(op.ins[0], i).scale / enc(dst, i).scale,
-                    enc(op.ins[1], i).scale / enc(dst, i).scale,
-                    f"layers.{i}.{dst}",
-                )
-                for i in range(n)
-            ]
-            arr = np.array(triples, np.int64)
-            tensors[f"{c}.Ma"] = arr[:, 0].astype(np.int32)
-            tensors[f"{c}.Mb"] = arr[:, 1].astype(np.int32)
-            tensors[f"{c}.shift"] = arr[:, 2].astype(np.int32)
-        elif op.kind == "lut":  # a table over the input's whole code range
-            f = LUT_FUNCTIONS[op.fn]
-            luts = [_lut(f, enc(src, i), enc(dst, i)) for i in range(n)]
-            if len({len(t) for t in luts}) != 1:
-                raise QnpuError(f"layers/{src}: the {op.fn} LUTs need one bit-width in every layer")
-            tensors[f"{c}.lut"] = _narrow(np.stack(luts))
-        elif op.kind == "mul":  # the product requantized
-            real = scales(src) * scales(op.ins[1]) / scales(dst)
-            tensors[f"{c}.M"], tensors[f"{c}.shift"] = _requant(real, c)
-        else:
-            raise QnpuError(f"the exporter has no {op.kind!r} op in a layer")
-
-    # The final norm and the RoPE tables.
-    last = graph.layer[-1].out_name
-    final = _norm_constants(
-        np_params[norm_op.gain], enc(last, n - 1), outer[norm_op.out_name], eps, norm_op.gain
-    )
-    for k, v in final.items():
-        tensors[f"{norm_op.const}.{k}"] = v
-    cos, sin = rope_tables(cfg, max_context)
-    tensors["rope.cos"], tensors["rope.sin"] = cos, sin
-
-    # lm_head: W8 per channel; int32 logits at the fixed scale LOGITS_SCALE.
-    head_name = head_op.weight_name
-    tq = plan.get(head_name)
-    assert tq is not None
-    head = np.asarray(lm_head_weight(np_params), np.float32)
-    s_head = np.asarray(get_entry(state, head_name).scale, np.float32).reshape(-1, 1)
-    tensors[f"{head_op.const}.weight"] = _weight_codes(
-        head, s_head, np.zeros_like(s_head), tq.spec(), head_name
-    )
-    real_head = outer[norm_op.out_name].scale * s_head[:, 0].astype(np.float64) / LOGITS_SCALE
-    tensors[f"{head_op.const}.M"], tensors[f"{head_op.const}.shift"] = _requant(
-        real_head, head_name
-    )
-
-    _check_multipliers(tensors)
-    for act, entry in muxq.items():  # the producer shifts MUXQ channels exp bits further
+    x = _Export(params, np_params, cfg, plan, state, graph, acts, outer, prefix, prefix_params)
+    _act_tables(x)
+    _channel_lists(x)
+    for op in graph.model:
+        build = MODEL_CONSTS.get(op.kind)
+        if build is None:  # LAYER_ONLY_KINDS
+            raise QnpuError(f"the exporter has no {op.kind.value!r} op in the model")
+        build(x, op)
+    x.tensors["rope.cos"], x.tensors["rope.sin"] = rope_tables(cfg, max_context)
+    _check_multipliers(x.tensors)
+    for act, entry in x.muxq.items():  # the producer shifts MUXQ channels exp bits further
         producer = next(op for op in graph.layer if op.out_name == act)
-        if int(tensors[f"{producer.const}.shift"].max()) + entry["exp"] > SHIFT_MAX:
+        if int(x.tensors[f"{producer.const}.shift"].max()) + entry["exp"] > SHIFT_MAX:
             raise QnpuError(f"layers/{act}: MUXQ's exp takes the requantization shift past 62")
     manifest = {
         "model": dataclasses.asdict(cfg),
-        "graph": {
-            "format": FORMAT_GRAPH_CHANNELS if shadow or muxq or weight_zero else FORMAT_GRAPH,
-            "ops": graph.ops_json(),
-            "layer_activations": layer_acts,
-            "global_activations": list(outer),
-            "prefix_tokens": list(prefix),
-            "max_context": max_context,
-            "prefill_chunk": prefill_chunk,
-            "norm_fraction_bits": NORM_FRACTION_BITS,
-            "norm_unit_bits": NORM_UNIT_BITS,
-            "rope_fraction_bits": ROPE_FRACTION_BITS,
-            "logits_scale": LOGITS_SCALE,
-            **({"shadow": shadow} if shadow else {}),
-            **({"muxq": muxq} if muxq else {}),
-            **({"weight_zero_points": weight_zero} if weight_zero else {}),
-        },
+        "graph": _graph_section(x, max_context, prefill_chunk),
         "encodings": encodings_table(plan, state, cfg, acts, outer, graph),
         "tokenizer": dict(tokenizer_info or {}),
         "source": dict(source or {}),
     }
-    return ExportedModel(manifest, tensors, frozenset(int4))
+    return ExportedModel(manifest, x.tensors, frozenset(x.int4))
+
+
+def _graph_section(x: _Export, max_context: int, prefill_chunk: int) -> dict[str, Any]:
+    """The manifest's "graph": the op list, activation tables and fixed-point parameters."""
+    lists = x.shadow or x.muxq or x.weight_zero
+    return {
+        "format": FORMAT_GRAPH_CHANNELS if lists else FORMAT_GRAPH,
+        "ops": x.graph.ops_json(),
+        "layer_activations": [t.name for t in x.graph.layer_acts],
+        "global_activations": list(x.outer),
+        "prefix_tokens": list(x.prefix),
+        "max_context": max_context,
+        "prefill_chunk": prefill_chunk,
+        "norm_fraction_bits": NORM_FRACTION_BITS,
+        "norm_unit_bits": NORM_UNIT_BITS,
+        "rope_fraction_bits": ROPE_FRACTION_BITS,
+        "logits_scale": LOGITS_SCALE,
+        **({"shadow": x.shadow} if x.shadow else {}),
+        **({"muxq": x.muxq} if x.muxq else {}),
+        **({"weight_zero_points": x.weight_zero} if x.weight_zero else {}),
+    }
 
 
 def _check_multipliers(tensors: Mapping[str, np.ndarray]) -> None:

@@ -28,15 +28,16 @@ from qnpu_jax.ir.graph import (
     MUXQ_MAX_EXP,
     NORM_FRACTION_BITS,
     NORM_UNIT_BITS,
-    OPS,
     ROPE_FRACTION_BITS,
     SHADOW_RANGE,
     WEIGHT_CODE_RANGE,
+    OpKind,
     channel_mask,
     expected_tensors,
     graph_ops,
     layer_widths,
     model_widths,
+    op_kind,
 )
 from qnpu_jax.models.tokenizer import Tokenizer
 
@@ -146,9 +147,9 @@ def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], whe
         raise QnpuError(f"{where}: graph has no op list")
     for part in ("model", "layer"):
         for op in ops.get(part) or []:
-            if not isinstance(op, dict) or op.get("op") not in OPS:
-                kind = op.get("op") if isinstance(op, dict) else op
-                raise QnpuError(f"{where}: unknown op {kind!r} in the {part} op list")
+            if not isinstance(op, dict):
+                raise QnpuError(f"{where}: unknown op {op!r} in the {part} op list")
+            op_kind(op.get("op"), f"{where}: the {part} op list has an unknown op")
     if ops != graph_ops():
         raise QnpuError(f"{where}: the op list differs from graph {FORMAT_GRAPH}")
     if list(graph.get("layer_activations", [])) != list(LAYER_ACTS) or list(
@@ -180,7 +181,7 @@ def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], whe
                 f"{where}: {const}.weight_zero_point must lie in {list(WEIGHT_CODE_RANGE)} "
                 "(int8 weight codes)"
             )
-    for op in GRAPH.ops("lut"):
+    for op in GRAPH.ops(OpKind.LUT):
         j = LAYER_ACTS.index(op.ins[0])
         span = tensors["layers.act.qmax"][:, j] - tensors["layers.act.qmin"][:, j] + 1
         if (span != tensors[f"{op.const}.lut"].shape[1]).any():
@@ -210,7 +211,7 @@ def _check_channel_entries(graph: dict[str, Any], where: str) -> None:
 def _check_weight_zero_entries(graph: dict[str, Any], where: str) -> None:
     """graph.weight_zero_points: distinct layer linears (their constants' prefix)."""
     consts = graph.get("weight_zero_points") or []
-    linears = [op.const for op in GRAPH.ops("linear")]
+    linears = [op.const for op in GRAPH.ops(OpKind.LINEAR)]
     if (
         not isinstance(consts, list)
         or len(set(consts)) != len(consts)
@@ -320,7 +321,7 @@ def lpbq_blocks(encodings: Mapping[str, Any], where: str) -> dict[str, int]:
     block size for every layer of a linear)."""
     out: dict[str, int] = {}
     for op in GRAPH.layer:
-        if op.kind != "linear":
+        if op.kind != OpKind.LINEAR:
             continue
         entries = [e for k, e in encodings.items() if k.endswith(f".{op.weight_name}")]
         blocks = {

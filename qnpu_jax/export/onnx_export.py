@@ -60,7 +60,18 @@ from qnpu_jax.export.exporter import (
     run_encodings,
     tokenizer_info,
 )
-from qnpu_jax.ir.graph import FORMAT_GRAPH, GRAPH, KV_TENSORS, Graph, Op, layer_widths
+from qnpu_jax.ir.graph import (
+    FORMAT_GRAPH,
+    GRAPH,
+    KV_TENSORS,
+    LAYER_ONLY_KINDS,
+    MODEL_ONLY_KINDS,
+    Graph,
+    Op,
+    OpKind,
+    check_handlers,
+    layer_widths,
+)
 from qnpu_jax.models.llama import forward_tapped, init_cache, lm_head_weight, rope_inv_freq
 from qnpu_jax.models.taps import CacheOnlyTaps, FakeQuantTaps, effective_state
 from qnpu_jax.pipeline.run import load_run
@@ -455,7 +466,7 @@ class _Writer:
         hot = b.const(self.plan.outliers[ours]["shadow_channels"], np.int64, f"{name}_hot")
         op, ins = made
         again = f"{name}_recomputed"
-        if op.kind == "mul":
+        if op.kind == OpKind.MUL:
             b.node("Mul", [b.node("Gather", [v, hot], axis=-1) for v in ins], again)
         else:
             value = self.emit(i, op, ins, b.fresh(f"{name}.shadow"))
@@ -466,28 +477,13 @@ class _Writer:
             overflow = _qdq(b, overflow, overflow_entry(e), overflow)
         return overflow
 
-    def emit(self, i: int, op: Op, ins: list[str], out: str) -> str:
-        """The nodes of layer op `op` (not a linear) of layer i reading `ins`, writing `out`."""
-        layers = self.p["layers"]
-        if op.kind == "rmsnorm":
-            gain_name = f"model.layers.{i}.{op.gain}.weight"
-            self.rmsnorm(ins[0], layers[op.gain][i], gain_name, out)
-        elif op.kind == "rope":
-            norm = None
-            if op.head_norm in layers:
-                gain_name = f"model.layers.{i}.self_attn.{op.head_norm}.weight"
-                norm = (layers[op.head_norm][i], gain_name)
-            self.rope(ins[0], self.heads[op.heads], out, norm)
-        elif op.kind == "attention":
-            q, k, v = ins
-            self.attention(i, op, q, k, v, out)
-        elif op.kind in ("add", "mul"):
-            self.b.node(op.kind.capitalize(), ins, out)
-        elif op.kind == "lut" and op.fn == "silu":
-            self.b.node("Mul", [ins[0], self.b.node("Sigmoid", [ins[0]])], out)
-        else:
-            fn = f" ({op.fn})" if op.fn else ""
-            raise QnpuError(f"the ONNX exporter does not know the layer op {op.kind!r}{fn}")
+    def emit(self, i: int, op: Op, ins: list[str], out: str, made: Made | None = None) -> str:
+        """The nodes of layer op `op` of layer i reading `ins`, writing `out` (LAYER_NODES);
+        `made`: how the layer's tensors so far were made (a linear's shadow path reads it)."""
+        emit = LAYER_NODES.get(op.kind)
+        if emit is None:  # MODEL_ONLY_KINDS
+            raise QnpuError(f"the ONNX exporter does not know the layer op {op.kind.value!r}")
+        emit(self, i, op, ins, out, {} if made is None else made)
         return out
 
     def rmsnorm(self, x: str, gain: np.ndarray, gain_name: str, out: str) -> None:
@@ -623,46 +619,117 @@ class _Writer:
 
     def layer(self, graph: Graph, i: int, x: str) -> str:
         """One decoder layer's ops; returns the value of its output."""
-        layers, env = self.p["layers"], {graph.layer_input: x}
-        made: dict[str, tuple[Op, list[str]]] = {}  # how each tensor was made
+        env = {graph.layer_input: x}
+        made: Made = {}  # how each tensor was made
         for op in graph.layer:
             ins = [env[name] for name in op.ins]
             ours = f"layers.{i}.{op.out_name}"
             out = aimet_name(ours)
             if "muxq" in self.plan.outliers.get(ours, {}):
                 out = unshifted(out)
-            if op.kind == "linear":
-                bias = layers[op.bias][i] if op.bias and op.bias in layers else None
-                w_ours = f"layers.{i}.{op.weight_name}"
-                extra = self._extra(i, op, ins[0], made)
-                self.linear(ins[0], layers[op.weight_name][i], w_ours, bias, out, extra)
-            else:
-                self.emit(i, op, ins, out)
+            self.emit(i, op, ins, out, made)
             made[op.out_name] = (op, ins)
             env[op.out_name] = self.read(ours)
         return env[graph.layer[-1].out_name]
 
     def model(self, graph: Graph) -> None:
-        """The model's ops in order; the layers op runs every decoder layer."""
+        """The model's ops in order (MODEL_NODES); the layers op runs every decoder layer."""
 
         env: dict[str, str] = {}
         for op in graph.model:
-            x = env.get(op.ins[0], "")
-            if op.kind == "embed":  # the rows come in: the graph input of that name
-                env[op.out_name] = self.read(op.out_name)
-            elif op.kind == "layers":
-                for i in range(self.cfg.num_layers):
-                    x = self.layer(graph, i, x)
-                env[op.out_name] = x
-            elif op.kind == "rmsnorm":
-                out = aimet_name(op.out_name)
-                self.rmsnorm(x, self.p[op.gain], f"{_module(out)}.weight", out)
-                env[op.out_name] = self.read(op.out_name)
-            elif op.kind == "linear":  # lm_head: the logits are not quantized
-                head = np.asarray(lm_head_weight(self.p), np.float32)
-                self.linear(x, head, op.weight_name, None, "logits")
-            else:
-                raise QnpuError(f"the ONNX exporter does not know the model op {op.kind!r}")
+            emit = MODEL_NODES.get(op.kind)
+            if emit is None:  # LAYER_ONLY_KINDS
+                raise QnpuError(f"the ONNX exporter does not know the model op {op.kind.value!r}")
+            env[op.out_name] = emit(self, graph, op, env.get(op.ins[0], ""))
+
+
+Made = dict[str, tuple[Op, list[str]]]  # a layer's tensor -> the op that made it, its inputs
+
+
+def _rmsnorm_nodes(w: _Writer, i: int, op: Op, ins: list[str], out: str, made: Made) -> None:
+    gain_name = f"model.layers.{i}.{op.gain}.weight"
+    w.rmsnorm(ins[0], w.p["layers"][op.gain][i], gain_name, out)
+
+
+def _linear_nodes(w: _Writer, i: int, op: Op, ins: list[str], out: str, made: Made) -> None:
+    layers = w.p["layers"]
+    bias = layers[op.bias][i] if op.bias and op.bias in layers else None
+    w_ours = f"layers.{i}.{op.weight_name}"
+    extra = w._extra(i, op, ins[0], made)
+    w.linear(ins[0], layers[op.weight_name][i], w_ours, bias, out, extra)
+
+
+def _rope_nodes(w: _Writer, i: int, op: Op, ins: list[str], out: str, made: Made) -> None:
+    layers = w.p["layers"]
+    norm = None
+    if op.head_norm in layers:
+        gain_name = f"model.layers.{i}.self_attn.{op.head_norm}.weight"
+        norm = (layers[op.head_norm][i], gain_name)
+    w.rope(ins[0], w.heads[op.heads], out, norm)
+
+
+def _attention_nodes(w: _Writer, i: int, op: Op, ins: list[str], out: str, made: Made) -> None:
+    q, k, v = ins
+    w.attention(i, op, q, k, v, out)
+
+
+def _binary_nodes(w: _Writer, i: int, op: Op, ins: list[str], out: str, made: Made) -> None:
+    """Add and Mul: the ONNX op of the kind's name."""
+    w.b.node(op.kind.capitalize(), ins, out)
+
+
+def _lut_nodes(w: _Writer, i: int, op: Op, ins: list[str], out: str, made: Made) -> None:
+    if op.fn != "silu":
+        fn = f" ({op.fn})" if op.fn else ""
+        raise QnpuError(f"the ONNX exporter does not know the layer op {op.kind.value!r}{fn}")
+    w.b.node("Mul", [ins[0], w.b.node("Sigmoid", [ins[0]])], out)
+
+
+# The ONNX nodes of each layer op (`_Writer.emit`).
+LAYER_NODES: dict[OpKind, Callable[[_Writer, int, Op, list[str], str, Made], None]] = {
+    OpKind.RMSNORM: _rmsnorm_nodes,
+    OpKind.LINEAR: _linear_nodes,
+    OpKind.ROPE: _rope_nodes,
+    OpKind.ATTENTION: _attention_nodes,
+    OpKind.ADD: _binary_nodes,
+    OpKind.LUT: _lut_nodes,
+    OpKind.MUL: _binary_nodes,
+}
+check_handlers(LAYER_NODES, "the ONNX exporter (layer ops)", MODEL_ONLY_KINDS)
+
+
+def _embed_nodes(w: _Writer, graph: Graph, op: Op, x: str) -> str:
+    """The rows come in: the graph input of that name."""
+    return w.read(op.out_name)
+
+
+def _layers_nodes(w: _Writer, graph: Graph, op: Op, x: str) -> str:
+    for i in range(w.cfg.num_layers):
+        x = w.layer(graph, i, x)
+    return x
+
+
+def _final_norm_nodes(w: _Writer, graph: Graph, op: Op, x: str) -> str:
+    out = aimet_name(op.out_name)
+    w.rmsnorm(x, w.p[op.gain], f"{_module(out)}.weight", out)
+    return w.read(op.out_name)
+
+
+def _lm_head_nodes(w: _Writer, graph: Graph, op: Op, x: str) -> str:
+    """The logits are not quantized."""
+    head = np.asarray(lm_head_weight(w.p), np.float32)
+    w.linear(x, head, op.weight_name, None, "logits")
+    return "logits"
+
+
+# The ONNX nodes of each model op (`_Writer.model`): each returns its output's value.
+MODEL_NODES: dict[OpKind, Callable[[_Writer, Graph, Op, str], str]] = {
+    OpKind.EMBED: _embed_nodes,
+    OpKind.LAYERS: _layers_nodes,
+    OpKind.RMSNORM: _final_norm_nodes,
+    OpKind.LINEAR: _lm_head_nodes,
+}
+check_handlers(MODEL_NODES, "the ONNX exporter (model ops)", LAYER_ONLY_KINDS)
 
 
 def build_graph(params: Any, cfg: Any, plan: OnnxPlan, *, name: str, graph: Graph = GRAPH) -> Any:
@@ -698,11 +765,11 @@ def build_graph(params: Any, cfg: Any, plan: OnnxPlan, *, name: str, graph: Grap
 
 def embed_output(graph: Graph = GRAPH) -> str:
     """Our name of the embedding op's output: the graphs' input (the looked-up rows)."""
-    return next(op.out_name for op in graph.model if op.kind == "embed")
+    return next(op.out_name for op in graph.model if op.kind == OpKind.EMBED)
 
 
 def embed_table(graph: Graph = GRAPH) -> str:
-    return next(op.weight_name for op in graph.model if op.kind == "embed")
+    return next(op.weight_name for op in graph.model if op.kind == OpKind.EMBED)
 
 
 def _module(onnx_name: str) -> str:
@@ -776,7 +843,7 @@ def onnx_encodings(
 def reader_weights(ours: str) -> list[str]:
     """Our names of the weights of the linears that read input tensor `ours` (`layers.i.X`)."""
     _, i, tensor = ours.split(".")
-    ops = (op for op in GRAPH.layer if op.kind == "linear" and op.ins[0] == tensor)
+    ops = (op for op in GRAPH.layer if op.kind == OpKind.LINEAR and op.ins[0] == tensor)
     return [f"layers.{i}.{op.weight_name}" for op in ops]
 
 
@@ -1062,7 +1129,6 @@ def prefix_kv(model: Any) -> np.ndarray:
     """The sink prefix's K/V [2 (float, fake-quant), 2 (K, V), L, Hkv, P, hd] as the float
     and the fake-quant model compute them (the prefix runs in float; fake-quant quantizes only
     its K/V, and runs it on the weights before GPTQ's rounding where the model has such)."""
-
 
     cfg, p = model.cfg, len(model.prefix)
     if not p:

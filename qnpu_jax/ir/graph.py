@@ -6,6 +6,8 @@ heavy, so the emulator stays free of JAX. docs/artifact.md describes every op.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +43,59 @@ LOGITS_RANGE = (-(2**31), 2**31 - 1)
 # "fake" in float32; "device" with this contract's own tables and grids where they differ
 # from float (Q14 RoPE, the integer softmax's exp and probability grids).
 SIMULATIONS = ("fake", "device")
-OPS = ("embed", "layers", "rmsnorm", "linear", "rope", "attention", "add", "lut", "mul")
+
+
+class OpKind(enum.StrEnum):
+    """The kinds of op of the graph; a value is the op's name in the artifact's op list."""
+
+    EMBED = "embed"
+    LAYERS = "layers"
+    RMSNORM = "rmsnorm"
+    LINEAR = "linear"
+    ROPE = "rope"
+    ATTENTION = "attention"
+    ADD = "add"
+    LUT = "lut"
+    MUL = "mul"
+
+
+OPS = tuple(OpKind)
+# The kinds of the model's op list only: a per-layer interpreter declares them not handled.
+MODEL_ONLY_KINDS = frozenset({OpKind.EMBED, OpKind.LAYERS})
+# The kinds of a layer's op list only: a model-level interpreter declares them not handled.
+LAYER_ONLY_KINDS = frozenset(OpKind) - MODEL_ONLY_KINDS - {OpKind.RMSNORM, OpKind.LINEAR}
+
+
+def check_handlers(
+    table: Mapping[Any, object], who: str, not_handled: Iterable[OpKind] = ()
+) -> None:
+    """Refuse an interpreter's dispatch table unless its keys and the kinds it declares
+    `not_handled` are each OpKind exactly once (run at import: a new kind fails loudly)."""
+    skipped = frozenset(not_handled)
+    unknown = sorted(repr(k) for k in (*table, *skipped) if not isinstance(k, OpKind))
+    missing = [k.value for k in OpKind if k not in table and k not in skipped]
+    both = [k.value for k in OpKind if k in table and k in skipped]
+    problems = [
+        f"{what}: {', '.join(kinds)}"
+        for what, kinds in (
+            ("no handler for op kinds", missing),
+            ("keys that are not op kinds", unknown),
+            ("op kinds both handled and declared not handled", both),
+        )
+        if kinds
+    ]
+    if problems:
+        raise ValueError(f"{who}: {'; '.join(problems)}")
+
+
+def op_kind(value: Any, what: str) -> OpKind:
+    """An op list entry's "op" as an OpKind; QnpuError "`what` 'value' ..." for anything else."""
+    try:
+        return OpKind(value)
+    except ValueError:
+        raise QnpuError(f"{what} {value!r}: no such op kind ({', '.join(OpKind)})") from None
+
+
 # The default bit-width of a tensor: a plan option (`w_bits`, `a_bits`, `kv_bits`,
 # `down_in_bits` for the unrotated input), fixed bits, or the softmax output's fixed encoding.
 UNROTATED_ROLE = "unrotated"
@@ -81,7 +135,7 @@ class Op:
     splits by ("q" or "kv"), `fn` a LUT's function, `head_norm` the per-head RMSNorm gain a
     RoPE op applies first when the model has one (Qwen3's q_norm / k_norm)."""
 
-    kind: str
+    kind: OpKind
     ins: tuple[str, ...]
     out: Tensor | None
     const: str
@@ -93,6 +147,12 @@ class Op:
     fn: str = ""
     head_norm: str = ""
     value: str = ""  # the output's name when it is not a quantized tensor of its own
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", OpKind(self.kind))
+        except ValueError:
+            raise ValueError(f"unknown op kind {self.kind!r}") from None
 
     @property
     def out_name(self) -> str:
@@ -106,7 +166,12 @@ class Op:
 
     def to_json(self) -> dict[str, Any]:
         """The artifact's op entry (manifest `graph.ops`)."""
-        return {"op": self.kind, "in": list(self.ins), "out": self.out_name, "const": self.const}
+        return {
+            "op": self.kind.value,
+            "in": list(self.ins),
+            "out": self.out_name,
+            "const": self.const,
+        }
 
 
 @dataclass(frozen=True)
@@ -120,19 +185,16 @@ class Graph:
     layer_input: str = "x"  # a layer's input: embed_out for layer 0, the previous layer's output
 
     def __post_init__(self) -> None:
-        for op in (*self.layer, *self.model):
-            if op.kind not in OPS:
-                raise ValueError(f"unknown op kind {op.kind!r}")
         names = [t.name for t in self.layer_tensors]
         if len(set(names)) != len(names):
             raise ValueError(f"a layer tensor is named twice: {names}")
         for op in (*self.layer, *self.model):
             if not op.out_name:
                 raise ValueError(f"the {op.kind} op {op.const} has no output name")
-            if op.kind == "layers" and op.out_name != self.layer[-1].out_name:
+            if op.kind == OpKind.LAYERS and op.out_name != self.layer[-1].out_name:
                 raise ValueError("the layers op's output is the last layer op's output")
 
-    def ops(self, kind: str) -> tuple[Op, ...]:
+    def ops(self, kind: OpKind) -> tuple[Op, ...]:
         return tuple(op for op in self.layer if op.kind == kind)
 
     @property
@@ -150,14 +212,14 @@ class Graph:
 
     @property
     def global_acts(self) -> tuple[Tensor, ...]:
-        return tuple(op.out for op in self.model if op.out is not None and op.kind != "layers")
+        return tuple(op.out for op in self.model if op.out is not None and op.kind != OpKind.LAYERS)
 
     @property
     def global_tensors(self) -> tuple[Tensor, ...]:
         """The model-level quantized tensors in graph order (weights before their output)."""
         out: list[Tensor] = []
         for op in self.model:
-            if op.kind == "layers":
+            if op.kind == OpKind.LAYERS:
                 continue
             out += [t for t in (op.weight, op.out) if t is not None]
         return tuple(out)
@@ -165,7 +227,7 @@ class Graph:
     @property
     def linear_io(self) -> dict[str, tuple[str, str]]:
         """Each linear's weight -> (input, output) tensor: {"q_proj": ("attn_in", "q_out"), ...}."""
-        return {op.weight_name: (op.ins[0], op.out_name) for op in self.ops("linear")}
+        return {op.weight_name: (op.ins[0], op.out_name) for op in self.ops(OpKind.LINEAR)}
 
     def ops_json(self) -> dict[str, list[dict[str, Any]]]:
         return {
@@ -180,14 +242,14 @@ def _t(name: str, hf: str, bits: str, width: str = "hidden") -> Tensor:
 
 def _linear(ins: str, out: Tensor, weight: str, hf_module: str, bias: str = "") -> Op:
     w = Tensor(weight, f"{hf_module}.weight", "weight")
-    return Op("linear", (ins,), out, f"layers.{weight}", weight=w, bias=bias)
+    return Op(OpKind.LINEAR, (ins,), out, f"layers.{weight}", weight=w, bias=bias)
 
 
 # The LLaMA decoder layer and model of graph FORMAT_GRAPH (docs/artifact.md describes each op).
 GRAPH = Graph(
     layer=(
         Op(
-            "rmsnorm",
+            OpKind.RMSNORM,
             ("x",),
             _t("attn_in", "input_layernorm.output", "act"),
             "layers.attn_norm",
@@ -215,7 +277,7 @@ GRAPH = Graph(
             "v_bias",
         ),
         Op(
-            "rope",
+            OpKind.ROPE,
             ("q_out",),
             _t("q_rope", "self_attn.q_rope.output", "8", "q"),
             "layers.q_rope",
@@ -223,7 +285,7 @@ GRAPH = Graph(
             head_norm="q_norm",
         ),
         Op(
-            "rope",
+            OpKind.ROPE,
             ("k_out",),
             _t("k_rope", "self_attn.k_rope.output", "kv", "kv"),
             "layers.k_rope",
@@ -231,7 +293,7 @@ GRAPH = Graph(
             head_norm="k_norm",
         ),
         Op(
-            "attention",
+            OpKind.ATTENTION,
             ("q_rope", "k_rope", "v_out"),
             _t("attn_out", "self_attn.o_proj.input", "act", "q"),
             "layers",
@@ -244,13 +306,13 @@ GRAPH = Graph(
             "attn_out", _t("o_out", "self_attn.o_proj.output", "8"), "o_proj", "self_attn.o_proj"
         ),
         Op(
-            "add",
+            OpKind.ADD,
             ("x", "o_out"),
             _t("resid_attn", "post_attention_layernorm.input", "16"),
             "layers.resid_attn",
         ),
         Op(
-            "rmsnorm",
+            OpKind.RMSNORM,
             ("resid_attn",),
             _t("mlp_in", "post_attention_layernorm.output", "act"),
             "layers.mlp_norm",
@@ -265,14 +327,14 @@ GRAPH = Graph(
         ),
         _linear("mlp_in", _t("up_out", "mlp.up_proj.output", "8", "ffn"), "up_proj", "mlp.up_proj"),
         Op(
-            "lut",
+            OpKind.LUT,
             ("gate_out",),
             _t("silu_out", "mlp.act_fn.output", "16", "ffn"),
             "layers.silu",
             fn="silu",
         ),
         Op(
-            "mul",
+            OpKind.MUL,
             ("silu_out", "up_out"),
             _t("down_in", "mlp.down_proj.input", UNROTATED_ROLE, "ffn"),
             "layers.down_in",
@@ -280,26 +342,31 @@ GRAPH = Graph(
         _linear(
             "down_in", _t("down_out", "mlp.down_proj.output", "8"), "down_proj", "mlp.down_proj"
         ),
-        Op("add", ("resid_attn", "down_out"), _t("resid_mlp", "output", "16"), "layers.resid_mlp"),
+        Op(
+            OpKind.ADD,
+            ("resid_attn", "down_out"),
+            _t("resid_mlp", "output", "16"),
+            "layers.resid_mlp",
+        ),
     ),
     model=(
         Op(
-            "embed",
+            OpKind.EMBED,
             ("tokens",),
             _t("embed_out", "model.embed_tokens.output", "16"),
             "embed",
             weight=Tensor("embed_tokens", "model.embed_tokens.weight", "8"),
         ),
-        Op("layers", ("embed_out",), None, "layers", value="resid_mlp"),  # the last layer's
+        Op(OpKind.LAYERS, ("embed_out",), None, "layers", value="resid_mlp"),  # the last layer's
         Op(
-            "rmsnorm",
+            OpKind.RMSNORM,
             ("resid_mlp",),
             _t("final_norm_out", "model.norm.output", "16"),
             "final_norm",
             gain="norm",
         ),
         Op(
-            "linear",
+            OpKind.LINEAR,
             ("final_norm_out",),
             None,
             "lm_head",
@@ -329,18 +396,20 @@ LINEAR_INPUTS = tuple(dict.fromkeys(i for i, _ in LINEAR_IO.values()))
 CHANNEL_INPUTS = tuple(
     op.out_name
     for op in GRAPH.layer
-    if op.kind in ("rmsnorm", "mul") and op.out_name in LINEAR_INPUTS
+    if op.kind in (OpKind.RMSNORM, OpKind.MUL) and op.out_name in LINEAR_INPUTS
 )
 # R1 rotates the norms' outputs (q/k/v and gate/up inputs), R2 the attention output (o_proj
 # input); the down_proj input, a product of two linear outputs, stays unrotated.
-ROTATED_INPUTS = tuple(op.out_name for op in GRAPH.layer if op.kind in ("rmsnorm", "attention"))
-KV_TENSORS = GRAPH.ops("attention")[0].ins[1:]  # the K and V cache
+ROTATED_INPUTS = tuple(
+    op.out_name for op in GRAPH.layer if op.kind in (OpKind.RMSNORM, OpKind.ATTENTION)
+)
+KV_TENSORS = GRAPH.ops(OpKind.ATTENTION)[0].ins[1:]  # the K and V cache
 # Tensors inside attention, over key positions (scores, probabilities): no channel axis.
-ATTENTION_TENSORS = tuple(t.name for t in GRAPH.ops("attention")[0].inner)
+ATTENTION_TENSORS = tuple(t.name for t in GRAPH.ops(OpKind.ATTENTION)[0].inner)
 # The float model's global parameters: the embedding table, lm_head and the final norm's gain.
-EMBED_TABLE = next(op for op in GRAPH.model if op.kind == "embed").weight_name
-LM_HEAD = next(op for op in GRAPH.model if op.kind == "linear").weight_name
-FINAL_NORM = next(op for op in GRAPH.model if op.kind == "rmsnorm").gain
+EMBED_TABLE = next(op for op in GRAPH.model if op.kind == OpKind.EMBED).weight_name
+LM_HEAD = next(op for op in GRAPH.model if op.kind == OpKind.LINEAR).weight_name
+FINAL_NORM = next(op for op in GRAPH.model if op.kind == OpKind.RMSNORM).gain
 SCORES, PROBS = ATTENTION_TENSORS  # the requantized scores; the softmax's fixed-encoding output
 # The one linear input no rotation reaches (a product of two values: down_proj's input), the
 # linear that reads it and that linear's output: what Quant.npu's scan promotes to 16 bits.
@@ -348,7 +417,7 @@ SCORES, PROBS = ATTENTION_TENSORS  # the requantized scores; the softmax's fixed
 UNROTATED_LINEAR = next(w for w, (i, _) in LINEAR_IO.items() if i == UNROTATED_INPUT)
 UNROTATED_OUTPUT = LINEAR_IO[UNROTATED_LINEAR][1]
 # The MLP's input (gate_proj's and up_proj's): the rotated input whose 4-bit grid costs most
-# at W4A4 (docs/results.md), which `mlp_in_mixed_precision` promotes layer by layer.
+# at W4A4 (docs/changelog.md), which `mlp_in_mixed_precision` promotes layer by layer.
 MLP_INPUT = LINEAR_IO["gate_proj"][0]
 # The o_proj input (attention's output): the next costliest 4-bit input at W4A4, which
 # `attn_out_mixed_precision` promotes.
@@ -359,16 +428,18 @@ ATTN_OUTPUT_INPUT = LINEAR_IO["o_proj"][0]
 # input of the linear reading the attention output.
 NORM_READERS = {
     op.gain: tuple(w for w, (i, _) in LINEAR_IO.items() if i == op.out_name)
-    for op in GRAPH.ops("rmsnorm")
+    for op in GRAPH.ops(OpKind.RMSNORM)
 }
 RESIDUAL_WRITERS = tuple(
-    w for w, (_, o) in LINEAR_IO.items() if any(o in op.ins for op in GRAPH.ops("add"))
+    w for w, (_, o) in LINEAR_IO.items() if any(o in op.ins for op in GRAPH.ops(OpKind.ADD))
 )
-V_LINEAR = next(w for w, (_, o) in LINEAR_IO.items() if o == GRAPH.ops("attention")[0].ins[2])
-O_LINEAR = next(w for w, (i, _) in LINEAR_IO.items() if i == GRAPH.ops("attention")[0].out_name)
-LINEAR_BIAS = {op.weight_name: op.bias for op in GRAPH.ops("linear") if op.bias}
+V_LINEAR = next(w for w, (_, o) in LINEAR_IO.items() if o == GRAPH.ops(OpKind.ATTENTION)[0].ins[2])
+O_LINEAR = next(
+    w for w, (i, _) in LINEAR_IO.items() if i == GRAPH.ops(OpKind.ATTENTION)[0].out_name
+)
+LINEAR_BIAS = {op.weight_name: op.bias for op in GRAPH.ops(OpKind.LINEAR) if op.bias}
 # Qwen3's per-head norms of q and k (`ModelConfig.qk_norm`), by the RoPE op that applies them
-HEAD_NORMS = tuple(op.head_norm for op in GRAPH.ops("rope") if op.head_norm)
+HEAD_NORMS = tuple(op.head_norm for op in GRAPH.ops(OpKind.ROPE) if op.head_norm)
 # Channel smoothing folds s into the linear writing one factor of that product (rows / s) and
 # the linear reading it (columns · s): up_proj → down_proj.
 SMOOTHED_LINEARS = (
@@ -416,6 +487,116 @@ def channel_mask(lists: Any, width: int) -> np.ndarray:
 
 
 _I8_16_32 = ("int8", "int16", "int32")
+_I32 = ("int32",)
+
+
+@dataclass(frozen=True)
+class _Expected:
+    """`expected_tensors`' inputs (an artifact's model config and graph section, the sizes
+    read from them) and the table it fills."""
+
+    model: dict[str, Any]
+    graph: dict[str, Any]
+    n: int
+    d: int
+    hd: int
+    hkv: int
+    v: int
+    width: dict[str, int]
+    out: dict[str, Any]
+
+    def norm(self, const: str, lead: tuple[int, ...], width: int | None = None) -> None:
+        width = self.d if width is None else width
+        self.out[f"{const}.sign"] = ((*lead, width), ("int8",))
+        self.out[f"{const}.M"] = ((*lead, width), _I32)
+        self.out[f"{const}.shift"] = ((*lead, width), _I32)
+        self.out[f"{const}.eps"] = (lead, ("int64",))
+
+
+def _expect_layer_linear(e: _Expected, op: Op) -> None:
+    n, c = e.n, op.const
+    o, i = e.width[op.out_name], e.width[op.ins[0]]
+    e.out[f"{c}.weight"] = ((n, o, i), ("int8",))
+    e.out[f"{c}.M"] = ((n, o), _I32)
+    e.out[f"{c}.shift"] = ((n, o), _I32)
+    if e.model.get("attention_bias") and op.bias:
+        e.out[f"{c}.bias"] = ((n, o), _I32)
+
+
+def _expect_layer_rmsnorm(e: _Expected, op: Op) -> None:
+    e.norm(op.const, (e.n,))
+
+
+def _expect_scalar_requant(e: _Expected, op: Op) -> None:
+    """RoPE and the product: one multiplier and shift per layer (RoPE: a head norm first)."""
+    e.out[f"{op.const}.M"] = ((e.n,), _I32)
+    e.out[f"{op.const}.shift"] = ((e.n,), _I32)
+    if op.head_norm and e.model.get("architecture") == "qwen3":
+        e.norm(f"{op.const}.norm", (e.n,), e.hd)
+
+
+def _expect_add(e: _Expected, op: Op) -> None:
+    for k in ("Ma", "Mb", "shift"):
+        e.out[f"{op.const}.{k}"] = ((e.n,), _I32)
+
+
+def _expect_lut(e: _Expected, op: Op) -> None:
+    e.out[f"{op.const}.lut"] = ((e.n, None), _I8_16_32)
+
+
+def _expect_attention(e: _Expected, op: Op) -> None:
+    n, hd, hkv = e.n, e.hd, e.hkv
+    for k in ("scores", "pv"):
+        e.out[f"layers.{k}.M"] = ((n,), _I32)
+        e.out[f"layers.{k}.shift"] = ((n,), _I32)
+    e.out["layers.softmax.exp_lut"] = ((n, 1 << 16), ("uint16",))
+    p = len(e.graph["prefix_tokens"])
+    if p:
+        e.out["layers.prefix.k"] = ((n, hkv, p, hd), _I8_16_32)
+        e.out["layers.prefix.v"] = ((n, hkv, p, hd), _I8_16_32)
+
+
+def _expect_embed(e: _Expected, op: Op) -> None:
+    v, d = e.v, e.d
+    e.out[f"{op.const}.table"] = ((v, d), ("int8",))
+    e.out[f"{op.const}.M"] = ((v,), _I32)
+    e.out[f"{op.const}.shift"] = ((v,), _I32)
+
+
+def _expect_layers(e: _Expected, op: Op) -> None:
+    """The layers op has no constants of its own: its layer ops have them."""
+
+
+def _expect_model_rmsnorm(e: _Expected, op: Op) -> None:
+    e.norm(op.const, ())
+
+
+def _expect_model_linear(e: _Expected, op: Op) -> None:
+    v, d = e.v, e.d
+    e.out[f"{op.const}.weight"] = ((v, d), ("int8",))
+    e.out[f"{op.const}.M"] = ((v,), _I32)
+    e.out[f"{op.const}.shift"] = ((v,), _I32)
+
+
+_ExpectFn = Callable[[_Expected, Op], None]
+# The tensors each op of a layer and of the model holds (`expected_tensors`).
+EXPECTED_LAYER: dict[OpKind, _ExpectFn] = {
+    OpKind.RMSNORM: _expect_layer_rmsnorm,
+    OpKind.LINEAR: _expect_layer_linear,
+    OpKind.ROPE: _expect_scalar_requant,
+    OpKind.ATTENTION: _expect_attention,
+    OpKind.ADD: _expect_add,
+    OpKind.LUT: _expect_lut,
+    OpKind.MUL: _expect_scalar_requant,
+}
+check_handlers(EXPECTED_LAYER, "expected_tensors (layer ops)", MODEL_ONLY_KINDS)
+EXPECTED_MODEL: dict[OpKind, _ExpectFn] = {
+    OpKind.EMBED: _expect_embed,
+    OpKind.LAYERS: _expect_layers,
+    OpKind.RMSNORM: _expect_model_rmsnorm,
+    OpKind.LINEAR: _expect_model_linear,
+}
+check_handlers(EXPECTED_MODEL, "expected_tensors (model ops)", LAYER_ONLY_KINDS)
 
 
 def expected_tensors(model: dict[str, Any], graph: dict[str, Any]) -> dict[str, Any]:
@@ -429,68 +610,24 @@ def expected_tensors(model: dict[str, Any], graph: dict[str, Any]) -> dict[str, 
     hd, hkv = model["head_dim"], model["num_kv_heads"]
     v = model["vocab_size"]
     width = layer_widths(model_widths(model))
-    i32 = ("int32",)
     out: dict[str, Any] = {}
     for field in ("zero_point", "qmin", "qmax"):
-        out[f"layers.act.{field}"] = ((n, len(GRAPH.layer_acts)), i32)
-        out[f"act.{field}"] = ((len(GRAPH.global_acts),), i32)
-
-    def norm(const: str, lead: tuple[int, ...], width: int = d) -> None:
-        out[f"{const}.sign"] = ((*lead, width), ("int8",))
-        out[f"{const}.M"] = ((*lead, width), i32)
-        out[f"{const}.shift"] = ((*lead, width), i32)
-        out[f"{const}.eps"] = (lead, ("int64",))
-
+        out[f"layers.act.{field}"] = ((n, len(GRAPH.layer_acts)), _I32)
+        out[f"act.{field}"] = ((len(GRAPH.global_acts),), _I32)
+    e = _Expected(model, graph, n, d, hd, hkv, v, width, out)
     for op in GRAPH.layer:
-        c = op.const
-        if op.kind == "linear":
-            o, i = width[op.out_name], width[op.ins[0]]
-            out[f"{c}.weight"] = ((n, o, i), ("int8",))
-            out[f"{c}.M"] = ((n, o), i32)
-            out[f"{c}.shift"] = ((n, o), i32)
-            if model.get("attention_bias") and op.bias:
-                out[f"{c}.bias"] = ((n, o), i32)
-        elif op.kind == "rmsnorm":
-            norm(c, (n,))
-        elif op.kind in ("rope", "mul"):
-            out[f"{c}.M"] = ((n,), i32)
-            out[f"{c}.shift"] = ((n,), i32)
-            if op.head_norm and model.get("architecture") == "qwen3":
-                norm(f"{c}.norm", (n,), hd)
-        elif op.kind == "add":
-            for k in ("Ma", "Mb", "shift"):
-                out[f"{c}.{k}"] = ((n,), i32)
-        elif op.kind == "lut":
-            out[f"{c}.lut"] = ((n, None), _I8_16_32)
-        elif op.kind == "attention":
-            for k in ("scores", "pv"):
-                out[f"layers.{k}.M"] = ((n,), i32)
-                out[f"layers.{k}.shift"] = ((n,), i32)
-            out["layers.softmax.exp_lut"] = ((n, 1 << 16), ("uint16",))
-            p = len(graph["prefix_tokens"])
-            if p:
-                out["layers.prefix.k"] = ((n, hkv, p, hd), _I8_16_32)
-                out["layers.prefix.v"] = ((n, hkv, p, hd), _I8_16_32)
+        EXPECTED_LAYER[op.kind](e, op)
     for op in GRAPH.model:
-        if op.kind == "embed":
-            out[f"{op.const}.table"] = ((v, d), ("int8",))
-            out[f"{op.const}.M"] = ((v,), i32)
-            out[f"{op.const}.shift"] = ((v,), i32)
-        elif op.kind == "rmsnorm":
-            norm(op.const, ())
-        elif op.kind == "linear":
-            out[f"{op.const}.weight"] = ((v, d), ("int8",))
-            out[f"{op.const}.M"] = ((v,), i32)
-            out[f"{op.const}.shift"] = ((v,), i32)
+        EXPECTED_MODEL[op.kind](e, op)
     for name, k in (graph.get("shadow") or {}).items():  # hot channels per layer, −1 padded
-        out[f"layers.shadow.{name}.channels"] = ((n, k), i32)
+        out[f"layers.shadow.{name}.channels"] = ((n, k), _I32)
     for name, entry in (graph.get("muxq") or {}).items():  # outlier channels, −1 padded
-        out[f"layers.muxq.{name}.channels"] = ((n, entry["channels"]), i32)
+        out[f"layers.muxq.{name}.channels"] = ((n, entry["channels"]), _I32)
     for const in graph.get("weight_zero_points") or []:  # asymmetric weights: z_w per row
         key = f"{const}.weight"
         if key not in out or not const.startswith("layers."):
             raise ValueError(f"weight zero points of {const!r}, which is no layer linear")
-        out[f"{const}.weight_zero_point"] = ((n, out[key][0][1]), i32)
+        out[f"{const}.weight_zero_point"] = ((n, out[key][0][1]), _I32)
     out["rope.cos"] = ((graph["max_context"], hd), ("int16",))
     out["rope.sin"] = ((graph["max_context"], hd), ("int16",))
     return out

@@ -15,6 +15,7 @@ stacked along a leading axis so the depth is one `jax.lax.scan`):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from functools import partial
@@ -30,11 +31,15 @@ from qnpu_jax.ir.graph import (
     GRAPH,
     HEAD_NORMS,
     LM_HEAD,
+    MODEL_ONLY_KINDS,
     PROBS,
     ROPE_FRACTION_BITS,
     SCORES,
     Graph,
+    Op,
+    OpKind,
     check_generation_room,
+    check_handlers,
     layer_widths,
 )
 from qnpu_jax.models.config import ModelConfig, RopeConfig
@@ -259,6 +264,85 @@ def no_aux() -> dict[str, Any]:
 LUT_FUNCTIONS: dict[str, Callable[[jax.Array], jax.Array]] = {"silu": jax.nn.silu}
 
 
+@dataclasses.dataclass
+class _LayerRun:
+    """What the float reading of one decoder layer's ops reads (`_decoder_layer`'s
+    arguments) and the K/V caches its attention op writes."""
+
+    cfg: ModelConfig
+    layer: Params
+    k_cache: jax.Array
+    v_cache: jax.Array
+    start: jax.Array
+    cos: jax.Array
+    sin: jax.Array
+    tap: Tap
+    device: bool
+    dtype: str
+    attention: Callable[..., jax.Array] | None
+    b: int
+    t: int
+
+
+def _float_rmsnorm(r: _LayerRun, op: Op, ins: list[jax.Array]) -> jax.Array:
+    return rms_norm(ins[0], r.layer[op.gain], r.cfg.rms_norm_eps)
+
+
+def _float_linear(r: _LayerRun, op: Op, ins: list[jax.Array]) -> jax.Array:
+    w = op.weight_name
+    bias = r.layer.get(op.bias) if op.bias else None
+    return linear(ins[0], r.tap(w, r.layer[w]), bias, r.dtype)
+
+
+def _float_rope(r: _LayerRun, op: Op, ins: list[jax.Array]) -> jax.Array:
+    heads = {"q": r.cfg.num_heads, "kv": r.cfg.num_kv_heads}
+    x_heads = ins[0].reshape(r.b, r.t, heads[op.heads], r.cfg.head_dim)
+    if op.head_norm in r.layer:  # Qwen3: RMSNorm over each head first
+        x_heads = rms_norm(x_heads, r.layer[op.head_norm], r.cfg.rms_norm_eps)
+    return apply_rope(x_heads, r.cos, r.sin)
+
+
+def _float_attention(r: _LayerRun, op: Op, ins: list[jax.Array]) -> jax.Array:
+    b, t, start = r.b, r.t, r.start
+    q, k, v = (a.reshape(b, t, -1, r.cfg.head_dim) for a in ins)
+    r.k_cache = jax.lax.dynamic_update_slice_in_dim(
+        r.k_cache, k.transpose(0, 2, 1, 3), start, axis=2
+    )
+    r.v_cache = jax.lax.dynamic_update_slice_in_dim(
+        r.v_cache, v.transpose(0, 2, 1, 3), start, axis=2
+    )
+    query_pos = start + jnp.broadcast_to(jnp.arange(t), (b, t))
+    scores, probs = (i.name for i in op.inner)
+    if r.attention is not None:
+        return r.attention(q, r.k_cache, r.v_cache, query_pos, start + t)
+    return _attention(q, r.k_cache, r.v_cache, query_pos, start + t, r.tap, scores, probs, r.device)
+
+
+def _float_add(r: _LayerRun, op: Op, ins: list[jax.Array]) -> jax.Array:
+    return ins[0] + ins[1]
+
+
+def _float_lut(r: _LayerRun, op: Op, ins: list[jax.Array]) -> jax.Array:
+    return LUT_FUNCTIONS[op.fn](ins[0])
+
+
+def _float_mul(r: _LayerRun, op: Op, ins: list[jax.Array]) -> jax.Array:
+    return ins[0] * ins[1]
+
+
+# The float reading of each layer op (`_decoder_layer`); model-level ops: `forward_tapped`.
+FLOAT_LAYER_OPS: dict[OpKind, Callable[[_LayerRun, Op, list[jax.Array]], jax.Array]] = {
+    OpKind.RMSNORM: _float_rmsnorm,
+    OpKind.LINEAR: _float_linear,
+    OpKind.ROPE: _float_rope,
+    OpKind.ATTENTION: _float_attention,
+    OpKind.ADD: _float_add,
+    OpKind.LUT: _float_lut,
+    OpKind.MUL: _float_mul,
+}
+check_handlers(FLOAT_LAYER_OPS, "the float forward (layer ops)", MODEL_ONLY_KINDS)
+
+
 def _decoder_layer(
     cfg: ModelConfig,
     x: jax.Array,
@@ -278,47 +362,18 @@ def _decoder_layer(
     every quantized tensor (weights and op outputs) by its name in the graph; `attention`
     replaces the float attention (`attention_kernel`), untapped."""
     b, t, _ = x.shape
-    hd = cfg.head_dim
-    heads = {"q": cfg.num_heads, "kv": cfg.num_kv_heads}
+    r = _LayerRun(
+        cfg, layer, k_cache, v_cache, start, cos, sin, tap, device, dtype, attention, b, t
+    )
     env = {graph.layer_input: x}
     for op in graph.layer:
         ins = [env[n] for n in op.ins]
-        if op.kind == "rmsnorm":
-            y = rms_norm(ins[0], layer[op.gain], cfg.rms_norm_eps)
-        elif op.kind == "linear":
-            w = op.weight_name
-            y = linear(ins[0], tap(w, layer[w]), layer.get(op.bias) if op.bias else None, dtype)
-        elif op.kind == "rope":
-            x_heads = ins[0].reshape(b, t, heads[op.heads], hd)
-            if op.head_norm in layer:  # Qwen3: RMSNorm over each head first
-                x_heads = rms_norm(x_heads, layer[op.head_norm], cfg.rms_norm_eps)
-            y = apply_rope(x_heads, cos, sin)
-        elif op.kind == "attention":
-            q, k, v = (a.reshape(b, t, -1, hd) for a in ins)
-            k_cache = jax.lax.dynamic_update_slice_in_dim(
-                k_cache, k.transpose(0, 2, 1, 3), start, axis=2
-            )
-            v_cache = jax.lax.dynamic_update_slice_in_dim(
-                v_cache, v.transpose(0, 2, 1, 3), start, axis=2
-            )
-            query_pos = start + jnp.broadcast_to(jnp.arange(t), (b, t))
-            scores, probs = (i.name for i in op.inner)
-            if attention is not None:
-                y = attention(q, k_cache, v_cache, query_pos, start + t)
-            else:
-                y = _attention(
-                    q, k_cache, v_cache, query_pos, start + t, tap, scores, probs, device
-                )
-        elif op.kind == "add":
-            y = ins[0] + ins[1]
-        elif op.kind == "lut":
-            y = LUT_FUNCTIONS[op.fn](ins[0])
-        elif op.kind == "mul":
-            y = ins[0] * ins[1]
-        else:
-            raise ValueError(f"the float forward has no {op.kind!r} op in a layer")
+        handler = FLOAT_LAYER_OPS.get(op.kind)
+        if handler is None:  # MODEL_ONLY_KINDS
+            raise ValueError(f"the float forward has no {op.kind.value!r} op in a layer")
+        y = handler(r, op, ins)
         env[op.out_name] = tap(op.out_name, y) if op.out is not None else y
-    return env[graph.layer[-1].out_name], k_cache, v_cache
+    return env[graph.layer[-1].out_name], r.k_cache, r.v_cache
 
 
 def lm_head_weight(params: Params) -> jax.Array:
@@ -504,12 +559,14 @@ def layer_param_shapes(cfg: ModelConfig, graph: Graph = GRAPH) -> dict[str, tupl
     for op in graph.layer:
         if op.gain:
             shapes[op.gain] = (cfg.hidden_size,)
-        if op.kind == "linear":
+        if op.kind == OpKind.LINEAR:
             shapes[op.weight_name] = (widths[op.out_name], widths[op.ins[0]])
     if cfg.attention_bias:
-        shapes |= {op.bias: shapes[op.weight_name][:1] for op in graph.ops("linear") if op.bias}
+        shapes |= {
+            op.bias: shapes[op.weight_name][:1] for op in graph.ops(OpKind.LINEAR) if op.bias
+        }
     if cfg.qk_norm:
-        shapes |= {op.head_norm: (cfg.head_dim,) for op in graph.ops("rope") if op.head_norm}
+        shapes |= {op.head_norm: (cfg.head_dim,) for op in graph.ops(OpKind.ROPE) if op.head_norm}
     return shapes
 
 

@@ -1,59 +1,292 @@
-"""The `qnpu quantize` run configuration: one frozen dataclass, validated on construction.
+"""The `qnpu quantize` run configuration: frozen dataclasses, validated on construction.
 
-A YAML file maps onto it key for key; nested `stage1:` maps onto `Stage1Config`, `rules:` is a
-list of `QuantRule` fields applied after the method's defaults. Unknown keys are errors.
+A YAML file is one flat mapping of keys (docs/config.md): `KEYS` says where each lives in the
+nested `QuantizeConfig` (`w_bits` is `config.bits.w`, `mixed_precision` is
+`config.promotions.down_in`); nested `stage1:` maps onto `Stage1Config`, `mesh:` onto
+`MeshConfig`, `rules:` is a list of `QuantRule` fields applied after the method's defaults.
+Unknown keys are errors. `RANGES` holds every number key's range.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from qnpu_jax.errors import QnpuError, shown
-from qnpu_jax.fieldtypes import check_field_types
+from qnpu_jax.fieldtypes import check_type, field_hints
 from qnpu_jax.files import read_text
-from qnpu_jax.ir.graph import MUXQ_MAX_EXP, SIMULATIONS
-from qnpu_jax.limits import MAX_CALIB_WINDOWS, MAX_CONFIG_BYTES, check_seed
+from qnpu_jax.ir.graph import MUXQ_MAX_EXP, SIMULATIONS, UNROTATED_INPUT
+from qnpu_jax.limits import MAX_CALIB_WINDOWS, MAX_CONFIG_BYTES, MAX_SEED, check_at_most
 from qnpu_jax.mesh import MeshConfig
 from qnpu_jax.models.taps import SINK_PREFIXES
+from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.pipeline.stage1 import Stage1Config
 from qnpu_jax.quant.plan import QuantRule, check_block_fields
 
-METHODS = ("rtn", "quarot", "spinquant", "quantnpu", "mobilequant")
+# the quantization methods (`recipes.RECIPES`)
+Method = Literal["rtn", "quarot", "spinquant", "quantnpu", "mobilequant"]
+METHODS: tuple[Method, ...] = typing.get_args(Method)
 # methods whose stage 1 learns static scales (and with them weight clipping)
-SCALE_LEARNING_METHODS = ("quantnpu", "mobilequant")
-ROTATING_METHODS = ("quarot", "spinquant", "quantnpu")  # their recipes start from Hadamard R1/R2
+SCALE_LEARNING_METHODS: tuple[Method, ...] = ("quantnpu", "mobilequant")
+# their recipes start from Hadamard R1/R2
+ROTATING_METHODS: tuple[Method, ...] = ("quarot", "spinquant", "quantnpu")
+InitScheme = Literal["aware", "max_min"]
+INIT_SCHEMES: tuple[InitScheme, ...] = typing.get_args(InitScheme)
+Scope = Literal["full", "linears"]
+SCOPES: tuple[Scope, ...] = typing.get_args(Scope)
+WeightRounding = Literal["rtn", "gptq"]
+WEIGHT_ROUNDINGS: tuple[WeightRounding, ...] = typing.get_args(WeightRounding)
 # mobilequant's defaults of the options left null (other methods: off)
-MOBILEQUANT_DEFAULTS = {
+MOBILEQUANT_DEFAULTS: dict[str, Any] = {
     "equalize": 0.5,
     "weight_clipping": True,
     "asymmetric_activations": True,
     "asymmetric_weights": True,
     "selective": False,
 }
-METHOD_OFF = {
+METHOD_OFF: dict[str, Any] = {
     "equalize": None,
     "weight_clipping": False,
     "asymmetric_activations": False,
     "asymmetric_weights": False,
     "selective": True,
 }
-INIT_SCHEMES = ("aware", "max_min")
-SCOPES = ("full", "linears")
-WEIGHT_ROUNDINGS = ("rtn", "gptq")
 # The random sources a run draws from, each seeded by `seed` unless its own key is set.
 SOURCE_SEEDS = ("rotation_seed", "calib_seed", "data_seed")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Bits:
+    """Bit-widths of the plan (docs/design.md §3)."""
+
+    w: int = 4  # the decoder linears' weights
+    a: int = 8  # the activations
+    kv: int = 8  # the K/V cache
+    down_in: int = 8  # base precision of the down_proj inputs (16: the paper's Table 1)
+
+    @property
+    def name(self) -> str:
+        """ "W4A8KV8"."""
+        return f"W{self.w}A{self.a}KV{self.kv}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Promotions:
+    """Per scanned tensor (each field named as the tensor, `ir.graph`), the share of layers
+    whose tensor eq. (4)'s sensitivity scan promotes to 16 bits (0: none)."""
+
+    down_in: float = 0.10  # the paper's mixed precision
+    down_out: float = 0.0  # scanned on the final model, after stage 1 (not the paper)
+    mlp_in: float = 0.0  # gate/up input, before stage 1 (not the paper)
+    attn_out: float = 0.0  # o_proj input, before stage 1 (not the paper)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Weights:
+    """How the linear weights are rounded and scaled."""
+
+    rounding: WeightRounding = "rtn"  # "gptq": GPTQ codes on the same grid after stage 2
+    gptq_damp: float = 0.01  # GPTQ's dampening, a share of the Hessian's mean diagonal
+    # scales per block of inputs (16..256; None: per channel), and with block_scale_bits the
+    # block scales in AIMET's LPBQ form (integer · per-channel)
+    block: int | None = None
+    block_scale_bits: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Outliers:
+    """The down_proj input's outlier path, after stage 2: mllm-NPU's shadow path
+    (`shadow_clip` set) or MUXQ (`muxq_exp` set), which exclude each other."""
+
+    shadow_clip: float | None = None  # clip percentile of the shadow path; None: off
+    shadow_keep: float = 0.15  # share of layers that keep a shadow path (mllm-NPU: 15%)
+    muxq_exp: int | None = None  # MUXQ's shift of the outlier channels; None: off
+    muxq_threshold: float = 6.0  # |x| above which a channel is an outlier (LLM.int8's 6)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MobileQuantOptions:
+    """MobileQuant's options, open to every method; null takes the method's default
+    (`MOBILEQUANT_DEFAULTS`, else `METHOD_OFF`), resolved on the config's construction."""
+
+    equalize: float | None = None  # SmoothQuant α initializing every pair's equivalent scales
+    weight_clipping: bool | None = None  # learnable weight clipping in stage 1 (OmniQuant LWC)
+    asymmetric_activations: bool | None = None  # zero points on every activation
+    asymmetric_weights: bool | None = None  # a zero point per linear weight row
+    selective: bool | None = None  # False: linear outputs and K/V are learned in stage 1 too
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """The calibration text and the window length (calibration, stage 1, evaluation)."""
+
+    calib: str = "wiki"  # the `wiki` calib split, or a user's calibration text
+    seq_len: int = 512
+    windows: int = 16  # stage 2 calibration and the sensitivity scans
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """The evaluation sets."""
+
+    data: tuple[str, ...] = ("wiki",)
+    windows: int | None = 64  # cap per evaluation set (None: every window)
+
+
+GROUPS: dict[str, type] = {
+    "bits": Bits,
+    "promotions": Promotions,
+    "weights": Weights,
+    "outliers": Outliers,
+    "mobilequant": MobileQuantOptions,
+    "data": DataConfig,
+    "eval": EvalConfig,
+}
+# Every YAML key, in the order a config is written: where it lives, "group.field" or a
+# field of QuantizeConfig itself. from_dict, to_dict, replace, the checks and docs/config.md
+# go by it.
+KEYS: dict[str, str] = {
+    "model": "model",
+    "method": "method",
+    "w_bits": "bits.w",
+    "a_bits": "bits.a",
+    "kv_bits": "bits.kv",
+    "down_in_bits": "bits.down_in",
+    "mixed_precision": "promotions.down_in",
+    "down_out_mixed_precision": "promotions.down_out",
+    "mlp_in_mixed_precision": "promotions.mlp_in",
+    "attn_out_mixed_precision": "promotions.attn_out",
+    "learn_down_in": "learn_down_in",
+    "init_scheme": "init_scheme",
+    "selective": "mobilequant.selective",
+    "scope": "scope",
+    "weight_rounding": "weights.rounding",
+    "gptq_damp": "weights.gptq_damp",
+    "smooth_mlp": "smooth_mlp",
+    "weight_block": "weights.block",
+    "weight_block_scale_bits": "weights.block_scale_bits",
+    "shadow_outliers": "outliers.shadow_clip",
+    "shadow_keep": "outliers.shadow_keep",
+    "muxq_exp": "outliers.muxq_exp",
+    "muxq_threshold": "outliers.muxq_threshold",
+    "equalize": "mobilequant.equalize",
+    "weight_clipping": "mobilequant.weight_clipping",
+    "asymmetric_activations": "mobilequant.asymmetric_activations",
+    "asymmetric_weights": "mobilequant.asymmetric_weights",
+    "prefix": "prefix",
+    "simulation": "simulation",
+    "seed": "seed",
+    "rotation_seed": "rotation_seed",
+    "rotation_candidates": "rotation_candidates",
+    "calib_seed": "calib_seed",
+    "data_seed": "data_seed",
+    "calib_data": "data.calib",
+    "seq_len": "data.seq_len",
+    "calib_windows": "data.windows",
+    "eval_data": "eval.data",
+    "eval_windows": "eval.windows",
+    "stage1": "stage1",
+    "rules": "rules",
+    "mesh": "mesh",
+}
+
+
+def _place(key: str) -> tuple[str, str]:
+    """(group, field) of a key ("" for a field of QuantizeConfig)."""
+    group, _, field = KEYS[key].rpartition(".")
+    return group, field
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """Where a number key's value must lie: `low`..`high` (None: no bound), each end open or
+    closed. An error says it "in [0, 1]" (integers: "in 2..16") or "positive"."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    noun: str = ""  # "a percentile": what the value is, in the error
+    why: str = ""
+
+    def holds(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def says(self, integer: bool) -> str:
+        if self.high is None:
+            positive = (self.low, self.low_open) == (0, True) or (integer and self.low == 1)
+            return "positive" if positive else f">= {self.low}"
+        if integer:
+            return f"in {self.low}..{self.high}"
+        left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        return f"in {left}{self.low}, {self.high}{right}"
+
+
+_SEED = Range(0, MAX_SEED, noun="an integer", why="32 bits")
+_SHARE = Range(0, 1, low_open=True, high_open=True)
+# every number key's range (null, where its type allows it, is always in range)
+RANGES: dict[str, Range] = {
+    "w_bits": Range(2, 16),
+    "a_bits": Range(2, 16),
+    "kv_bits": Range(2, 16),
+    "down_in_bits": Range(8, 16, why="the unrotated down_proj input is never below 8 bits"),
+    "mixed_precision": Range(0, 1),
+    "down_out_mixed_precision": Range(0, 1),
+    "mlp_in_mixed_precision": Range(0, 1),
+    "attn_out_mixed_precision": Range(0, 1),
+    "gptq_damp": _SHARE,
+    "smooth_mlp": _SHARE,
+    "shadow_outliers": Range(0, 100, low_open=True, noun="a percentile"),
+    "shadow_keep": Range(0, 1, low_open=True),
+    "muxq_exp": Range(1, MUXQ_MAX_EXP),
+    "muxq_threshold": Range(0, low_open=True),
+    "equalize": _SHARE,
+    "seed": _SEED,
+    "rotation_seed": _SEED,
+    "rotation_candidates": Range(1, 64),
+    "calib_seed": _SEED,
+    "data_seed": _SEED,
+    "seq_len": Range(2),
+    "calib_windows": Range(1),
+    "eval_windows": Range(1),
+}
+
+
+def key_hint(key: str) -> Any:
+    """The type of a key's value (its field's annotation)."""
+    group, field = _place(key)
+    return field_hints(GROUPS[group] if group else QuantizeConfig)[field]
+
+
+def _arms(hint: Any) -> tuple[Any, ...]:
+    """The types of a union hint (`int | None`: int, NoneType); others: none."""
+    return typing.get_args(hint) if typing.get_origin(hint) is not Literal else ()
+
+
+def key_defaults() -> dict[str, Any]:
+    """{key: its default as written, before a method resolves the nulls}."""
+    out = {}
+    for key in KEYS:
+        group, name = _place(key)
+        fields = dataclasses.fields(GROUPS[group] if group else QuantizeConfig)
+        f = next(f for f in fields if f.name == name)
+        factory = f.default_factory
+        out[key] = f.default if factory is dataclasses.MISSING else factory()
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantizeConfig:
-    """What `qnpu quantize` does. Method recipes:
+    """What `qnpu quantize` does (docs/config.md names every key). Method recipes:
 
     - rtn: static round-to-nearest, Max-Min everywhere, no rotation (ExecuTorch-like);
     - quarot: fixed randomized Hadamard R1/R2, then static Max-Min calibration;
@@ -92,53 +325,35 @@ class QuantizeConfig:
     subtracts z_w·Σx). Null `equalize`, `weight_clipping`, `asymmetric_activations`,
     `asymmetric_weights` and `selective` take the method's default (mobilequant: 0.5, true,
     true, true, false; the others: off, false, false, false, true).
+
+    Built from flat keys with `QuantizeConfig.of(w_bits=4, ...)` or `from_dict`, changed
+    with `config.replace(a_bits=4)`.
     """
 
     model: str = "smollm2-135m"
-    method: str = "quantnpu"
-    w_bits: int = 4
-    a_bits: int = 8
-    kv_bits: int = 8
-    down_in_bits: int = 8  # base precision of the down_proj inputs (16: the paper's Table 1)
-    mixed_precision: float = 0.10  # share of down_proj inputs promoted to 16 bits
-    down_out_mixed_precision: float = 0.0  # share of down_proj outputs promoted (not the paper)
-    mlp_in_mixed_precision: float = 0.0  # share of gate/up inputs promoted (not the paper)
-    attn_out_mixed_precision: float = 0.0  # share of o_proj inputs promoted (not the paper)
+    method: Method = "quantnpu"
+    bits: Bits = dataclasses.field(default_factory=Bits)
+    promotions: Promotions = dataclasses.field(default_factory=Promotions)
     learn_down_in: bool = True  # §4.3.1's literal text; Appendix E argues for False
-    init_scheme: str = "aware"  # quantnpu: rotation-and-bit-width-aware, or Max-Min everywhere
-    selective: bool | None = None  # False: linear outputs and K/V are learned in stage 1 too
-    scope: str = "full"  # "linears": only the linears' weights, inputs, outputs (Table 2)
-    weight_rounding: str = "rtn"  # "gptq": GPTQ codes on the same grid after stage 2
-    gptq_damp: float = 0.01  # GPTQ's dampening, a share of the Hessian's mean diagonal
+    init_scheme: InitScheme = "aware"  # quantnpu: rotation-and-bit-width-aware, or Max-Min
+    scope: Scope = "full"  # "linears": only the linears' weights, inputs, outputs (Table 2)
+    weights: Weights = dataclasses.field(default_factory=Weights)
     smooth_mlp: float | None = None  # α of up→down channel smoothing; None: off (the paper)
-    # the decoder linears' weights per block of inputs (16..256; None: per channel), and with
-    # weight_block_scale_bits the block scales in AIMET's LPBQ form (integer · per-channel)
-    weight_block: int | None = None
-    weight_block_scale_bits: int | None = None
-    shadow_outliers: float | None = None  # clip percentile of down_in's shadow path; None: off
-    shadow_keep: float = 0.15  # share of layers that keep a shadow path (mllm-NPU: 15%)
-    muxq_exp: int | None = None  # MUXQ's shift of down_in's outlier channels; None: off
-    muxq_threshold: float = 6.0  # |x| above which a channel is an outlier (LLM.int8's 6)
-    equalize: float | None = None  # SmoothQuant α initializing every pair's equivalent scales
-    weight_clipping: bool | None = None  # learnable weight clipping in stage 1 (OmniQuant LWC)
-    asymmetric_activations: bool | None = None  # zero points on every activation
-    asymmetric_weights: bool | None = None  # a zero point per linear weight row
+    outliers: Outliers = dataclasses.field(default_factory=Outliers)
+    mobilequant: MobileQuantOptions = dataclasses.field(default_factory=MobileQuantOptions)
     prefix: str = "bos"  # sink prefix computed offline (PrefixQuant); "none": the paper
     # what the fake-quant forward computes between quantizers (stage 1, evaluation, GPTQ):
     # "device" the integer contract's softmax and RoPE tables; "fake" plain float32
     simulation: str = "device"
     seed: int = 0
     # one random source seeded apart from `seed` (None: `seed`): the Hadamard signs, the
-    # calibration windows, stage 1's batches; for crossing the sources (docs/results.md)
+    # calibration windows, stage 1's batches; for crossing the sources (docs/changelog.md)
     rotation_seed: int | None = None
     rotation_candidates: int = 1  # >1: R1/R2 from the best of that many by calibration loss
     calib_seed: int | None = None
     data_seed: int | None = None
-    calib_data: str = "wiki"  # the `wiki` calib split, or a user's calibration text
-    seq_len: int = 512
-    calib_windows: int = 16  # stage 2 calibration and the sensitivity scan
-    eval_data: tuple[str, ...] = ("wiki",)
-    eval_windows: int | None = 64  # cap per evaluation set (None: every window)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     stage1: Stage1Config = dataclasses.field(default_factory=Stage1Config)
     rules: tuple[QuantRule, ...] = ()
     # where it runs (`qnpu_jax.mesh`): {data, fsdp} axis sizes, null = automatic; a run may
@@ -146,202 +361,157 @@ class QuantizeConfig:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self) -> None:
-        check_field_types(self)  # every key's type first: the checks below compare values
-        if self.method not in METHODS:
-            raise QnpuError(f"unknown method {shown(self.method)}; known: {', '.join(METHODS)}")
-        defaults = MOBILEQUANT_DEFAULTS if self.method == "mobilequant" else METHOD_OFF
-        for name, default in defaults.items():
-            if getattr(self, name) is None:  # null: the method's default, recorded as such
-                object.__setattr__(self, name, default)
-        if self.equalize is not None and (
-            isinstance(self.equalize, bool)
-            or not isinstance(self.equalize, int | float)
-            or not 0 < self.equalize < 1
-        ):
-            raise QnpuError(f"equalize must be null or in (0, 1), got {shown(self.equalize)}")
-        for name in ("weight_clipping", "asymmetric_activations", "asymmetric_weights"):
-            if not isinstance(getattr(self, name), bool):
+        for name, group in GROUPS.items():  # the groups, then every key's type: the checks
+            check_type(getattr(self, name), group, name)  # below compare values
+        for key in KEYS:
+            check_type(self.value(key), key_hint(key), key)
+        for key, known in CHOICES.items():
+            if self.value(key) not in known:
                 raise QnpuError(
-                    f"{name} must be true, false or null, got {shown(getattr(self, name))}"
+                    f"unknown {key} {shown(self.value(key))}; known: {', '.join(known)}"
                 )
-        if self.weight_clipping and self.method not in SCALE_LEARNING_METHODS:
-            raise QnpuError(
-                f"weight_clipping is learned with the static scales in stage 1, which method "
-                f"{self.method} does not do (methods that do: {', '.join(SCALE_LEARNING_METHODS)})"
-            )
-        if self.equalize is not None and self.smooth_mlp is not None:
-            raise QnpuError("equalize scales the up→down pair that smooth_mlp fixes: choose one")
-        if self.asymmetric_activations and self.muxq_exp is not None:
-            raise QnpuError("muxq_exp needs a symmetric down_proj input (asymmetric_activations)")
-        if self.init_scheme not in INIT_SCHEMES:
-            raise QnpuError(f"unknown init_scheme {shown(self.init_scheme)}; known: {INIT_SCHEMES}")
-        if self.scope not in SCOPES:
-            raise QnpuError(f"unknown scope {shown(self.scope)}; known: {SCOPES}")
-        if self.weight_rounding not in WEIGHT_ROUNDINGS:
-            raise QnpuError(
-                f"unknown weight_rounding {shown(self.weight_rounding)}; known: {WEIGHT_ROUNDINGS}"
-            )
-        if not isinstance(self.gptq_damp, int | float) or not 0 < self.gptq_damp < 1:
-            raise QnpuError(f"gptq_damp must be in (0, 1), got {shown(self.gptq_damp)}")
-        if self.smooth_mlp is not None and (
-            isinstance(self.smooth_mlp, bool)
-            or not isinstance(self.smooth_mlp, int | float)
-            or not 0 < self.smooth_mlp < 1
-        ):
-            raise QnpuError(f"smooth_mlp must be null or in (0, 1), got {shown(self.smooth_mlp)}")
-        if self.shadow_outliers is not None and (
-            isinstance(self.shadow_outliers, bool)
-            or not isinstance(self.shadow_outliers, int | float)
-            or not 0 < self.shadow_outliers <= 100
-        ):
-            raise QnpuError(
-                f"shadow_outliers must be null or a percentile in (0, 100], got "
-                f"{shown(self.shadow_outliers)}"
-            )
-        if (
-            isinstance(self.shadow_keep, bool)
-            or not isinstance(self.shadow_keep, int | float)
-            or not 0 < self.shadow_keep <= 1
-        ):
-            raise QnpuError(f"shadow_keep must be in (0, 1], got {shown(self.shadow_keep)}")
-        if self.muxq_exp is not None and (
-            isinstance(self.muxq_exp, bool)
-            or not isinstance(self.muxq_exp, int)
-            or not 1 <= self.muxq_exp <= MUXQ_MAX_EXP
-        ):
-            raise QnpuError(
-                f"muxq_exp must be null or in 1..{MUXQ_MAX_EXP}, got {shown(self.muxq_exp)}"
-            )
-        if (
-            isinstance(self.muxq_threshold, bool)
-            or not isinstance(self.muxq_threshold, int | float)
-            or not self.muxq_threshold > 0
-        ):
-            raise QnpuError(f"muxq_threshold must be positive, got {shown(self.muxq_threshold)}")
-        if self.muxq_exp is not None and self.shadow_outliers is not None:
-            raise QnpuError("shadow_outliers and muxq_exp both change down_in: choose one")
-        for name in ("learn_down_in", "selective"):
-            if not isinstance(getattr(self, name), bool):
-                raise QnpuError(f"{name} must be true or false, got {shown(getattr(self, name))}")
+        defaults = MOBILEQUANT_DEFAULTS if self.method == "mobilequant" else METHOD_OFF
+        unset = {k: v for k, v in defaults.items() if getattr(self.mobilequant, k) is None}
+        object.__setattr__(self, "mobilequant", dataclasses.replace(self.mobilequant, **unset))
+        for key, allowed in RANGES.items():
+            value, hint = self.value(key), key_hint(key)
+            if value is not None and not allowed.holds(value):
+                null = "null or " if type(None) in _arms(hint) else ""
+                noun = f"{allowed.noun} " if allowed.noun else ""
+                says = allowed.says(int in (*_arms(hint), hint))
+                why = f" ({allowed.why})" if allowed.why else ""
+                raise QnpuError(f"{key} must be {null}{noun}{says}{why}, got {shown(value)}")
+        why = "every window runs through every calibration pass"
+        check_at_most(self.data.windows, MAX_CALIB_WINDOWS, "calib_windows", why)
         try:  # the plan's own validation, with the config's names
-            check_block_fields(self.weight_block, self.weight_block_scale_bits)
+            check_block_fields(self.weights.block, self.weights.block_scale_bits)
         except QnpuError as e:
             raise QnpuError(f"weight_block / weight_block_scale_bits: {e}") from e
-        blocked = self.weight_block is not None or any(r.block for r in self.rules)
-        if blocked and self.weight_rounding == "gptq":
-            raise QnpuError("weight_rounding gptq does not support per-block weights")
-        if blocked and self.asymmetric_weights:
-            raise QnpuError("asymmetric_weights: per-block weights are symmetric")
-        if blocked and self.weight_clipping:
-            raise QnpuError("weight_clipping learns per-row clip factors: not per-block weights")
-        if self.prefix not in SINK_PREFIXES:
-            raise QnpuError(
-                f"unknown prefix {shown(self.prefix)}; known: {', '.join(SINK_PREFIXES)}"
-            )
-        if self.simulation not in SIMULATIONS:
-            raise QnpuError(
-                f"unknown simulation {shown(self.simulation)}; known: {', '.join(SIMULATIONS)}"
-            )
-        for name in ("w_bits", "a_bits", "kv_bits", "down_in_bits"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 16:
-                raise QnpuError(f"{name} must be an integer in [2, 16], got {shown(value)}")
-        if self.down_in_bits < 8:
-            raise QnpuError("down_in_bits: the unrotated down_proj input is never below 8 bits")
-        check_seed(self.seed)
-        for name in SOURCE_SEEDS:
-            if getattr(self, name) is not None:
-                check_seed(getattr(self, name), name)
-        value = self.rotation_candidates
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
-            raise QnpuError(
-                f"rotation_candidates must be an integer in [1, 64], got {shown(value)}"
-            )
-        if value > 1 and self.method not in ROTATING_METHODS:
-            raise QnpuError(f"rotation_candidates: method {self.method} has no rotations")
-        for name in ("seq_len", "calib_windows"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise QnpuError(f"{name} must be a non-negative integer, got {shown(value)}")
-        if self.seq_len < 2 or self.calib_windows < 1:
-            raise QnpuError("seq_len must be >= 2 and calib_windows >= 1")
-        if self.calib_windows > MAX_CALIB_WINDOWS:
-            raise QnpuError(
-                f"calib_windows must be at most {MAX_CALIB_WINDOWS}, got {self.calib_windows} "
-                "(every window runs through every calibration pass)"
-            )
-        for name in (
-            "mixed_precision",
-            "down_out_mixed_precision",
-            "mlp_in_mixed_precision",
-            "attn_out_mixed_precision",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-                raise QnpuError(f"{name} must be in [0, 1], got {shown(value)}")
-        if self.down_out_mixed_precision > 0 and not self.selective:
-            raise QnpuError(
+        for broken, message in self._conflicts():
+            if broken:
+                raise QnpuError(message)
+
+    def _conflicts(self) -> tuple[tuple[bool, str], ...]:
+        """(whether it holds, what is wrong) of every combination of keys a config refuses."""
+        m, o, w = self.mobilequant, self.outliers, self.weights
+        blocked = w.block is not None or any(r.block for r in self.rules)
+        return (
+            (
+                bool(m.weight_clipping) and self.method not in SCALE_LEARNING_METHODS,
+                f"weight_clipping is learned with the static scales in stage 1, which method "
+                f"{self.method} does not do (methods that do: "
+                f"{', '.join(SCALE_LEARNING_METHODS)})",
+            ),
+            (
+                m.equalize is not None and self.smooth_mlp is not None,
+                "equalize scales the up→down pair that smooth_mlp fixes: choose one",
+            ),
+            (
+                bool(m.asymmetric_activations) and o.muxq_exp is not None,
+                "muxq_exp needs a symmetric down_proj input (asymmetric_activations)",
+            ),
+            (
+                o.muxq_exp is not None and o.shadow_clip is not None,
+                "shadow_outliers and muxq_exp both change down_in: choose one",
+            ),
+            (
+                blocked and w.rounding == "gptq",
+                "weight_rounding gptq does not support per-block weights",
+            ),
+            (
+                blocked and bool(m.asymmetric_weights),
+                "asymmetric_weights: per-block weights are symmetric",
+            ),
+            (
+                blocked and bool(m.weight_clipping),
+                "weight_clipping learns per-row clip factors: not per-block weights",
+            ),
+            (
+                self.rotation_candidates > 1 and self.method not in ROTATING_METHODS,
+                f"rotation_candidates: method {self.method} has no rotations",
+            ),
+            (
+                self.promotions.down_out > 0 and not m.selective,
                 "down_out_mixed_precision needs selective: true (the scan runs after stage 1, "
-                "which must not learn the down_proj output scales)"
-            )
-        if self.eval_windows is not None and (
-            isinstance(self.eval_windows, bool)
-            or not isinstance(self.eval_windows, int)
-            or self.eval_windows < 1
-        ):
-            raise QnpuError(
-                f"eval_windows must be a positive integer or null, got {shown(self.eval_windows)}"
-            )
-        if not isinstance(self.eval_data, tuple) or not all(
-            isinstance(d, str) for d in self.eval_data
-        ):
-            raise QnpuError(f"eval_data must be a list of data specs, got {shown(self.eval_data)}")
-        if not isinstance(self.stage1, Stage1Config):
-            raise QnpuError("stage1 must be a Stage1Config")
-        if not isinstance(self.mesh, MeshConfig):
-            raise QnpuError("mesh must be a MeshConfig")
+                "which must not learn the down_proj output scales)",
+            ),
+        )
+
+    def value(self, key: str) -> Any:
+        """The value of the YAML key `key` (`KEYS`)."""
+        group, field = _place(key)
+        return getattr(getattr(self, group) if group else self, field)
+
+    def flat(self) -> dict[str, Any]:
+        """{key: value} of every YAML key, as Python values (what `of` takes)."""
+        return {key: self.value(key) for key in KEYS}
+
+    @classmethod
+    def of(cls, **keys: Any) -> QuantizeConfig:
+        """A config from YAML keys given as Python values (`stage1` a Stage1Config, `rules` a
+        tuple of QuantRule), the others at their defaults."""
+        unknown = sorted(set(keys) - set(KEYS))
+        if unknown:
+            raise QnpuError(f"unknown config key(s) {unknown}; known: {sorted(KEYS)}")
+        own: dict[str, Any] = {}
+        grouped: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
+        for key, value in keys.items():
+            group, field = _place(key)
+            (grouped[group] if group else own)[field] = value
+        return cls(**own, **{name: GROUPS[name](**kw) for name, kw in grouped.items()})
+
+    def replace(self, **keys: Any) -> QuantizeConfig:
+        """This config with the YAML keys `keys` changed, validated again (the method's
+        defaults stay as resolved, as with `dataclasses.replace`)."""
+        return self.of(**{**self.flat(), **keys})
 
     def source_seed(self, name: str) -> int:
         """The seed of one random source (`SOURCE_SEEDS`): its own, else `seed`."""
         value = getattr(self, name)
         return self.seed if value is None else int(value)
 
-    @property
-    def bits_name(self) -> str:
-        """ "W4A8KV8"."""
-        return f"W{self.w_bits}A{self.a_bits}KV{self.kv_bits}"
+    def promoted(self) -> dict[str, float]:
+        """{tensor: share} of the promotions the recipe runs (`Promotions`): those above 0, the
+        down_proj input's only at 8 bits."""
+        shares = dataclasses.asdict(self.promotions)
+        return {
+            tensor: share
+            for tensor, share in shares.items()
+            if share > 0 and (tensor != UNROTATED_INPUT or self.bits.down_in == 8)
+        }
 
     def summary(self) -> dict[str, Any]:
         """What every report on a run repeats about it: method, bits, prefix, seq_len and the
         options beyond the paper (weight rounding, up→down smoothing, per-block weights)."""
+        o, m, w = self.outliers, self.mobilequant, self.weights
         return {
             "method": self.method,
-            "bits": self.bits_name,
+            "bits": self.bits.name,
             "prefix": self.prefix,
             "simulation": self.simulation,
-            "seq_len": self.seq_len,
-            "weight_rounding": self.weight_rounding,
+            "seq_len": self.data.seq_len,
+            "weight_rounding": w.rounding,
             "smooth_mlp": self.smooth_mlp,
-            "weight_block": self.weight_block,
-            "weight_block_scale_bits": self.weight_block_scale_bits,
-            "shadow_outliers": self.shadow_outliers,
-            "shadow_keep": self.shadow_keep if self.shadow_outliers is not None else None,
-            "muxq_exp": self.muxq_exp,
-            "muxq_threshold": self.muxq_threshold if self.muxq_exp is not None else None,
-            "equalize": self.equalize,
-            "weight_clipping": self.weight_clipping,
-            "asymmetric_activations": self.asymmetric_activations,
-            "asymmetric_weights": self.asymmetric_weights,
+            "weight_block": w.block,
+            "weight_block_scale_bits": w.block_scale_bits,
+            "shadow_outliers": o.shadow_clip,
+            "shadow_keep": o.shadow_keep if o.shadow_clip is not None else None,
+            "muxq_exp": o.muxq_exp,
+            "muxq_threshold": o.muxq_threshold if o.muxq_exp is not None else None,
+            "equalize": m.equalize,
+            "weight_clipping": m.weight_clipping,
+            "asymmetric_activations": m.asymmetric_activations,
+            "asymmetric_weights": m.asymmetric_weights,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> QuantizeConfig:
+        """A config from its YAML mapping (`to_dict`'s form)."""
         if not isinstance(data, Mapping):
             raise QnpuError(f"a config must be a mapping, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - set(KEYS))
         if unknown:
-            raise QnpuError(f"unknown config key(s) {unknown}; known: {sorted(known)}")
+            raise QnpuError(f"unknown config key(s) {unknown}; known: {sorted(KEYS)}")
         values = dict(data)
         if "stage1" in values:
             stage1 = values["stage1"]
@@ -368,11 +538,14 @@ class QuantizeConfig:
             values["rules"] = tuple(parsed)
         if "eval_data" in values and isinstance(values["eval_data"], list):
             values["eval_data"] = tuple(values["eval_data"])
-        return cls(**values)
+        return cls.of(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["eval_data"] = list(self.eval_data)
+        """The config as its YAML mapping, every key in `KEYS` order."""
+        out = self.flat()
+        out["eval_data"] = list(self.eval.data)
+        out["stage1"] = dataclasses.asdict(self.stage1)
+        out["mesh"] = dataclasses.asdict(self.mesh)
         out["rules"] = [
             {
                 k: list(v) if isinstance(v, tuple) else v
@@ -383,6 +556,14 @@ class QuantizeConfig:
             for r in self.rules
         ]
         return out
+
+
+# the keys whose value is one of a few names: the Literal ones, and two named elsewhere
+CHOICES: dict[str, tuple[str, ...]] = {
+    key: typing.get_args(key_hint(key))
+    for key in KEYS
+    if typing.get_origin(key_hint(key)) is Literal
+} | {"prefix": SINK_PREFIXES, "simulation": SIMULATIONS}
 
 
 def _mesh_config(value: Any) -> MeshConfig:
@@ -521,3 +702,8 @@ def load_config(
         return QuantizeConfig.from_dict(apply_overrides({**data, **(updates or {})}, overrides))
     except (QnpuError, TypeError) as e:
         raise QnpuError(f"{where}: {e}") from e
+
+
+def read_run_config(run: RunDir) -> QuantizeConfig:
+    """The QuantizeConfig of the run in `run` (its config.yaml), read without loading the run."""
+    return load_config(run.require_config())

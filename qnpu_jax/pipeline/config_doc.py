@@ -18,6 +18,7 @@ from qnpu_jax.mesh import MeshConfig
 from qnpu_jax.models.taps import SINK_PREFIXES
 from qnpu_jax.pipeline.config import (
     INIT_SCHEMES,
+    KEYS,
     MAX_CALIB_WINDOWS,
     METHODS,
     MOBILEQUANT_DEFAULTS,
@@ -26,16 +27,17 @@ from qnpu_jax.pipeline.config import (
     SOURCE_SEEDS,
     WEIGHT_ROUNDINGS,
     QuantizeConfig,
+    key_defaults,
 )
 from qnpu_jax.pipeline.stage1 import ACTIVATION_MODES, OBJECTIVES, SCALE_PARAMS, Stage1Config
 from qnpu_jax.quant.plan import BLOCK_SIZES, INIT_METHODS, QuantRule
 
 _OR = " | "
 
-# QuantizeConfig's keys, in its field order
+# QuantizeConfig's keys, in `KEYS` order
 CONFIG_KEYS: dict[str, str] = {
     "model": "the base model: smollm2-135m, a .gguf file, an HF directory or a hub id org/name",
-    "method": f"the recipe: {_OR.join(METHODS)} (README `qnpu quantize`)",
+    "method": f"the recipe: {_OR.join(METHODS)} (docs/cli.md `qnpu quantize`)",
     "w_bits": "bits of the decoder linears' weights (2..16)",
     "a_bits": "bits of the activations (2..16)",
     "kv_bits": "bits of the K/V cache (2..16)",
@@ -91,7 +93,7 @@ CONFIG_KEYS: dict[str, str] = {
     "(1: the seed's rotation alone)",
     "calib_seed": "seeds the calibration windows alone (null: seed)",
     "data_seed": "seeds stage 1's batches alone (null: seed)",
-    "calib_data": "calibration text: wiki (its calib split) or any data spec (README `Data`)",
+    "calib_data": "calibration text: wiki (its calib split) or any data spec (docs/cli.md `Data`)",
     "seq_len": "window length in tokens, for calibration, stage 1 and evaluation",
     "calib_windows": f"calibration windows (stage 2 and the scans), 1..{MAX_CALIB_WINDOWS}",
     "eval_data": "evaluation sets, a list of data specs (wiki: its eval split; wikitext2: "
@@ -148,19 +150,18 @@ RULE_KEYS: dict[str, str] = {
     "quantize": "false: keep the tensor in float",
 }
 
-SECTIONS: tuple[tuple[str, type, Mapping[str, str]], ...] = (
-    ("", QuantizeConfig, CONFIG_KEYS),
-    ("stage1", Stage1Config, STAGE1_KEYS),
-    ("mesh", MeshConfig, MESH_KEYS),
-    ("rules", QuantRule, RULE_KEYS),
+SECTIONS: tuple[tuple[str, tuple[str, ...], Mapping[str, str]], ...] = (
+    ("", tuple(KEYS), CONFIG_KEYS),
+    ("stage1", tuple(f.name for f in dataclasses.fields(Stage1Config)), STAGE1_KEYS),
+    ("mesh", tuple(f.name for f in dataclasses.fields(MeshConfig)), MESH_KEYS),
+    ("rules", tuple(f.name for f in dataclasses.fields(QuantRule)), RULE_KEYS),
 )
 
 
 def undocumented() -> list[str]:
     """Keys without a meaning here, and meanings of keys that do not exist (empty: in step)."""
     out = []
-    for prefix, cls, meanings in SECTIONS:
-        names = [f.name for f in dataclasses.fields(cls)]
+    for prefix, names, meanings in SECTIONS:
         dotted = f"{prefix}." if prefix else ""
         out += [f"{dotted}{n} (no meaning)" for n in names if n not in meanings]
         out += [f"{dotted}{n} (not a key)" for n in meanings if n not in names]
@@ -201,26 +202,25 @@ def settings_summary(config: QuantizeConfig, where: str, recipe: Iterable[Any]) 
     """The settings `qnpu quantize` prints before it starts: where they came from and the
     ones that decide the result and its cost (`recipe`: the steps it will run)."""
     names = [s.name for s in recipe]
-    s1 = config.stage1
+    s1, data, evaluation = config.stage1, config.data, config.eval
     stage1 = (
         f"stage 1 {s1.steps} steps of {s1.batch_size} x {s1.grad_accum} windows"
         if "stage1" in names
         else f"no stage 1 ({config.method} learns nothing)"
     )
+    share = config.promotions.down_in
     promoted = (
-        f"mixed precision {config.mixed_precision:g} (that share of down_proj inputs at 16 "
+        f"mixed precision {share:g} (that share of down_proj inputs at 16 "
         "bits, by the sensitivity scan)"
-        if "promote" in names and config.mixed_precision > 0
+        if "promote" in names and share > 0
         else "mixed precision 0 (no down_proj input promoted to 16 bits)"
     )
-    cap = (
-        "every window" if config.eval_windows is None else f"at most {config.eval_windows} windows"
-    )
+    cap = "every window" if evaluation.windows is None else f"at most {evaluation.windows} windows"
     return [
         f"settings from {where} (`qnpu config show` explains every key):",
-        f"  model {config.model}, method {config.method}, bits {config.bits_name}, {stage1}",
-        f"  calibration {config.calib_data}: {config.calib_windows} windows of {config.seq_len} "
-        f"tokens; evaluation {', '.join(config.eval_data)}: {cap} per set",
+        f"  model {config.model}, method {config.method}, bits {config.bits.name}, {stage1}",
+        f"  calibration {data.calib}: {data.windows} windows of {data.seq_len} "
+        f"tokens; evaluation {', '.join(evaluation.data)}: {cap} per set",
         f"  {promoted}, prefix {config.prefix}, seed {config.seed}"
         + "".join(
             f", {name} {getattr(config, name)}"
@@ -238,9 +238,17 @@ def _defaults(cls: type) -> dict[str, Any]:
     }
 
 
-def _table(rows: Mapping[str, str], cls: type, prefix: str = "") -> list[str]:
-    defaults = _defaults(cls)
+def _table(
+    rows: Mapping[str, str],
+    defaults: Mapping[str, Any],
+    prefix: str = "",
+    fields: Mapping[str, str] | None = None,
+) -> list[str]:
+    """A markdown table of `rows`' keys, defaults and meanings (with `fields`: each key's
+    place in the Python object too)."""
     lines = ["| key | default | meaning |", "|---|---|---|"]
+    if fields is not None:
+        lines = ["| key | in Python | default | meaning |", "|---|---|---|---|"]
     for key, meaning in rows.items():
         default = defaults[key]
         if default is dataclasses.MISSING:
@@ -249,7 +257,8 @@ def _table(rows: Mapping[str, str], cls: type, prefix: str = "") -> list[str]:
             shown = "(below)"
         else:
             shown = f"`{_value(default)}`"
-        lines.append(f"| `{prefix}{key}` | {shown} | {meaning.replace('|', '&#124;')} |")
+        place = f" `config.{fields[key]}` |" if fields is not None else ""
+        lines.append(f"| `{prefix}{key}` |{place} {shown} | {meaning.replace('|', '&#124;')} |")
     return lines
 
 
@@ -269,22 +278,25 @@ def reference_markdown() -> str:
         "",
         "## Top level",
         "",
-        *_table(CONFIG_KEYS, QuantizeConfig),
+        "In Python a `QuantizeConfig` groups these keys (`config.bits.w` is `w_bits`);",
+        "`QuantizeConfig.of(w_bits=4, ...)` and `config.replace(w_bits=8)` take the keys.",
+        "",
+        *_table(CONFIG_KEYS, key_defaults(), fields=KEYS),
         "",
         "## `stage1` (methods with a stage 1)",
         "",
-        *_table(STAGE1_KEYS, Stage1Config, "stage1."),
+        *_table(STAGE1_KEYS, _defaults(Stage1Config), "stage1."),
         "",
         "## `mesh`",
         "",
-        *_table(MESH_KEYS, MeshConfig, "mesh."),
+        *_table(MESH_KEYS, _defaults(MeshConfig), "mesh."),
         "",
         "## `rules` (a list; each rule a mapping)",
         "",
         "A rule changes the plan entries whose path `pattern` matches in full; a key left out",
         "(null) leaves that field of them as it was.",
         "",
-        *_table(RULE_KEYS, QuantRule),
+        *_table(RULE_KEYS, _defaults(QuantRule)),
         "",
     ]
     return "\n".join(lines)

@@ -46,13 +46,12 @@ from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
 from qnpu_jax.models.load import WeightsIdentity, load_model
 from qnpu_jax.models.taps import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
+from qnpu_jax.pipeline.run_dir import MODEL_FORMAT, MODEL_VERSION, RunDir
 from qnpu_jax.pipeline.weight_rounding import weights_from_codes
 from qnpu_jax.quant.plan import QuantPlan
 from qnpu_jax.quant.state import state_from_tree
-from qnpu_jax.transforms import EQUALIZED, apply_rotations, equalize, fuse_norms, smooth_mlp
+from qnpu_jax.transforms import apply_rotations, equalize, fuse_norms, smooth_mlp
 
-MODEL_FORMAT = "qnpu-quantized-model"
-MODEL_VERSION = 1
 ORTHOGONALITY_TOL = 1e-3  # max |R·Rᵀ − I| of a learned float32 rotation (Cayley keeps ~1e-6)
 
 
@@ -239,11 +238,12 @@ class QuantizedModel(struct.PyTreeNode):
 
         self.check_base_unchanged()  # before anything is written
         directory = Path(directory)
+        saved = RunDir(directory)
         primary = is_primary()
         if primary:
             directory.mkdir(parents=True, exist_ok=True)
-            (directory / "model.json").unlink(missing_ok=True)
-            write_json_atomic(directory / "plan.json", self.require_plan().to_dict())
+            saved.model_json_path.unlink(missing_ok=True)
+            write_json_atomic(saved.plan_path, self.require_plan().to_dict())
         t = self.transforms
         save_learned(
             directory,
@@ -258,7 +258,7 @@ class QuantizedModel(struct.PyTreeNode):
         )
         if primary:
             write_json_atomic(
-                directory / "model.json",
+                saved.model_json_path,
                 {
                     "format": MODEL_FORMAT,
                     "version": MODEL_VERSION,
@@ -284,7 +284,7 @@ class QuantizedModel(struct.PyTreeNode):
         """The model `save` wrote to `directory`; `base` (a `LoadedModel`) is its float model,
         loaded from the stored spec when None. No step runs."""
         directory = Path(directory)
-        meta = _read_model_json(directory / "model.json")
+        meta = RunDir(directory).read_model_json()
         if base is None:
 
             base = load_model(meta["source"])
@@ -314,7 +314,7 @@ def check_base_weights(directory: Path, meta: Mapping[str, Any], base: Any) -> N
     without them, saved before they were recorded, accepts any base)."""
     if "weights" not in meta:
         return
-    where = str(Path(directory) / "model.json")
+    where = str(RunDir(directory).model_json_path)
     recorded = WeightsIdentity.from_json(meta["weights"], where)
     actual = getattr(base, "weights", None)
     if actual is None:
@@ -345,35 +345,6 @@ def base_fingerprint(params: Params, cfg: ModelConfig) -> str | None:
         crc = zlib.crc32(a.view(np.uint8).reshape(-1).data) if a.size else 0
         parts.append(f"{jax.tree_util.keystr(path)} {a.dtype} {a.shape} {crc:08x}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
-def _read_model_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise QnpuError(f"{path.parent} holds no saved model ({path.name} is missing)")
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise QnpuError(f"{path}: not readable JSON ({e})") from e
-    keys = {"format", "version", "source", "config", "prefix", "fused_norms", "rotated"}
-    keys |= {"mlp_smoothing_alpha", "steps"}
-    optional = {"equalized", "weights"}  # written since equivalent scaling / since weights
-    # were recorded; older files lack them
-    if not isinstance(meta, dict) or meta.get("format") != MODEL_FORMAT:
-        raise QnpuError(f"{path}: not a {MODEL_FORMAT} file")
-    if meta.get("version") != MODEL_VERSION:
-        raise QnpuError(
-            f"{path}: model format version {meta.get('version')!r}; this qnpu_jax reads "
-            f"version {MODEL_VERSION}"
-        )
-    if not keys <= set(meta) <= keys | optional:
-        raise QnpuError(
-            f"{path}: keys must be {sorted(keys)} (and optionally {sorted(optional)}), got "
-            f"{sorted(meta)}"
-        )
-    equalized = meta.get("equalized", [])
-    if not isinstance(equalized, list) or not set(equalized) <= set(EQUALIZED):
-        raise QnpuError(f"{path}: equalized must list pairs of {sorted(EQUALIZED)}")
-    return meta
 
 
 def nll_perplexity(
@@ -420,8 +391,8 @@ def save_learned(
         tree["trained"] = dict(trained)
     host = host_tree(tree)
     if is_primary():
-        target = (Path(directory) / "learned").resolve()
-        tmp = target.with_name("learned.tmp")
+        target = RunDir(directory).learned_path.resolve()
+        tmp = target.with_name(f"{RunDir.LEARNED}.tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
         alone = ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0})
@@ -436,9 +407,9 @@ def save_learned(
 def restore_learned(directory: Path) -> dict[str, Any]:
     """The orbax tree in directory/learned, with orbax's failures as a QnpuError naming it."""
 
-    path = (Path(directory) / "learned").resolve()
+    path = RunDir(directory).learned_path.resolve()
     if not path.exists():
-        raise QnpuError(f"{Path(directory)} is not a finished run: learned is missing")
+        raise QnpuError(f"{Path(directory)} is not a finished run: {RunDir.LEARNED} is missing")
     try:
         with ocp.StandardCheckpointer() as ckpt:
             learned = ckpt.restore(path)
@@ -465,15 +436,6 @@ def check_orthogonal(name: str, r: np.ndarray, where: str) -> None:
         )
 
 
-def read_plan(path: Path) -> QuantPlan:
-    if not path.is_file():
-        raise QnpuError(f"{path.parent} is not a finished run: {path.name} is missing")
-    try:
-        return QuantPlan.from_dict(json.loads(path.read_text()))
-    except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
-        raise QnpuError(f"{path}: {e}") from e
-
-
 def assemble(
     directory: Path,
     base: Any,
@@ -489,9 +451,9 @@ def assemble(
     `base` (a LoadedModel), after checking the stored pieces agree with the stated facts
     (`rotated`: whether R1/R2 belong; `smoothing_alpha`: whether smoothing scales do)."""
     directory = Path(directory)
-    plan = read_plan(directory / "plan.json")
+    plan = RunDir(directory).read_plan()
     learned = restore_learned(directory)
-    where = str(directory / "learned")
+    where = str(RunDir(directory).learned_path)
     if rotated != ("r1" in learned and "r2" in learned):
         raise QnpuError(
             f"{where} does not match its description: the model "

@@ -11,24 +11,22 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.ir.graph import (
-    ATTN_OUTPUT_INPUT,
     GLOBAL_ACTS,
     LAYER_ACTS,
     LINEAR_OUTPUTS,
-    MLP_INPUT,
     PROBS,
     ROTATED_INPUTS,
     UNROTATED_INPUT,
     UNROTATED_OUTPUT,
 )
-from qnpu_jax.pipeline.config import SCALE_LEARNING_METHODS, QuantizeConfig
+from qnpu_jax.pipeline.config import SCALE_LEARNING_METHODS, Method, QuantizeConfig
 from qnpu_jax.pipeline.quantized_model import QuantizedModel
 from qnpu_jax.pipeline.steps import (
     STAGE1_TENSORS,
@@ -143,22 +141,22 @@ def plan_rules(config: QuantizeConfig) -> list[QuantRule]:
         keep = "|".join((*STAGE1_TENSORS, *LINEAR_OUTPUTS))
         rules.append(QuantRule(pattern=f"(?!layers/({keep})$).*", quantize=False))
     if config.method == "quantnpu" and config.init_scheme == "aware":
-        rules += init_rules(config.w_bits, config.a_bits)
+        rules += init_rules(config.bits.w, config.bits.a)
     if config.method == "mobilequant":  # learned clipping starts from the MSE-best clip
         rules.append(QuantRule(pattern=f"layers/({'|'.join(WEIGHTS)})", init="mse"))
-    if config.asymmetric_weights:  # MobileQuant's main setting (its Table 7: symmetric)
+    if config.mobilequant.asymmetric_weights:  # MobileQuant's main setting (Table 7: symmetric)
         rules.append(QuantRule(pattern=f"layers/({'|'.join(WEIGHTS)})", symmetric=False))
-    if config.asymmetric_activations:  # MobileQuant's ARL: a learned offset on every one
+    if config.mobilequant.asymmetric_activations:  # MobileQuant's ARL: a learned offset
         layer = "|".join(a for a in LAYER_ACTS if a != PROBS)
         rules.append(
             QuantRule(pattern=f"layers/({layer})|{'|'.join(GLOBAL_ACTS)}", symmetric=False)
         )
-    if config.weight_block is not None:
+    if config.weights.block is not None:
         rules.append(
             QuantRule(
                 pattern=f"layers/({'|'.join(WEIGHTS)})",
-                block=config.weight_block,
-                block_scale_bits=config.weight_block_scale_bits,
+                block=config.weights.block,
+                block_scale_bits=config.weights.block_scale_bits,
             )
         )
     return rules + list(config.rules)
@@ -167,10 +165,10 @@ def plan_rules(config: QuantizeConfig) -> list[QuantRule]:
 def plan_options(config: QuantizeConfig) -> dict[str, Any]:
     """The bit-widths and rules a config's plan is built from (`default_plan`'s options)."""
     return {
-        "w_bits": config.w_bits,
-        "a_bits": config.a_bits,
-        "kv_bits": config.kv_bits,
-        "down_in_bits": config.down_in_bits,
+        "w_bits": config.bits.w,
+        "a_bits": config.bits.a,
+        "kv_bits": config.bits.kv,
+        "down_in_bits": config.bits.down_in,
         "rules": plan_rules(config),
         "simulation": config.simulation,
     }
@@ -179,9 +177,13 @@ def plan_options(config: QuantizeConfig) -> dict[str, Any]:
 def _start(config: QuantizeConfig) -> list[Step]:
     """The steps between the rotations and the scans: smoothing, equalization, the plan."""
     steps = [smooth_mlp(config.smooth_mlp)] if config.smooth_mlp is not None else []
-    if config.equalize is not None:
-        steps.append(equalize(config.equalize))
+    if config.mobilequant.equalize is not None:
+        steps.append(equalize(config.mobilequant.equalize))
     return [*steps, plan(**plan_options(config))]
+
+
+# promotions scanned on the final model, after stage 1 (a stage-2 tensor); the others before it
+PROMOTED_AFTER_STAGE1 = (UNROTATED_OUTPUT,)
 
 
 def _before_stage1(config: QuantizeConfig, rotated: bool) -> list[Step]:
@@ -195,34 +197,29 @@ def _before_stage1(config: QuantizeConfig, rotated: bool) -> list[Step]:
         )
         steps += [fuse_norms(), rotations]
     steps += _start(config)
-    if config.mixed_precision > 0 and config.down_in_bits == 8:
-        steps.append(promote(UNROTATED_INPUT, config.mixed_precision))
-    if config.mlp_in_mixed_precision > 0:
-        steps.append(promote(MLP_INPUT, config.mlp_in_mixed_precision))
-    if config.attn_out_mixed_precision > 0:
-        steps.append(promote(ATTN_OUTPUT_INPUT, config.attn_out_mixed_precision))
-    return steps
+    promoted = config.promoted().items()
+    return steps + [promote(t, share) for t, share in promoted if t not in PROMOTED_AFTER_STAGE1]
 
 
 def outlier_steps(config: QuantizeConfig) -> list[Step]:
     """The down_proj input's outlier mechanism of `config` (mllm-NPU's shadow outliers or
     MUXQ): steps on a calibrated model."""
-    if config.shadow_outliers is not None:
-        return [shadow_outliers(UNROTATED_INPUT, config.shadow_outliers, config.shadow_keep)]
-    if config.muxq_exp is not None:
-        return [muxq(UNROTATED_INPUT, config.muxq_exp, config.muxq_threshold)]
+    o = config.outliers
+    if o.shadow_clip is not None:
+        return [shadow_outliers(UNROTATED_INPUT, o.shadow_clip, o.shadow_keep)]
+    if o.muxq_exp is not None:
+        return [muxq(UNROTATED_INPUT, o.muxq_exp, o.muxq_threshold)]
     return []
 
 
 def after_stage1(config: QuantizeConfig) -> list[Step]:
     """Everything after stage 1: the down_proj output promotion (scanned on the final model),
     stage 2's calibration, GPTQ, then the outlier step."""
-    steps: list[Step] = []
-    if config.down_out_mixed_precision > 0:  # a stage-2 tensor: scanned on the final model
-        steps.append(promote(UNROTATED_OUTPUT, config.down_out_mixed_precision))
+    promoted = config.promoted().items()
+    steps = [promote(t, share) for t, share in promoted if t in PROMOTED_AFTER_STAGE1]
     steps.append(calibrate())
-    if config.weight_rounding == "gptq":
-        steps.append(gptq(config.gptq_damp))
+    if config.weights.rounding == "gptq":
+        steps.append(gptq(config.weights.gptq_damp))
     return steps + outlier_steps(config)
 
 
@@ -234,9 +231,9 @@ def _stage1(config: QuantizeConfig, *, learn_scales: bool) -> Step:
         s1,
         config_keys(config)[2],
         learn_scales=learn_scales,
-        selective=bool(config.selective),
+        selective=bool(config.mobilequant.selective),
         learn_down_in=config.learn_down_in,
-        weight_clipping=bool(config.weight_clipping),
+        weight_clipping=bool(config.mobilequant.weight_clipping),
     )
 
 
@@ -280,7 +277,7 @@ def mobilequant(config: QuantizeConfig) -> Recipe:
     )
 
 
-RECIPES: dict[str, Callable[[QuantizeConfig], Recipe]] = {
+RECIPES: dict[Method, Callable[[QuantizeConfig], Recipe]] = {
     "rtn": rtn,
     "quarot": quarot,
     "spinquant": spinquant,
@@ -291,10 +288,7 @@ RECIPES: dict[str, Callable[[QuantizeConfig], Recipe]] = {
 
 def for_config(config: QuantizeConfig) -> Recipe:
     """The recipe of `config.method` built from `config`."""
-    try:
-        return RECIPES[config.method](config)
-    except KeyError:
-        raise QnpuError(f"unknown method {config.method!r}; known: {sorted(RECIPES)}") from None
+    return RECIPES[config.method](config)
 
 
 def describe(recipe: Recipe) -> list[dict[str, Any]]:
@@ -305,30 +299,21 @@ def describe(recipe: Recipe) -> list[dict[str, Any]]:
 def build_plan(
     config: QuantizeConfig,
     num_layers: int,
-    down_in_bits: tuple[int, ...] | None = None,
-    down_out_bits: tuple[int, ...] | None = None,
-    mlp_in_bits: tuple[int, ...] | None = None,
-    attn_out_bits: tuple[int, ...] | None = None,
+    layer_bits: Mapping[str, Sequence[int]] | None = None,
 ) -> QuantPlan:
     """The plan a config's recipe ends with, given the per-layer bits its promotions chose
-    (None: no promotion of that tensor): for studies that vary one piece of it."""
+    ({tensor: bits per layer}, a tensor of `Promotions`; one left out: not promoted): for
+    studies that vary one piece of it."""
     made = default_plan(num_layers, **plan_options(config))
-    promoted = [
-        (UNROTATED_INPUT, down_in_bits),
-        (UNROTATED_OUTPUT, down_out_bits),
-        (MLP_INPUT, mlp_in_bits),
-        (ATTN_OUTPUT_INPUT, attn_out_bits),
-    ]
-    return made.apply(
-        [QuantRule(pattern=f"layers/{n}", layer_bits=b) for n, b in promoted if b is not None]
-    )
+    chosen = (layer_bits or {}).items()
+    return made.apply([QuantRule(pattern=f"layers/{t}", layer_bits=tuple(b)) for t, b in chosen])
 
 
 def config_stage1_plan(plan: QuantPlan, config: QuantizeConfig) -> QuantPlan:
     """The stage-1 plan of a config's recipe (`steps.stage1_plan` with its options)."""
     return stage1_plan(
         plan,
-        selective=bool(config.selective),
+        selective=bool(config.mobilequant.selective),
         learn=config.method in SCALE_LEARNING_METHODS,
         learn_down_in=config.learn_down_in,
     )

@@ -20,12 +20,13 @@ run_dir/
                      (`run_manifest`); a run without it is unfinished, and every reader
                      verifies it before use. `--resume` of a run that has it does nothing: the
                      run is complete
+
+`run_dir.RunDir` names these files and reads them; nothing else spells their names.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -47,7 +48,6 @@ from qnpu_jax.environment import environment_info
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import (
     exclusive_lock,
-    iter_jsonl,
     make_output_dir,
     remove_empty_dirs,
     write_bytes_atomic,
@@ -60,20 +60,13 @@ from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
 from qnpu_jax.models.load import load_model
 from qnpu_jax.models.taps import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
-from qnpu_jax.pipeline.config import QuantizeConfig, load_config
+from qnpu_jax.pipeline.config import QuantizeConfig, read_run_config
 from qnpu_jax.pipeline.quantized_model import QuantizedModel, StepRecord, assemble, nll_perplexity
 from qnpu_jax.pipeline.recipes import Recipe, config_keys, for_config
-from qnpu_jax.pipeline.run_manifest import (
-    RUN_LOCK,
-    RUN_MANIFEST,
-    seal_run,
-    unseal_run,
-    verify_run,
-)
+from qnpu_jax.pipeline.run_dir import RunDir
+from qnpu_jax.pipeline.run_manifest import seal_run, unseal_run, verify_run
 from qnpu_jax.pipeline.steps import Calibration, Context
 from qnpu_jax.quant.plan import QuantPlan
-
-RESUME_DIR = "resume"  # the model before the first resumable step (stage 1)
 
 
 def _token_ids(spec: str, split: str | None, tokenizer: Any) -> np.ndarray:
@@ -83,10 +76,10 @@ def _token_ids(spec: str, split: str | None, tokenizer: Any) -> np.ndarray:
 def calibration_data(config: QuantizeConfig, tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
     """(token ids of the calibration text, the run's calibration windows [N, T])."""
     data = Calibration.from_text(
-        config.calib_data,
+        config.data.calib,
         tokenizer,
-        seq_len=config.seq_len,
-        windows=config.calib_windows,
+        seq_len=config.data.seq_len,
+        windows=config.data.windows,
         key=config_keys(config)[0],
     )
     return data.ids, data.windows
@@ -96,7 +89,7 @@ def wiki_eval_windows(config: QuantizeConfig, tokenizer: Any, cap: int | None) -
     """The first `cap` windows of the `wiki` eval split at the run's seq_len: the evaluation
     protocol of the scripts that re-evaluate a run."""
     ids = tokenize_documents(load_documents("wiki", "eval"), tokenizer)
-    return eval_windows(ids, config.seq_len, cap)
+    return eval_windows(ids, config.data.seq_len, cap)
 
 
 def evaluate(
@@ -136,36 +129,36 @@ EVAL_ONLY_KEYS = ("eval_data", "eval_windows", "mesh")
 
 
 def _without_eval(config: QuantizeConfig) -> QuantizeConfig:
-    defaults = QuantizeConfig()
-    return dataclasses.replace(config, **{k: getattr(defaults, k) for k in EVAL_ONLY_KEYS})
+    defaults = QuantizeConfig().flat()
+    return config.replace(**{k: defaults[k] for k in EVAL_ONLY_KEYS})
 
 
 @contextmanager
 def claimed(run_dir: Path) -> Iterator[None]:
-    """Hold `run_dir`'s lock (RUN_LOCK) for the block, creating the directory: a second
-    `qnpu quantize` on it is refused by name. Directories made here and left empty are
+    """Hold `run_dir`'s lock (`RunDir.lock_path`) for the block, creating the directory: a
+    second `qnpu quantize` on it is refused by name. Directories made here and left empty are
     removed again."""
     made = make_output_dir(run_dir, "--out")
     try:
-        with exclusive_lock(run_dir / RUN_LOCK, f"run directory {run_dir}"):
+        with exclusive_lock(RunDir(run_dir).lock_path, f"run directory {run_dir}"):
             yield
     finally:
         remove_empty_dirs(made)
 
 
 def _check_run_dir(run_dir: Path, config: QuantizeConfig, resume: bool) -> None:
-    saved = run_dir / "config.yaml"
+    run = RunDir(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise QnpuError(f"--out {run_dir} exists and is not a directory")
     if resume:
-        if not saved.is_file():
-            raise QnpuError(f"--resume: {run_dir} holds no run (no config.yaml)")
-        if _without_eval(load_config(saved)) != _without_eval(config):
+        if not run.has_config:
+            raise QnpuError(f"--resume: {run_dir} holds no run (no {RunDir.CONFIG})")
+        if _without_eval(read_run_config(run)) != _without_eval(config):
             raise QnpuError(
-                f"--resume: the config differs from the one in {saved} (only "
+                f"--resume: the config differs from the one in {run.config_path} (only "
                 f"{', '.join(EVAL_ONLY_KEYS)} may change on resume)"
             )
-    elif run_dir.exists() and any(p.name != RUN_LOCK for p in run_dir.iterdir()):
+    elif run_dir.exists() and any(p.name != RunDir.LOCK for p in run_dir.iterdir()):
         raise QnpuError(f"{run_dir} is not empty; pass --resume to continue that run")
 
 
@@ -173,19 +166,14 @@ def _complete_report(run_dir: Path, config: QuantizeConfig) -> dict[str, Any]:
     """The report of the finished run that `--resume` names: nothing is left to run. Its
     evaluation can no longer change this way (only its mesh may differ)."""
     verify_run(run_dir)
-    saved = load_config(run_dir / "config.yaml")
+    run = RunDir(run_dir)
+    saved = read_run_config(run)
     if dataclasses.replace(saved, mesh=config.mesh) != config:
         raise QnpuError(
             f"--resume: {run_dir} is a finished run, and its evaluation settings differ from "
             "this config's; evaluate the run with `qnpu eval --run` instead"
         )
-    try:
-        report = json.loads((run_dir / "report.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise QnpuError(f"{run_dir / 'report.json'}: not a readable report ({e})") from e
-    if not isinstance(report, dict):
-        raise QnpuError(f"{run_dir / 'report.json'}: not a run report")
-    return report
+    return run.read_report()
 
 
 def evaluation_sets(
@@ -193,16 +181,16 @@ def evaluation_sets(
 ) -> dict[str, np.ndarray]:
     """{spec: windows} of every eval_data set, read before anything expensive runs, so a wrong
     path or a text shorter than one window fails in the first seconds, not after stage 1."""
-    if config.seq_len > max_length:
+    if config.data.seq_len > max_length:
         raise QnpuError(
-            f"seq_len {config.seq_len} exceeds the model's context ({max_length} positions "
+            f"seq_len {config.data.seq_len} exceeds the model's context ({max_length} positions "
             "after the sink prefix)"
         )
     sets = {}
-    for spec in config.eval_data:
+    for spec in config.eval.data:
         try:
             ids = _token_ids(spec, _eval_split(spec), tokenizer)
-            sets[spec] = eval_windows(ids, config.seq_len, config.eval_windows)
+            sets[spec] = eval_windows(ids, config.data.seq_len, config.eval.windows)
         except (QnpuError, OSError) as e:
             raise QnpuError(f"eval_data {spec!r}: {e}") from e
     return sets
@@ -258,17 +246,68 @@ def _quantize(
     command: str | None,
     announce: Callable[[str], None] | None,
 ) -> dict[str, Any]:
-
-
+    """`quantize`'s steps, with the run directory claimed: check it, read the inputs, start
+    the run directory, run the recipe, evaluate, write the report and seal the run."""
     _check_run_dir(run_dir, config, resume)
     say = announce or (lambda message: None)
-    if resume and (run_dir / RUN_MANIFEST).is_file():
+    if resume and RunDir(run_dir).is_sealed:
         report = _complete_report(run_dir, config)
-        say(f"{run_dir} is a finished run (its {RUN_MANIFEST} is sealed): nothing to resume")
+        say(f"{run_dir} is a finished run (its {RunDir.MANIFEST} is sealed): nothing to resume")
         return report
     recipe = for_config(config) if recipe is None else recipe
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
+    inputs = _read_inputs(config, recipe, say)
+    _start_run_dir(run_dir, config)
+    model, first = _first_model(run_dir, recipe, inputs, resume, say)
+    seconds["load"] = time.perf_counter() - t0
+    model = _run_steps(
+        run_dir,
+        recipe,
+        model,
+        first,
+        inputs,
+        resume=resume,
+        progress=progress,
+        say=say,
+        seconds=seconds,
+    )
+    t0 = time.perf_counter()
+    results = _evaluate_run(config, model, inputs, float_reference, say)
+    seconds["eval"] = time.perf_counter() - t0
+    report = _run_report(
+        config,
+        recipe,
+        model,
+        results,
+        seconds=seconds,
+        resume=resume,
+        run_dir=run_dir,
+        mesh=inputs.mesh,
+        command=command,
+    )
+    if is_primary():
+        write_json_atomic(RunDir(run_dir).report_path, report)
+        seal_run(run_dir)
+    sync("qnpu: run sealed")
+    return report
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What a run reads before any step: the mesh, the float model (a `LoadedModel`), the sink
+    prefix, the evaluation windows ({spec: windows}) and the calibration data."""
+
+    mesh: Mesh
+    loaded: Any
+    prefix: tuple[int, ...]
+    eval_sets: dict[str, np.ndarray]
+    data: Calibration
+
+
+def _read_inputs(config: QuantizeConfig, recipe: Recipe, say: Callable[[str], None]) -> _Inputs:
+    """The run's inputs, read before anything expensive runs: a batch the mesh cannot split,
+    a wrong path or a text shorter than one window fails in the first seconds."""
     say(f"loading {config.model}; then the calibration and evaluation text")
     mesh = make_mesh(config.mesh)
     if any(s.name == "stage1" for s in recipe):  # before anything expensive runs
@@ -280,50 +319,91 @@ def _quantize(
     try:
         calib_ids, calib = calibration_data(config, loaded.tokenizer)
     except (QnpuError, OSError) as e:
-        raise QnpuError(f"calib_data {config.calib_data!r}: {e}") from e
-    data = Calibration(calib_ids, calib)
-    primary = is_primary()  # in a multi-host job, process 0 writes the run directory
+        raise QnpuError(f"calib_data {config.data.calib!r}: {e}") from e
+    return _Inputs(mesh, loaded, prefix, eval_sets, Calibration(calib_ids, calib))
+
+
+def _start_run_dir(run_dir: Path, config: QuantizeConfig) -> None:
+    """Mark the run unfinished and write its config; in a multi-host job process 0 writes the
+    run directory and every process waits for it."""
+    primary = is_primary()
     sync("qnpu: run directory checked")
     if primary:
         run_dir.mkdir(parents=True, exist_ok=True)
         unseal_run(run_dir)  # a resumed run is unfinished until its manifest is written again
         write_bytes_atomic(
-            run_dir / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False).encode()
+            RunDir(run_dir).config_path,
+            yaml.safe_dump(config.to_dict(), sort_keys=False).encode(),
         )
     sync("qnpu: run directory started")
-    model = QuantizedModel.from_float(loaded, prefix=prefix)
+
+
+def _first_model(
+    run_dir: Path, recipe: Recipe, inputs: _Inputs, resume: bool, say: Callable[[str], None]
+) -> tuple[QuantizedModel, int]:
+    """(model, index of the first step to run): the float model from step 0, or with `resume`
+    the model saved before the first resumable step (`_resumed`)."""
+    model = QuantizedModel.from_float(inputs.loaded, prefix=inputs.prefix)
     first = 0
     if resume:
-        model, first = _resumed(run_dir / RESUME_DIR, recipe, model, loaded)
+        model, first = _resumed(RunDir(run_dir).resume.path, recipe, model, inputs.loaded)
         if first:
             say(f"resuming before step {first + 1} of {len(recipe)} ({recipe.steps[first].name})")
-    seconds["load"] = time.perf_counter() - t0
+    return model, first
 
-    context = Context(workdir=run_dir, progress=progress, mesh=mesh)
+
+def _run_steps(
+    run_dir: Path,
+    recipe: Recipe,
+    model: QuantizedModel,
+    first: int,
+    inputs: _Inputs,
+    *,
+    resume: bool,
+    progress: bool,
+    say: Callable[[str], None],
+    seconds: dict[str, float],
+) -> QuantizedModel:
+    """Run the recipe's steps from `first` (each one's wall time into `seconds`) and save the
+    final model to the run. Before each resumable step the model is saved to resume/ (not
+    again before the step a resume starts at); each promote step's scan is written."""
+    run = RunDir(run_dir)
+    primary = is_primary()
+    context = Context(workdir=run_dir, progress=progress, mesh=inputs.mesh)
     for i, step in enumerate(recipe.steps[first:], first):
         if step.resumable and not (resume and i == first):
-            model.save(run_dir / RESUME_DIR)
+            model.save(run.resume.path)
         t0 = time.perf_counter()
         say(step.describe)
-        model = step(model, data, context)
+        model = step(model, inputs.data, context)
         seconds[step.label] = time.perf_counter() - t0
         if step.name == "promote" and primary:
-            name = step.args["tensor"]
-            file = "sensitivity.json" if name == UNROTATED_INPUT else f"sensitivity_{name}.json"
-            write_json_atomic(run_dir / file, model.steps[-1].info)
+            write_json_atomic(run.sensitivity_path(step.args["tensor"]), model.steps[-1].info)
     model.save(run_dir)
+    return model
 
-    t0 = time.perf_counter()
+
+def _evaluate_run(
+    config: QuantizeConfig,
+    model: QuantizedModel,
+    inputs: _Inputs,
+    float_reference: Mapping[str, Mapping[str, Any]] | None,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """{spec: float and quantized perplexity} on every evaluation set; the float side comes
+    from `float_reference` where it has the spec (it must cover the same windows and tokens)."""
+    mesh, loaded, prefix = inputs.mesh, inputs.loaded, inputs.prefix
     nll = model.nll_fn(mesh)
     results: dict[str, Any] = {}
-    for spec, windows in eval_sets.items():
+    for spec, windows in inputs.eval_sets.items():
         say(
-            f"evaluation on {spec}: {len(windows)} windows of {config.seq_len}, quantized and float"
+            f"evaluation on {spec}: {len(windows)} windows of {config.data.seq_len}, quantized "
+            "and float"
         )
         quant_r = nll_perplexity(nll, windows, mesh=mesh)
         reference = (float_reference or {}).get(spec)
         if reference is None:
-            float_r = evaluate(loaded.params, None, None, cfg, windows, prefix, mesh)
+            float_r = evaluate(loaded.params, None, None, loaded.config, windows, prefix, mesh)
         elif (reference.get("windows"), reference.get("tokens")) != (
             quant_r["windows"],
             quant_r["tokens"],
@@ -345,12 +425,28 @@ def _quantize(
         }
         if not math.isfinite(quant_r["ppl"]):
             raise QnpuError(f"quantized perplexity on {spec} is not finite")
-    seconds["eval"] = time.perf_counter() - t0
+    return results
+
+
+def _run_report(
+    config: QuantizeConfig,
+    recipe: Recipe,
+    model: QuantizedModel,
+    results: dict[str, Any],
+    *,
+    seconds: dict[str, float],
+    resume: bool,
+    run_dir: Path,
+    mesh: Mesh,
+    command: str | None,
+) -> dict[str, Any]:
+    """The run's report (report.json): the config's summary, the evaluation `results`, the
+    wall times, and where and how the run was made."""
     trained = any(s.name == "stage1" for s in recipe)
-    report = {
+    return {
         **config.summary(),
-        "eval_windows_cap": config.eval_windows,
-        "calibration": {"data": config.calib_data, "windows": config.calib_windows},
+        "eval_windows_cap": config.eval.windows,
+        "calibration": {"data": config.data.calib, "windows": config.data.windows},
         "stage1_steps": config.stage1.steps if trained else 0,
         "sensitivity": model.step_info("promote", tensor=UNROTATED_INPUT),
         "down_out_sensitivity": model.step_info("promote", tensor=UNROTATED_OUTPUT),
@@ -362,11 +458,6 @@ def _quantize(
         "environment": environment_info(),
         "command": command,
     }
-    if primary:
-        write_json_atomic(run_dir / "report.json", report)
-        seal_run(run_dir)
-    sync("qnpu: run sealed")
-    return report
 
 
 def _resumed(
@@ -374,7 +465,7 @@ def _resumed(
 ) -> tuple[QuantizedModel, int]:
     """(model, index of the next step) to resume `recipe` from: the model saved in `snapshot`
     when there is one (its steps must be the recipe's first ones), else the start."""
-    if not (snapshot / "model.json").is_file():
+    if not RunDir(snapshot).has_model_json:
         return model, 0
     saved = QuantizedModel.load(snapshot, base=loaded)
     done = len(saved.steps)
@@ -390,11 +481,10 @@ def _resumed(
 def _stage1_step_seconds(run_dir: Path) -> float | None:
     """Stage 1's step time summed over every recorded step, earlier attempts of a resumed run
     included (`seconds` covers this invocation only); None without a stage 1."""
-
-    path = run_dir / "stage1" / "metrics.jsonl"
-    if not path.is_file():
+    rows = RunDir(run_dir).read_stage1_metrics()
+    if rows is None:
         return None
-    return float(sum(float(row.get("seconds", 0.0)) for _, row in iter_jsonl(path)))
+    return float(sum(float(row.get("seconds", 0.0)) for _, row in rows))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,18 +508,17 @@ def load_run(run_dir: Path) -> Run:
 
     run_dir = Path(run_dir)
     verify_run(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise QnpuError(f"{run_dir} is not a finished run: config.yaml is missing")
-    config = load_config(run_dir / "config.yaml")
+    run = RunDir(run_dir)
+    config = read_run_config(run)
     loaded = load_model(config.model)
-    if (run_dir / "model.json").is_file():
+    if run.has_model_json:
         model = QuantizedModel.load(run_dir, base=loaded)
         model_alpha = model.transforms.mlp_smoothing_alpha
         if (model_alpha is None) != (config.smooth_mlp is None) or (
             model_alpha is not None and abs(model_alpha - float(config.smooth_mlp or 0)) > 1e-6
         ):
             raise QnpuError(
-                f"{run_dir / 'model.json'} does not match config.yaml: smooth_mlp is "
+                f"{run.model_json_path} does not match {RunDir.CONFIG}: smooth_mlp is "
                 f"{config.smooth_mlp!r} but "
                 + (
                     "the smoothing scales are present"
@@ -451,5 +540,5 @@ def load_run(run_dir: Path) -> Run:
             steps=(StepRecord.of("legacy_run", {"method": config.method}),),
         )
     if model.state is None:
-        raise QnpuError(f"{run_dir / 'learned'}: the learned checkpoint holds no quantizer state")
+        raise QnpuError(f"{run.learned_path}: the learned checkpoint holds no quantizer state")
     return Run(config, model, loaded)

@@ -23,16 +23,17 @@ from qnpu_jax.integrity import (
     safe_relative_path,
     seal,
 )
+from qnpu_jax.pipeline.run_dir import RunDir
 
-RUN_MANIFEST = "manifest.json"
+RUN_MANIFEST = RunDir.MANIFEST
 # The lock `qnpu quantize` holds while it writes the run (`files.exclusive_lock`): not part of
 # the run, so never sealed, and removed when the run ends.
-RUN_LOCK = ".qnpu.lock"
+RUN_LOCK = RunDir.LOCK
 RUN_FORMAT = "qnpu-run"
 RUN_VERSION = 1
 # Directories whose every file is read as a whole by a loader (orbax): a file the manifest
 # does not list there could change what loads, so it is refused, not ignored.
-CLOSED_DIRS = ("learned",)
+CLOSED_DIRS = (RunDir.LEARNED,)
 
 
 def _run_files(run_dir: Path) -> list[str]:
@@ -53,12 +54,12 @@ def seal_run(run_dir: Path) -> Path:
     files = {rel: file_record((run_dir / rel).read_bytes()) for rel in _run_files(run_dir)}
     doc = seal({"format": RUN_FORMAT, "version": RUN_VERSION, "files": files})
     text = json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n"
-    return write_bytes_atomic(run_dir / RUN_MANIFEST, text.encode())
+    return write_bytes_atomic(RunDir(run_dir).manifest_path, text.encode())
 
 
 def unseal_run(run_dir: Path) -> None:
     """Mark the run unfinished (its files are about to change)."""
-    (Path(run_dir) / RUN_MANIFEST).unlink(missing_ok=True)
+    RunDir(run_dir).manifest_path.unlink(missing_ok=True)
 
 
 def verify_run(run_dir: Path) -> dict[str, Any]:
@@ -66,7 +67,7 @@ def verify_run(run_dir: Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise QnpuError(f"run directory not found: {run_dir}")
-    mpath = run_dir / RUN_MANIFEST
+    mpath = RunDir(run_dir).manifest_path
     if not mpath.is_file():
         raise QnpuError(
             f"{run_dir} is not a finished run: {RUN_MANIFEST} is missing (the run was stopped "

@@ -50,6 +50,7 @@ from qnpu_jax.mesh import (
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import MATMUL_DTYPES, Params, next_token_nll
 from qnpu_jax.models.taps import FakeQuantTaps, QuantState, tapped_forward
+from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.quant.fake_quant import log_to_scale, positive_scale, round_ste, scale_to_log
 from qnpu_jax.quant.plan import WEIGHTS, QuantPlan
 from qnpu_jax.quant.state import state_key
@@ -591,7 +592,8 @@ def run_stage1(
     mesh: Mesh | None = None,
 ) -> dict[str, Any]:
     """Train to `config.steps`, checkpointing every `checkpoint_every` steps in
-    run_dir/checkpoints and appending per-step metrics to run_dir/metrics.jsonl.
+    run_dir/checkpoints and appending per-step metrics to run_dir/metrics.jsonl (the names
+    `RunDir` gives stage 1's work directory, a run's stage1/).
 
     With `config.select_every`, the state carries "best" = {"params", "loss", "step"}: the
     trainable tree with the lowest held-out cross-entropy so far (`held_out_split`; scored at
@@ -633,8 +635,8 @@ def run_stage1(
         best = {"params": state["params"], "loss": jnp.float32(loss), "step": state["step"]}
         return {**state, "best": best}, loss
 
-    manager = _checkpoint_manager(run_dir / "checkpoints", config)
-    metrics_path = run_dir / "metrics.jsonl"
+    manager = _checkpoint_manager(run_dir / RunDir.STAGE1_CHECKPOINTS, config)
+    metrics_path = run_dir / RunDir.STAGE1_METRICS
     primary = is_primary()  # one process writes the metrics (orbax coordinates the rest)
     latest = manager.latest_step()
     if latest is not None:
@@ -642,8 +644,9 @@ def run_stage1(
             train_state = manager.restore(latest, args=ocp.args.StandardRestore(train_state))
         except Exception as e:  # orbax/tensorstore raise many types; all mean "unreadable"
             raise QnpuError(
-                f"{run_dir / 'checkpoints' / str(latest)}: cannot restore the stage-1 checkpoint "
-                f"({first_line(e)}); delete that step's folder to resume from the one before"
+                f"{run_dir / RunDir.STAGE1_CHECKPOINTS / str(latest)}: cannot restore the "
+                f"stage-1 checkpoint ({first_line(e)}); delete that step's folder to resume from "
+                "the one before"
             ) from e
         if primary:
             _trim_metrics(metrics_path, latest)

@@ -1,7 +1,8 @@
 """Steps: pure functions `QuantizedModel -> QuantizedModel`, each recorded in the model.
 
 A step is made by a factory that takes its options (and RNG keys) explicitly, e.g.
-`hadamard_rotations(key)` or `promote("down_in", 0.10)`. Calling it with a model and the
+`hadamard_rotations(key)` or `promote("down_in", 0.10)`; the step records the arguments it was
+made with, named by the factory's signature (`step_factory`). Calling it with a model and the
 calibration data returns a new model with the step's name, arguments and report appended to
 `model.steps`, so a saved model says how it was made. Recipes (`pipeline.recipes`) chain steps.
 
@@ -11,10 +12,12 @@ calibration data returns a new model with the step's name, arguments and report 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +43,7 @@ from qnpu_jax.pipeline.calibrate import channel_absmax, collect_activation_stats
 from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits, tensor_sensitivity
 from qnpu_jax.pipeline.outlier_paths import choose_muxq, choose_shadows, shadow_summary
 from qnpu_jax.pipeline.quantized_model import QuantizedModel
+from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.pipeline.stage1 import (
     Stage1Config,
     clip_logits,
@@ -141,7 +145,61 @@ class Step:
         return new.record(self.name, self.args, info)
 
 
-def fuse_norms() -> Step:
+P = ParamSpec("P")
+
+
+def _recorded(value: Any) -> Any:
+    """An argument as a step records it (JSON): an RNG key as its data, a step as its name, a
+    rule or stage 1's config as its fields."""
+    if isinstance(value, jax.Array):
+        return np.asarray(jax.random.key_data(value)).tolist()
+    if isinstance(value, Step):
+        return value.name
+    if isinstance(value, Stage1Config):
+        recorded = dataclasses.asdict(value)
+        # keys added after runs were made are recorded only off their default, so that a run
+        # saved before them still resumes (its recorded steps must equal the recipe's)
+        for name, default in STAGE1_LATER_KEYS.items():
+            if recorded[name] == default:
+                del recorded[name]
+        return recorded
+    if isinstance(value, QuantRule):
+        return dataclasses.asdict(value)
+    if isinstance(value, list | tuple):
+        return [_recorded(v) for v in value]
+    return value
+
+
+def step_factory(
+    *, resumable: bool = False, only_if_set: tuple[str, ...] = ()
+) -> Callable[[Callable[P, tuple[StepFn, str]]], Callable[P, Step]]:
+    """Makes a function of a step's options that returns (fn, its phase announcement) a step
+    factory: the step is named after the function and records the arguments of the call,
+    bound to the function's signature (with its defaults). The `only_if_set` ones are
+    recorded only off their default: runs made before them still resume."""
+
+    def wrap(factory: Callable[P, tuple[StepFn, str]]) -> Callable[P, Step]:
+        signature = inspect.signature(factory)
+
+        @functools.wraps(factory)
+        def make(*args: P.args, **kwargs: P.kwargs) -> Step:
+            fn, describe = factory(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            recorded = {
+                name: _recorded(value)
+                for name, value in bound.arguments.items()
+                if name not in only_if_set or value != signature.parameters[name].default
+            }
+            return Step(factory.__name__, recorded, fn, describe, resumable)
+
+        return make
+
+    return wrap
+
+
+@step_factory()
+def fuse_norms() -> tuple[StepFn, str]:
     """Fold the RMSNorm weights into the following linears (needed before rotations)."""
 
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
@@ -152,10 +210,11 @@ def fuse_norms() -> Step:
         fuse_norm_weights(m.base, m.cfg)  # refuses a model it cannot fuse, now
         return m.with_transforms(m.transforms.replace(fused_norms=True)), None
 
-    return Step("fuse_norms", {}, fn, "fusing the norms into the linears")
+    return fn, "fusing the norms into the linears"
 
 
-def hadamard_rotations(key: jax.Array) -> Step:
+@step_factory()
+def hadamard_rotations(key: jax.Array) -> tuple[StepFn, str]:
     """Randomized Hadamard R1 (residual stream) and per-head R2 (o_proj input) from `key`."""
 
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
@@ -166,11 +225,13 @@ def hadamard_rotations(key: jax.Array) -> Step:
         r1, r2 = randomized_hadamard_rotations(m.cfg, key)
         return m.with_transforms(m.transforms.replace(r1=r1, r2=r2)), None
 
-    args = {"key": np.asarray(jax.random.key_data(key)).tolist()}
-    return Step("hadamard_rotations", args, fn, "randomized Hadamard rotations R1/R2")
+    return fn, "randomized Hadamard rotations R1/R2"
 
 
-def choose_rotation(keys: Sequence[jax.Array], score: Sequence[Step], windows: int = 4) -> Step:
+@step_factory()
+def choose_rotation(
+    keys: Sequence[jax.Array], score: Sequence[Step], windows: int = 4
+) -> tuple[StepFn, str]:
     """Randomized Hadamard R1/R2 from the best of `keys`: each candidate rotates the model,
     `score`'s steps (e.g. the plan and a calibration) quantize a copy of it, and the one whose
     fake-quant model has the lowest perplexity on the first `windows` calibration windows is
@@ -197,16 +258,11 @@ def choose_rotation(keys: Sequence[jax.Array], score: Sequence[Step], windows: i
         kept = m.with_transforms(rotated.transforms)
         return kept, {"candidate_ppl": ppls, "chosen": chosen, "windows": windows}
 
-    args = {
-        "keys": [np.asarray(jax.random.key_data(k)).tolist() for k in keys],
-        "score": [step.name for step in score],
-        "windows": windows,
-    }
-    describe = f"randomized Hadamard rotations R1/R2, the best of {len(keys)} by calibration loss"
-    return Step("choose_rotation", args, fn, describe)
+    return fn, f"randomized Hadamard rotations R1/R2, the best of {len(keys)} by calibration loss"
 
 
-def smooth_mlp(alpha: float) -> Step:
+@step_factory()
+def smooth_mlp(alpha: float) -> tuple[StepFn, str]:
     """MobileQuant/SmoothQuant-style up→down smoothing with strength `alpha`, from the down_proj
     input ranges of the current model (rotations commute with it) over the calibration."""
     if not 0.0 <= alpha <= 1.0:
@@ -222,10 +278,11 @@ def smooth_mlp(alpha: float) -> Step:
         t = m.transforms.replace(mlp_smoothing=scales, mlp_smoothing_alpha=float(alpha))
         return m.with_transforms(t), None
 
-    return Step("smooth_mlp", {"alpha": alpha}, fn, f"MLP smoothing (alpha {alpha})")
+    return fn, f"MLP smoothing (alpha {alpha})"
 
 
-def equalize(alpha: float = 0.5, pairs: Sequence[str] | None = None) -> Step:
+@step_factory()
+def equalize(alpha: float = 0.5, pairs: Sequence[str] = tuple(EQUALIZED)) -> tuple[StepFn, str]:
     """Equivalent scaling of the linear pairs `pairs` (default: every pair of
     `transforms.EQUALIZED`), each initialized by SmoothQuant's rule with strength `alpha` from
     the current model's input ranges over the calibration and its readers' weight columns (in
@@ -233,7 +290,7 @@ def equalize(alpha: float = 0.5, pairs: Sequence[str] | None = None) -> Step:
     it learns the factors."""
     if isinstance(alpha, bool) or not 0.0 < alpha < 1.0:
         raise QnpuError(f"equalize: alpha must be in (0, 1), got {alpha!r}")
-    chosen = tuple(EQUALIZED) if pairs is None else tuple(pairs)
+    chosen = tuple(pairs)
     unknown = sorted(set(chosen) - set(EQUALIZED))
     if unknown or not chosen:
         raise QnpuError(f"equalize: pairs must be among {sorted(EQUALIZED)}, got {list(chosen)}")
@@ -261,10 +318,10 @@ def equalize(alpha: float = 0.5, pairs: Sequence[str] | None = None) -> Step:
         }
         return m.with_transforms(m.transforms.replace(equalization=scales)), info
 
-    args = {"alpha": alpha, "pairs": list(chosen)}
-    return Step("equalize", args, fn, f"equivalent scaling of {', '.join(chosen)} (α {alpha})")
+    return fn, f"equivalent scaling of {', '.join(chosen)} (α {alpha})"
 
 
+@step_factory()
 def plan(
     *,
     w_bits: int = 4,
@@ -273,7 +330,7 @@ def plan(
     down_in_bits: int = 8,
     rules: Sequence[QuantRule] = (),
     simulation: str = "device",
-) -> Step:
+) -> tuple[StepFn, str]:
     """The deployment plan: docs/design.md §3's table at these bit-widths, then `rules` in order;
     `simulation`: what the fake-quant forward computes between quantizers (`QuantPlan`)."""
 
@@ -289,19 +346,11 @@ def plan(
         )
         return m.replace(plan=made, state=None, weight_codes=None), None
 
-    args = {
-        "w_bits": w_bits,
-        "a_bits": a_bits,
-        "kv_bits": kv_bits,
-        "down_in_bits": down_in_bits,
-        "rules": [dataclasses.asdict(r) for r in rules],
-        "simulation": simulation,
-    }
-    describe = f"plan W{w_bits}A{a_bits}KV{kv_bits} ({simulation} simulation)"
-    return Step("plan", args, fn, describe)
+    return fn, f"plan W{w_bits}A{a_bits}KV{kv_bits} ({simulation} simulation)"
 
 
-def promote(tensor: str, fraction: float) -> Step:
+@step_factory()
+def promote(tensor: str, fraction: float) -> tuple[StepFn, str]:
     """Eq. (4)'s sensitivity scan of the per-layer activation `tensor` on the current model,
     at the tensor's base bits in the plan, then the top `fraction` of layers at 16 bits and
     the others at the base bits (a per-layer-bits rule on the plan)."""
@@ -334,8 +383,7 @@ def promote(tensor: str, fraction: float) -> Step:
         }
         return m.replace(plan=current.apply([rule]), state=None, weight_codes=None), info
 
-    describe = f"sensitivity scan (eq. 4) of layers/{tensor}"
-    return Step("promote", {"tensor": tensor, "fraction": fraction}, fn, describe)
+    return fn, f"sensitivity scan (eq. 4) of layers/{tensor}"
 
 
 def stage1_plan(
@@ -356,6 +404,7 @@ def stage1_plan(
     return plan.with_entries(entries)
 
 
+@step_factory(resumable=True, only_if_set=("weight_clipping",))
 def stage1(
     config: Stage1Config,
     key: jax.Array,
@@ -364,7 +413,7 @@ def stage1(
     selective: bool = True,
     learn_down_in: bool = True,
     weight_clipping: bool = False,
-) -> Step:
+) -> tuple[StepFn, str]:
     """Stage 1 (§4.3): R1/R2 learned with Cayley SGD under the stage-1 plan's fake quant, and
     with `learn_scales` the selective scales too (Quant.npu; without: SpinQuant's rotations
     only). An unrotated model learns no rotations; an equalized one learns its pairs' scales
@@ -391,7 +440,7 @@ def stage1(
         )
         clip = clip_logits(params, s1_state, s1_plan) if weight_clipping else None
         with tempfile.TemporaryDirectory() as tmp:
-            workdir = ctx.workdir / "stage1" if ctx.workdir is not None else Path(tmp)
+            workdir = RunDir(ctx.workdir).stage1_dir if ctx.workdir is not None else Path(tmp)
             base = t.apply(m.base, m.cfg, rotate=False)
             start = init_train_state(
                 t.r1, t.r2, s1_state, s1_plan, config, equalization=t.equalization, clip=clip
@@ -441,28 +490,13 @@ def stage1(
             info["held_out_ce"] = float(trained["best"]["loss"])
         return new, info or None
 
-    recorded = dataclasses.asdict(config)
-    # keys added after runs were made are recorded only off their default, so that a run
-    # saved before them still resumes (its recorded steps must equal the recipe's)
-    for name, default in STAGE1_LATER_KEYS.items():
-        if recorded[name] == default:
-            del recorded[name]
-    args = {
-        "config": recorded,
-        "key": np.asarray(jax.random.key_data(key)).tolist(),
-        "learn_scales": learn_scales,
-        "selective": selective,
-        "learn_down_in": learn_down_in,
-    }
-    if weight_clipping:  # recorded only when on, so runs made before it still resume
-        args["weight_clipping"] = True
     what = "the model's rotations and equivalent scales" + (", scales" if learn_scales else "")
     what += ", weight clip factors" if weight_clipping else ""
-    describe = f"stage 1: {config.steps} steps ({what})"
-    return Step("stage1", args, fn, describe, resumable=True)
+    return fn, f"stage 1: {config.steps} steps ({what})"
 
 
-def calibrate(paths: Sequence[str] | None = None) -> Step:
+@step_factory(only_if_set=("paths",))
+def calibrate(paths: Sequence[str] | None = None) -> tuple[StepFn, str]:
     """Stage 2: static encodings of every tensor of the plan from the current model over the
     calibration windows; stage 1's trained scales are kept over them.
 
@@ -513,9 +547,8 @@ def calibrate(paths: Sequence[str] | None = None) -> Step:
         kept = {p: e for p, e in by_path(m.require_state()).items() if p in planned}
         return m.replace(state=from_paths({**kept, **fresh})), None
 
-    args = {} if chosen is None else {"paths": list(chosen)}
     what = "every tensor of the plan" if chosen is None else ", ".join(chosen)
-    return Step("calibrate", args, fn, f"stage 2: static calibration of {what}")
+    return fn, f"stage 2: static calibration of {what}"
 
 
 def _placed_prefix_params(m: QuantizedModel, ctx: Context) -> Params | None:
@@ -537,7 +570,10 @@ def _channel_input(plan: QuantPlan, tensor: str, what: str) -> TensorQuant:
     return tq
 
 
-def shadow_outliers(tensor: str = UNROTATED_INPUT, clip: float = 99.99, keep: float = 0.15) -> Step:
+@step_factory()
+def shadow_outliers(
+    tensor: str = UNROTATED_INPUT, clip: float = 99.99, keep: float = 0.15
+) -> tuple[StepFn, str]:
     """mllm-NPU's shadow outlier execution on the linear input `tensor` (`pipeline.outlier_paths`):
     in the ceil(keep·L) most important layers, its scale is re-set to clip |x| at the
     `clip`-th percentile of the calibration values and the channels that overflow that range
@@ -589,12 +625,11 @@ def shadow_outliers(tensor: str = UNROTATED_INPUT, clip: float = 99.99, keep: fl
         info = {"tensor": tensor, "clip": clip, "keep": keep, **shadow_summary(choice)}
         return m.replace(plan=new_plan, state=with_entry(state, path, entry)), info
 
-    args = {"tensor": tensor, "clip": clip, "keep": keep}
-    describe = f"shadow outliers of {path} (clip at P{clip:g}, {keep:.0%} of layers)"
-    return Step("shadow_outliers", args, fn, describe)
+    return fn, f"shadow outliers of {path} (clip at P{clip:g}, {keep:.0%} of layers)"
 
 
-def muxq(tensor: str = UNROTATED_INPUT, exp: int = 2, threshold: float = 6.0) -> Step:
+@step_factory()
+def muxq(tensor: str = UNROTATED_INPUT, exp: int = 2, threshold: float = 6.0) -> tuple[StepFn, str]:
     """MUXQ on the linear input `tensor` (`pipeline.outlier_paths`): its channels whose largest
     |x| over the calibration exceeds `threshold` are shifted right by `exp` bits into the
     Body tensor, whose per-tensor scale is re-set to Body's range (Max-Min, symmetric) in the
@@ -640,12 +675,11 @@ def muxq(tensor: str = UNROTATED_INPUT, exp: int = 2, threshold: float = 6.0) ->
         }
         return m.replace(plan=new_plan, state=with_entry(state, path, entry)), info
 
-    args = {"tensor": tensor, "exp": exp, "threshold": threshold}
-    describe = f"MUXQ of {path} (channels above {threshold:g} shifted by {exp} bits)"
-    return Step("muxq", args, fn, describe)
+    return fn, f"MUXQ of {path} (channels above {threshold:g} shifted by {exp} bits)"
 
 
-def gptq(damp: float = 0.01) -> Step:
+@step_factory()
+def gptq(damp: float = 0.01) -> tuple[StepFn, str]:
     """GPTQ's integer codes of every quantized linear weight on the calibrated grid (the
     scales stay), from the fake-quant model's Hessians over the calibration."""
     if not damp > 0:
@@ -665,4 +699,4 @@ def gptq(damp: float = 0.01) -> Step:
         )
         return m.replace(weight_codes=codes), None
 
-    return Step("gptq", {"damp": damp}, fn, "GPTQ rounding of the linear weights")
+    return fn, "GPTQ rounding of the linear weights"

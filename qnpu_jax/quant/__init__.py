@@ -16,7 +16,7 @@ from qnpu_jax.quant.fake_quant import (
     scale_to_log,
 )
 from qnpu_jax.quant.init import (
-    METHODS,
+    RANGE_INITS,
     RangeStats,
     init_range_stats,
     mse_scale,
@@ -34,8 +34,8 @@ from qnpu_jax.quant.requantize import (
 from qnpu_jax.quant.spec import QuantSpec, code_dtype, qrange, reduced_shape, resolve_axis
 
 __all__ = [
-    "METHODS",
     "MIN_SCALE",
+    "RANGE_INITS",
     "QuantPlan",
     "QuantRule",
     "QuantSpec",

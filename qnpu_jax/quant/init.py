@@ -37,7 +37,8 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.quant.fake_quant import MIN_SCALE, fake_quant
 from qnpu_jax.quant.spec import QuantSpec, reduced_shape, resolve_axis
 
-METHODS = ("max_min", "mean_std", "percentile", "mse")
+# the range initializers computed from calibration data (`quant.plan.INIT_METHODS` adds "fixed")
+RANGE_INITS = ("max_min", "mean_std", "percentile", "mse")
 
 # Histogram ranges start at 2^HIST_MIN_EXP: values below it all land in bin 0.
 HIST_MIN_EXP = -64
@@ -278,8 +279,8 @@ def scale_from_stats(
     - "mse": needs samples; use `mse_scale(x, spec)`.
     Raises QnpuError for NaN/inf in the data, empty statistics or an unknown method.
     """
-    if method not in METHODS:
-        raise QnpuError(f"unknown initialization method {method!r}; choose from {METHODS}")
+    if method not in RANGE_INITS:
+        raise QnpuError(f"unknown initialization method {method!r}; choose from {RANGE_INITS}")
     if method == "mse":
         raise QnpuError(
             "method 'mse' needs sample data, which RangeStats does not keep: "

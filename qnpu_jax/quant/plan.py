@@ -38,10 +38,13 @@ from qnpu_jax.ir.graph import (
     Tensor,
     channel_mask,
 )
+from qnpu_jax.quant.init import RANGE_INITS
 from qnpu_jax.quant.spec import QuantSpec, qrange
 from qnpu_jax.quant.state import is_layer_path
 
-INIT_METHODS = ("max_min", "mean_std", "percentile", "mse", "fixed")
+# a plan entry's initializer: one computed from calibration data, or "fixed" (the softmax
+# probabilities' encoding)
+INIT_METHODS = (*RANGE_INITS, "fixed")
 
 # The tensors of the shipped graph (`ir.graph.GRAPH`), in graph order.
 WEIGHTS = LINEARS  # the decoder layer's weights

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from qnpu_jax.files import write_bytes_atomic
+from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.report.plots import (
     plot_stage1_losses,
     plot_sweep,
@@ -112,7 +113,8 @@ def build_report(
     stage1_text = []
     if skipped:
         listed = ", ".join(f"`{s}`" for s in skipped)
-        stage1_text.append(f"Runs without stage 1 (no stage1/metrics.jsonl), skipped: {listed}")
+        no_metrics = f"{RunDir.STAGE1}/{RunDir.STAGE1_METRICS}"
+        stage1_text.append(f"Runs without stage 1 (no {no_metrics}), skipped: {listed}")
     if not curves:
         stage1_text.insert(0, "No run has stage-1 metrics: no plot.")
     sections.append(

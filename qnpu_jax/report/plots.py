@@ -20,10 +20,9 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.files import iter_jsonl
+from qnpu_jax.pipeline.run_dir import RunDir
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-STAGE1_METRICS = Path("stage1") / "metrics.jsonl"
 
 
 def _figure(width: float, height: float) -> Any:
@@ -46,11 +45,12 @@ def _png(fig: Any) -> bytes:
 
 def read_stage1_metrics(run_dir: Path) -> list[dict[str, float]] | None:
     """The per-step metrics of a run's stage 1, sorted by step; None if it had no stage 1."""
-    path = Path(run_dir) / STAGE1_METRICS
-    if not path.is_file():
+    run = RunDir(Path(run_dir))
+    path, rows = run.stage1_metrics_path, run.read_stage1_metrics()
+    if rows is None:
         return None
     steps: dict[int, dict[str, float]] = {}
-    for i, entry in iter_jsonl(path):
+    for i, entry in rows:
         step, loss = entry.get("step"), entry.get("loss")
         if not isinstance(step, int) or not _is_number(loss):
             raise QnpuError(f"{path}:{i}: expected an object with an integer 'step' and a 'loss'")

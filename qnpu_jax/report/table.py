@@ -24,9 +24,10 @@ from typing import Any
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.ir.graph import LINEAR_INPUTS, UNROTATED_INPUT
-from qnpu_jax.pipeline.config import load_config
+from qnpu_jax.pipeline.config import QuantizeConfig, read_run_config
+from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.pipeline.run_manifest import verify_run
-from qnpu_jax.quant.plan import WEIGHTS, QuantPlan
+from qnpu_jax.quant.plan import WEIGHTS
 
 # lm-evaluation-harness headline metric per task, in the paper's Table 1 column order.
 HEADLINE: dict[str, str] = {
@@ -233,19 +234,19 @@ def _down_in_text(plan: Any) -> str:
     return f"{low}; {'/'.join(map(str, bits))} in {layers} {', '.join(map(str, high))}"
 
 
-def run_label(method: str, config: Any) -> str:
+def run_label(method: str, config: QuantizeConfig) -> str:
     """The method's label plus the options beyond the paper that the run used."""
     label = METHOD_LABELS.get(method, method)
     if config.smooth_mlp is not None:
         label += f" + smoothing α={config.smooth_mlp:g}"
-    if config.equalize is not None and method != "mobilequant":
-        label += f" + equalization α={config.equalize:g}"
-    if config.weight_clipping and method != "mobilequant":
+    if config.mobilequant.equalize is not None and method != "mobilequant":
+        label += f" + equalization α={config.mobilequant.equalize:g}"
+    if config.mobilequant.weight_clipping and method != "mobilequant":
         label += " + LWC"
     if config.stage1.objective != "end_to_end":
         label += f" ({config.stage1.objective}-wise)"
-    if config.weight_rounding != "rtn":
-        label += f" + {config.weight_rounding.upper()}"
+    if config.weights.rounding != "rtn":
+        label += f" + {config.weights.rounding.upper()}"
     return label
 
 
@@ -254,23 +255,16 @@ def load_run_row(run_dir: Path) -> Row:
 
     run_dir = Path(run_dir)
     verify_run(run_dir)
-    report_path = run_dir / "report.json"
-    if not report_path.is_file():
-        raise QnpuError(f"{run_dir} is not a finished run: report.json is missing")
-    report = _mapping(read_json(report_path, "run report"), str(report_path))
-    config = load_config(run_dir / "config.yaml")
-    plan_path = run_dir / "plan.json"
-    plan_doc = read_json(plan_path, "run plan")
-    try:
-        plan = QuantPlan.from_dict(plan_doc)
-    except (QnpuError, TypeError) as e:
-        raise QnpuError(f"{plan_path}: {e}") from e
+    run = RunDir(run_dir)
+    report_path, report = run.report_path, run.read_report()
+    config = read_run_config(run)
+    plan = run.read_plan()
     method = report.get("method")
     bits = report.get("bits")
     if not isinstance(method, str) or not isinstance(bits, str):
         raise QnpuError(f"{report_path}: 'method' and 'bits' must be strings")
     perplexity = _mapping(report.get("perplexity", {}), f"{report_path}: 'perplexity'")
-    seq_len = _optional_int(report.get("seq_len", config.seq_len), f"{report_path}: seq_len")
+    seq_len = _optional_int(report.get("seq_len", config.data.seq_len), f"{report_path}: seq_len")
     prefix = report.get("prefix", config.prefix)
     ppl = {}
     for spec, entry in perplexity.items():
@@ -301,8 +295,8 @@ def load_run_row(run_dir: Path) -> Row:
 
 def recorded_float_ppl(run_dir: Path) -> dict[str, PplResult]:
     """The float perplexities a run measured on the same windows as its quantized ones."""
-    path = Path(run_dir) / "report.json"
-    report = _mapping(read_json(path, "run report"), str(path))
+    run = RunDir(Path(run_dir))
+    path, report = run.report_path, run.read_report()
     out = {}
     for spec, entry in _mapping(report.get("perplexity", {}), str(path)).items():
         if isinstance(entry, dict) and entry.get("float_ppl") is not None:

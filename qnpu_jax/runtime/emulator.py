@@ -13,7 +13,8 @@ any summation order is exact. Float64 or int64 take over where float32 cannot.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -23,14 +24,20 @@ from qnpu_jax.ir.exact_dot import dot_plan, run_dot_plan
 from qnpu_jax.ir.graph import (
     HEAD_NORM_MAX,
     LAYER_INPUT,
+    LAYER_ONLY_KINDS,
     LOGITS_RANGE,
+    MODEL_ONLY_KINDS,
     PROBS,
     SCORES,
+    OpKind,
+    check_handlers,
     check_room,
+    op_kind,
 )
 from qnpu_jax.runtime.interface import IntegerEngine, KVCache, check_cache_batch, check_tokens
 
 I64 = np.int64
+H = TypeVar("H")
 INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -281,6 +288,100 @@ def _add(a: Value, b: Value, c: dict[str, np.ndarray], out: tuple[int, int, int]
     return np.clip(y, out[1], out[2])
 
 
+Trace = dict[str, list[np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerRun:
+    """What the ops of one layer read: the model, the layer, the cache, the chunk's first
+    position and RoPE rows, the norms' fixed-point bits (F, K) and the trace."""
+
+    model: IntModel
+    layer: int
+    cache: Cache
+    start: int
+    cos: np.ndarray
+    sin: np.ndarray
+    norm_bits: tuple[int, int]
+    trace: Trace | None
+
+    def consts(self, op: dict[str, Any]) -> dict[str, np.ndarray]:
+        """This layer's constants of `op`, with MUXQ's extra shift of its output channels."""
+        c = _layer_slice(self.model, op["const"], self.layer)
+        shifts = self.model.muxq_shifts(op["out"])
+        if shifts is not None:  # MUXQ's Body: its outlier channels shifted exp bits further
+            c = {**c, "shift": c["shift"] + shifts[self.layer]}
+        return c
+
+
+Out = tuple[int, Any, Any]  # zero point, qmin, qmax (per channel with shadow channels)
+
+
+def _run_rmsnorm(r: _LayerRun, op: dict[str, Any], ins: list[Value], out: Out) -> np.ndarray:
+    return rmsnorm(ins[0][0].astype(I64) - ins[0][1], r.consts(op), out, *r.norm_bits)
+
+
+def _run_linear(r: _LayerRun, op: dict[str, Any], ins: list[Value], out: Out) -> np.ndarray:
+    model, layer, src = r.model, r.layer, op["in"][0]
+    c = r.consts(op)
+    hot = model.shadow_channels(src, layer)
+    shadow = (hot, *_act(model, layer, src)[1:]) if len(hot) else None
+    outliers = model.muxq_channels(src, layer)
+    muxq = (outliers, model.muxq_exp(src)) if len(outliers) else None
+    weight = model.weight_operand(op["const"], layer)
+    return _linear(ins[0], c, out, weight, shadow, muxq)
+
+
+def _run_rope(r: _LayerRun, op: dict[str, Any], ins: list[Value], out: Out) -> np.ndarray:
+    hd = r.model.model["head_dim"]
+    cos, sin = r.cos.astype(I64), r.sin.astype(I64)
+    return _rope(ins[0], r.consts(op), out, cos, sin, hd, r.norm_bits)
+
+
+def _run_attention(r: _LayerRun, op: dict[str, Any], ins: list[Value], out: Out) -> np.ndarray:
+    q, k, v = ins
+    return _attention(r.model, r.layer, q, k, v, r.cache, r.start, out, r.trace)
+
+
+def _run_add(r: _LayerRun, op: dict[str, Any], ins: list[Value], out: Out) -> np.ndarray:
+    return _add(ins[0], ins[1], r.consts(op), out)
+
+
+def _run_lut(r: _LayerRun, op: dict[str, Any], ins: list[Value], out: Out) -> np.ndarray:
+    c = r.consts(op)
+    codes, _ = ins[0]
+    lo = _act(r.model, r.layer, op["in"][0])[1]
+    return c["lut"][codes.astype(I64) - lo].astype(I64)  # type: ignore[no-any-return]
+
+
+def _run_mul(r: _LayerRun, op: dict[str, Any], ins: list[Value], out: Out) -> np.ndarray:
+    c = r.consts(op)
+    prod = (ins[0][0].astype(I64) - ins[0][1]) * (ins[1][0].astype(I64) - ins[1][1])
+    return requantize(prod, c["M"], c["shift"], *out)
+
+
+# The emulator's layer ops: each returns its output codes (`_run_layer`).
+LAYER_OPS: dict[OpKind, Callable[[_LayerRun, dict[str, Any], list[Value], Out], np.ndarray]] = {
+    OpKind.RMSNORM: _run_rmsnorm,
+    OpKind.LINEAR: _run_linear,
+    OpKind.ROPE: _run_rope,
+    OpKind.ATTENTION: _run_attention,
+    OpKind.ADD: _run_add,
+    OpKind.LUT: _run_lut,
+    OpKind.MUL: _run_mul,
+}
+check_handlers(LAYER_OPS, "the emulator (layer ops)", MODEL_ONLY_KINDS)
+
+
+def _handler(table: Mapping[OpKind, H], op: Any, part: str) -> H:
+    """The handler of op list entry `op` in `table`; QnpuError for an unknown kind or one
+    the emulator does not run at this level."""
+    kind = op_kind(op["op"], "unknown op")
+    if kind not in table:
+        raise QnpuError(f"the emulator has no {part}-level op {kind.value!r}")
+    return table[kind]
+
+
 def _run_layer(
     model: IntModel,
     layer: int,
@@ -288,45 +389,16 @@ def _run_layer(
     cache: Cache,
     start: int,
     positions: np.ndarray,
-    trace: dict[str, list[np.ndarray]] | None = None,
+    trace: Trace | None = None,
 ) -> Value:
     env: dict[str, Value] = {LAYER_INPUT: x}
     f, k = model.graph["norm_fraction_bits"], model.graph["norm_unit_bits"]
     cos, sin = model.t("rope.cos")[positions], model.t("rope.sin")[positions]
+    r = _LayerRun(model, layer, cache, start, cos, sin, (f, k), trace)
     for op in model.graph["ops"]["layer"]:
         out = _bounds(model, layer, op["out"])
         ins = [env[n] for n in op["in"]]
-        kind = op["op"]
-        c = _layer_slice(model, op["const"], layer) if kind != "attention" else {}
-        shifts = model.muxq_shifts(op["out"])
-        if shifts is not None:  # MUXQ's Body: its outlier channels shifted exp bits further
-            c = {**c, "shift": c["shift"] + shifts[layer]}
-        if kind == "rmsnorm":
-            y = rmsnorm(ins[0][0].astype(I64) - ins[0][1], c, out, f, k)
-        elif kind == "linear":
-            src = op["in"][0]
-            hot = model.shadow_channels(src, layer)
-            shadow = (hot, *_act(model, layer, src)[1:]) if len(hot) else None
-            outliers = model.muxq_channels(src, layer)
-            muxq = (outliers, model.muxq_exp(src)) if len(outliers) else None
-            weight = model.weight_operand(op["const"], layer)
-            y = _linear(ins[0], c, out, weight, shadow, muxq)
-        elif kind == "rope":
-            hd = model.model["head_dim"]
-            y = _rope(ins[0], c, out, cos.astype(I64), sin.astype(I64), hd, (f, k))
-        elif kind == "attention":
-            y = _attention(model, layer, ins[0], ins[1], ins[2], cache, start, out, trace)
-        elif kind == "add":
-            y = _add(ins[0], ins[1], c, out)
-        elif kind == "lut":
-            codes, _ = ins[0]
-            lo = _act(model, layer, op["in"][0])[1]
-            y = c["lut"][codes.astype(I64) - lo].astype(I64)
-        elif kind == "mul":
-            prod = (ins[0][0].astype(I64) - ins[0][1]) * (ins[1][0].astype(I64) - ins[1][1])
-            y = requantize(prod, c["M"], c["shift"], *out)
-        else:  # validate_graph refuses anything else
-            raise QnpuError(f"unknown op {kind!r}")
+        y = _handler(LAYER_OPS, op, "layer")(r, op, ins, out)
         env[op["out"]] = (y, out[0])
         if trace is not None:
             trace.setdefault(op["out"], []).append(y)
@@ -352,22 +424,23 @@ def _own(cache: KVCache) -> Cache:
     return Cache(np.array(cache.k, np.int16), np.array(cache.v, np.int16), int(cache.length))
 
 
-def _run_chunk_into(
-    model: IntModel,
-    tokens: np.ndarray,
-    cache: Cache,
-    trace: dict[str, list[np.ndarray]] | None = None,
-) -> tuple[np.ndarray, Cache]:
-    """`run_chunk` of checked token ids writing K/V into `cache`'s buffers: for callers that
-    own the cache, so a decode step does not copy the whole cache."""
-    t = tokens.shape[1]
-    start = cache.length
-    check_room(start, t, model.graph["max_context"])
-    check_cache_batch(cache, tokens.shape[0])
-    positions = start + np.arange(t)
-    embed, _, norm, head = model.graph["ops"]["model"]  # embed → layers → final norm → lm_head
-    z, lo, hi = _global_act(model, embed["out"])
-    table = embed["const"]
+@dataclasses.dataclass(frozen=True)
+class _ChunkRun:
+    """What the model's ops read: the model, the chunk's token ids, the cache, its first
+    position, the positions and the trace."""
+
+    model: IntModel
+    tokens: np.ndarray
+    cache: Cache
+    start: int
+    positions: np.ndarray
+    trace: Trace | None
+
+
+def _run_embed(m: _ChunkRun, op: dict[str, Any], env: dict[str, Value]) -> Value:
+    model, tokens = m.model, m.tokens
+    z, lo, hi = _global_act(model, op["out"])
+    table = op["const"]
     rows = model.t(f"{table}.table")[tokens].astype(I64)
     x = requantize(
         rows,
@@ -377,22 +450,67 @@ def _run_chunk_into(
         lo,
         hi,
     )
-    value: Value = (x, z)
-    if trace is not None:
-        trace[embed["out"]] = [x]
-    for layer in range(model.num_layers):
-        value = _run_layer(model, layer, value, cache, start, positions, trace)
+    if m.trace is not None:
+        m.trace[op["out"]] = [x]
+    return x, z
+
+
+def _run_layers(m: _ChunkRun, op: dict[str, Any], env: dict[str, Value]) -> Value:
+    value = env[op["in"][0]]
+    for layer in range(m.model.num_layers):
+        value = _run_layer(m.model, layer, value, m.cache, m.start, m.positions, m.trace)
+    return value
+
+
+def _run_final_norm(m: _ChunkRun, op: dict[str, Any], env: dict[str, Value]) -> Value:
+    model, value = m.model, env[op["in"][0]]
     f, k = model.graph["norm_fraction_bits"], model.graph["norm_unit_bits"]
-    out = _global_act(model, norm["out"])
-    h = rmsnorm(value[0] - value[1], _layer_slice(model, norm["const"], None), out, f, k)
-    if trace is not None:
-        trace[norm["out"]] = [h]
+    out = _global_act(model, op["out"])
+    h = rmsnorm(value[0] - value[1], _layer_slice(model, op["const"], None), out, f, k)
+    if m.trace is not None:
+        m.trace[op["out"]] = [h]
+    return h, out[0]
+
+
+def _run_lm_head(m: _ChunkRun, op: dict[str, Any], env: dict[str, Value]) -> Value:
+    """The int32 logits (zero point 0)."""
     logits = _linear(
-        (h, out[0]),
-        _layer_slice(model, head["const"], None),
+        env[op["in"][0]],
+        _layer_slice(m.model, op["const"], None),
         (0, *LOGITS_RANGE),
-        model.weight_operand(head["const"], None),
+        m.model.weight_operand(op["const"], None),
     )
+    return logits, 0
+
+
+# The emulator's model ops: embed → layers → final norm → lm_head (`_run_chunk_into`).
+MODEL_OPS: dict[OpKind, Callable[[_ChunkRun, dict[str, Any], dict[str, Value]], Value]] = {
+    OpKind.EMBED: _run_embed,
+    OpKind.LAYERS: _run_layers,
+    OpKind.RMSNORM: _run_final_norm,
+    OpKind.LINEAR: _run_lm_head,
+}
+check_handlers(MODEL_OPS, "the emulator (model ops)", LAYER_ONLY_KINDS)
+
+
+def _run_chunk_into(
+    model: IntModel,
+    tokens: np.ndarray,
+    cache: Cache,
+    trace: Trace | None = None,
+) -> tuple[np.ndarray, Cache]:
+    """`run_chunk` of checked token ids writing K/V into `cache`'s buffers: for callers that
+    own the cache, so a decode step does not copy the whole cache."""
+    t = tokens.shape[1]
+    start = cache.length
+    check_room(start, t, model.graph["max_context"])
+    check_cache_batch(cache, tokens.shape[0])
+    m = _ChunkRun(model, tokens, cache, start, start + np.arange(t), trace)
+    env: dict[str, Value] = {}
+    ops = model.graph["ops"]["model"]
+    for op in ops:
+        env[op["out"]] = _handler(MODEL_OPS, op, "model")(m, op, env)
+    logits = env[ops[-1]["out"]][0]
     return np.ascontiguousarray(logits, np.int32), Cache(cache.k, cache.v, start + t)
 
 

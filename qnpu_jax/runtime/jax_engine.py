@@ -26,7 +26,7 @@ the artifact's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -40,16 +40,20 @@ from qnpu_jax.ir.exact_dot import EXACT, DotPlan, dot_plan, run_dot_plan
 from qnpu_jax.ir.graph import (
     HEAD_NORM_MAX,
     LAYER_INPUT,
+    LAYER_ONLY_KINDS,
     LOGITS_RANGE,
+    MODEL_ONLY_KINDS,
     SCORES,
+    OpKind,
+    check_handlers,
     check_room,
+    op_kind,
 )
 from qnpu_jax.quant.requantize import requantize_jax
 from qnpu_jax.runtime.interface import IntegerEngine, KVCache, check_cache_batch, check_tokens
 
 MATMULS = ("f32", "f64", "i64")
-LAYER_OPS = ("rmsnorm", "linear", "rope", "attention", "add", "lut", "mul")
-MODEL_OPS = ("embed", "layers", "rmsnorm", "linear")
+MATMUL_KINDS = (OpKind.LINEAR, OpKind.ATTENTION)  # the ops `matmul_bounds` bounds
 MATMUL_DTYPES = {"f32": "float32", "f64": "float64", "i64": "int64"}
 PROB_MAX = (1 << 16) - 1  # softmax probability codes are unsigned 16-bit
 I64 = jnp.int64
@@ -66,7 +70,7 @@ Value = tuple[jax.Array, jax.Array]  # codes and their zero point
 class OpSpec:
     """One op of the artifact's op list (hashable: part of the jit cache key)."""
 
-    op: str
+    op: OpKind
     ins: tuple[str, ...]
     out: str
     const: str
@@ -138,15 +142,17 @@ class IntConsts:
     spec: IntSpec
 
 
-def _op_specs(ops: Any, part: str, known: Sequence[str]) -> tuple[OpSpec, ...]:
+def _op_specs(ops: Any, part: str, known: Mapping[OpKind, Any]) -> tuple[OpSpec, ...]:
+    """The op list `ops` of `part` ("model", "layer"), each op of a kind in `known`."""
     if not isinstance(ops, list):
         raise QnpuError(f"the artifact's graph has no {part} op list")
     out = []
     for op in ops:
-        kind = op.get("op") if isinstance(op, dict) else op
+        what = f"the integer forward has no {part}-level op"
+        kind = op_kind(op.get("op") if isinstance(op, dict) else op, what)
         if kind not in known:
-            raise QnpuError(f"the integer forward has no {part}-level op {kind!r}")
-        out.append(OpSpec(str(kind), tuple(op["in"]), str(op["out"]), str(op["const"])))
+            raise QnpuError(f"{what} {kind.value!r}")
+        out.append(OpSpec(kind, tuple(op["in"]), str(op["out"]), str(op["const"])))
     return tuple(out)
 
 
@@ -215,24 +221,24 @@ def matmul_bounds(
         op.ins
         for ops, known in ((spec.model_ops, set(spec.global_acts)), (spec.layer_ops, acts))
         for op in ops
-        if op.op in ("linear", "attention") and not set(op.ins) <= known
+        if op.op in MATMUL_KINDS and not set(op.ins) <= known
     ]
     if unbounded:
         raise QnpuError(f"matmul inputs {unbounded[0]} have no activation range to bound them")
     out: list[tuple[str, tuple[tuple[int, int], ...]]] = []
     for op in spec.model_ops:
-        if op.op == "linear":
+        if op.op == OpKind.LINEAR:
             r = _centered_max(model, spec, op.ins[0], None)
             out.append((op.const, ((r, _abs_max(t[f"{op.const}.weight"])),)))
     layers = range(spec.num_layers)
     for op in spec.layer_ops:
-        if op.op == "linear":
+        if op.op == OpKind.LINEAR:
             w = centered_weights(model, op.const)
             pairs = tuple(
                 (_centered_max(model, spec, op.ins[0], i), _abs_max(w[i])) for i in layers
             )
             out.append((op.const, pairs))
-        elif op.op == "attention":
+        elif op.op == OpKind.ATTENTION:
             rq, rk, rv = (max(_centered_max(model, spec, n, i) for i in layers) for n in op.ins)
             out += [("scores", ((rq, rk),)), ("pv", ((PROB_MAX, rv),))]
     return tuple(out)
@@ -508,6 +514,75 @@ def _sub(consts: Mapping[str, jax.Array], prefix: str) -> dict[str, jax.Array]:
 # ------------------------------------------------------------------------ the forward
 
 
+@dataclasses.dataclass
+class _LayerRun:
+    """What the ops of one decoder layer read (`_layer`'s arguments, `act` its activation
+    bounds) and the K/V caches its attention op writes."""
+
+    spec: IntSpec
+    lc: Mapping[str, jax.Array]
+    act: Callable[[str], Act]
+    cache: tuple[jax.Array, jax.Array]
+    layer: jax.Array
+    positions: jax.Array
+    cos: jax.Array
+    sin: jax.Array
+    window: int
+
+
+Consts = Mapping[str, jax.Array]
+
+
+def _run_rmsnorm(r: _LayerRun, op: OpSpec, ins: list[Value], c: Consts, out: Act) -> jax.Array:
+    return _rmsnorm(r.spec, ins[0], c, out)
+
+
+def _run_linear(r: _LayerRun, op: OpSpec, ins: list[Value], c: Consts, out: Act) -> jax.Array:
+    shift = r.lc.get(f"muxq.{op.ins[0]}.shift")  # Body·W + (2^e − 1)·Aux·W, as one
+    scale = None if shift is None else jnp.left_shift(jnp.ones_like(shift), shift)
+    plan = r.lc.get(f"dot_plan.{op.const}")
+    return _linear(r.spec, op.const, ins[0], c, out, plan, scale)
+
+
+def _run_rope(r: _LayerRun, op: OpSpec, ins: list[Value], c: Consts, out: Act) -> jax.Array:
+    return _rope(r.spec, ins[0], c, out, r.cos, r.sin)
+
+
+def _run_attention(r: _LayerRun, op: OpSpec, ins: list[Value], c: Consts, out: Act) -> jax.Array:
+    q, k, v = ins
+    y, r.cache = _attention(r.spec, q, k, v, c, r.act, out, r.cache, r.layer, r.positions, r.window)
+    return y
+
+
+def _run_add(r: _LayerRun, op: OpSpec, ins: list[Value], c: Consts, out: Act) -> jax.Array:
+    return _add(ins[0], ins[1], c, out)
+
+
+def _run_lut(r: _LayerRun, op: OpSpec, ins: list[Value], c: Consts, out: Act) -> jax.Array:
+    lo = r.act(op.ins[0])[1]
+    index = ins[0][0].astype(I64) - lo.astype(I64)  # in range: the LUT spans it
+    y = jnp.take(c["lut"], index, axis=0, mode="clip")
+    return y.astype(jnp.int32)
+
+
+def _run_mul(r: _LayerRun, op: OpSpec, ins: list[Value], c: Consts, out: Act) -> jax.Array:
+    prod = _center(ins[0]) * _center(ins[1])
+    return requantize_jax(prod, c["M"], c["shift"], *out)
+
+
+# The integer forward's layer ops, traced once per compiled program (`_layer`).
+LAYER_OPS: dict[OpKind, Callable[[_LayerRun, OpSpec, list[Value], Consts, Act], jax.Array]] = {
+    OpKind.RMSNORM: _run_rmsnorm,
+    OpKind.LINEAR: _run_linear,
+    OpKind.ROPE: _run_rope,
+    OpKind.ATTENTION: _run_attention,
+    OpKind.ADD: _run_add,
+    OpKind.LUT: _run_lut,
+    OpKind.MUL: _run_mul,
+}
+check_handlers(LAYER_OPS, "the integer forward (layer ops)", MODEL_ONLY_KINDS)
+
+
 def _layer(
     spec: IntSpec,
     x: Value,
@@ -529,40 +604,92 @@ def _layer(
             return zp[j], lc[f"shadow.{name}.qmin"], lc[f"shadow.{name}.qmax"]
         return zp[j], qmin[j], qmax[j]
 
+    r = _LayerRun(spec, lc, act, cache, layer, positions, cos, sin, window)
     env: dict[str, Value] = {LAYER_INPUT: x}
-    for op in spec.layer_ops:
+    for op in spec.layer_ops:  # `int_spec` admits only LAYER_OPS' kinds
         out = act(op.out)
         ins = [env[n] for n in op.ins]
         c = _sub(lc, op.const.removeprefix("layers").removeprefix("."))
         if f"muxq.{op.out}.shift" in lc:  # MUXQ's Body: outlier channels exp bits further
             c = {**c, "shift": c["shift"] + lc[f"muxq.{op.out}.shift"]}
-        if op.op == "rmsnorm":
-            y = _rmsnorm(spec, ins[0], c, out)
-        elif op.op == "linear":
-            shift = lc.get(f"muxq.{op.ins[0]}.shift")  # Body·W + (2^e − 1)·Aux·W, as one
-            scale = None if shift is None else jnp.left_shift(jnp.ones_like(shift), shift)
-            plan = lc.get(f"dot_plan.{op.const}")
-            y = _linear(spec, op.const, ins[0], c, out, plan, scale)
-        elif op.op == "rope":
-            y = _rope(spec, ins[0], c, out, cos, sin)
-        elif op.op == "attention":
-            y, cache = _attention(
-                spec, ins[0], ins[1], ins[2], c, act, out, cache, layer, positions, window
-            )
-        elif op.op == "add":
-            y = _add(ins[0], ins[1], c, out)
-        elif op.op == "lut":
-            lo = act(op.ins[0])[1]
-            index = ins[0][0].astype(I64) - lo.astype(I64)  # in range: the LUT spans it
-            y = jnp.take(c["lut"], index, axis=0, mode="clip")
-            y = y.astype(jnp.int32)
-        elif op.op == "mul":
-            prod = _center(ins[0]) * _center(ins[1])
-            y = requantize_jax(prod, c["M"], c["shift"], *out)
-        else:
-            raise QnpuError(f"the integer forward has no layer-level op {op.op!r}")
+        y = LAYER_OPS[op.op](r, op, ins, c, out)
         env[op.out] = (y, out[0])
-    return env[spec.layer_ops[-1].out], cache
+    return env[spec.layer_ops[-1].out], r.cache
+
+
+@dataclasses.dataclass
+class _ModelRun:
+    """What the model's ops read (`_int_forward`'s arguments and what it derives from them)
+    and the caches the layers op writes."""
+
+    consts: IntConsts
+    tokens: jax.Array
+    cache_k: jax.Array
+    cache_v: jax.Array
+    positions: jax.Array
+    cos: jax.Array
+    sin: jax.Array
+    window: int
+
+    def act(self, name: str) -> Act:
+        g = self.consts.globals
+        if name == "logits":
+            zero = jnp.zeros((), jnp.int32)
+            return zero, jnp.asarray(LOGITS_RANGE[0], I64), jnp.asarray(LOGITS_RANGE[1], I64)
+        j = self.consts.spec.global_acts.index(name)
+        return g["act.zero_point"][j], g["act.qmin"][j], g["act.qmax"][j]
+
+
+def _run_embed(m: _ModelRun, op: OpSpec, env: dict[str, Value]) -> Value:
+    g = m.consts.globals
+    out = m.act(op.out)
+    ids = m.tokens.astype(jnp.int32)
+    rows = jnp.take(g[f"{op.const}.table"], ids, axis=0).astype(I64)
+    scale = jnp.take(g[f"{op.const}.M"], ids, axis=0)[..., None]
+    sh = jnp.take(g[f"{op.const}.shift"], ids, axis=0)[..., None]
+    return requantize_jax(rows, scale, sh, *out), out[0]
+
+
+def _run_layers(m: _ModelRun, op: OpSpec, env: dict[str, Value]) -> Value:
+    """Every decoder layer, under one `jax.lax.scan` over the stacked layer constants."""
+    spec = m.consts.spec
+    layer_consts = {k: v for k, v in m.consts.layers.items() if not k.startswith("prefix.")}
+
+    def body(
+        carry: tuple[Value, jax.Array, jax.Array], xs: tuple[dict[str, jax.Array], jax.Array]
+    ) -> tuple[tuple[Value, jax.Array, jax.Array], None]:
+        x, ck, cv = carry
+        lc, layer = xs
+        x, (ck, cv) = _layer(spec, x, lc, (ck, cv), layer, m.positions, m.cos, m.sin, m.window)
+        return (x, ck, cv), None
+
+    layers = jnp.arange(spec.num_layers, dtype=jnp.int32)
+    (x, m.cache_k, m.cache_v), _ = jax.lax.scan(
+        body, (env[op.ins[0]], m.cache_k, m.cache_v), (layer_consts, layers)
+    )
+    return x
+
+
+def _run_model_rmsnorm(m: _ModelRun, op: OpSpec, env: dict[str, Value]) -> Value:
+    out = m.act(op.out)
+    c = _sub(m.consts.globals, op.const)
+    return _rmsnorm(m.consts.spec, env[op.ins[0]], c, out), out[0]
+
+
+def _run_model_linear(m: _ModelRun, op: OpSpec, env: dict[str, Value]) -> Value:
+    out = m.act(op.out)
+    c = _sub(m.consts.globals, op.const)
+    return _linear(m.consts.spec, op.const, env[op.ins[0]], c, out), out[0]
+
+
+# The integer forward's model ops (`_int_forward`).
+MODEL_OPS: dict[OpKind, Callable[[_ModelRun, OpSpec, dict[str, Value]], Value]] = {
+    OpKind.EMBED: _run_embed,
+    OpKind.LAYERS: _run_layers,
+    OpKind.RMSNORM: _run_model_rmsnorm,
+    OpKind.LINEAR: _run_model_linear,
+}
+check_handlers(MODEL_OPS, "the integer forward (model ops)", LAYER_ONLY_KINDS)
 
 
 def _int_forward(
@@ -591,50 +718,12 @@ def _int_forward(
     positions = jnp.asarray(start, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
     cos = jnp.take(g["rope.cos"], positions, axis=0, mode="clip").astype(I64)
     sin = jnp.take(g["rope.sin"], positions, axis=0, mode="clip").astype(I64)
-
-    def global_act(name: str) -> Act:
-        if name == "logits":
-            zero = jnp.zeros((), jnp.int32)
-            return zero, jnp.asarray(LOGITS_RANGE[0], I64), jnp.asarray(LOGITS_RANGE[1], I64)
-        j = spec.global_acts.index(name)
-        return g["act.zero_point"][j], g["act.qmin"][j], g["act.qmax"][j]
-
-    layer_consts = {k: v for k, v in consts.layers.items() if not k.startswith("prefix.")}
-
-    def body(
-        carry: tuple[Value, jax.Array, jax.Array], xs: tuple[dict[str, jax.Array], jax.Array]
-    ) -> tuple[tuple[Value, jax.Array, jax.Array], None]:
-        x, ck, cv = carry
-        lc, layer = xs
-        x, (ck, cv) = _layer(spec, x, lc, (ck, cv), layer, positions, cos, sin, window)
-        return (x, ck, cv), None
-
+    m = _ModelRun(consts, tokens, cache_k, cache_v, positions, cos, sin, window)
     env: dict[str, Value] = {}
-    for op in spec.model_ops:
-        if op.op == "embed":
-            out = global_act(op.out)
-            ids = tokens.astype(jnp.int32)
-            rows = jnp.take(g[f"{op.const}.table"], ids, axis=0).astype(I64)
-            m = jnp.take(g[f"{op.const}.M"], ids, axis=0)[..., None]
-            sh = jnp.take(g[f"{op.const}.shift"], ids, axis=0)[..., None]
-            env[op.out] = (requantize_jax(rows, m, sh, *out), out[0])
-        elif op.op == "layers":
-            layers = jnp.arange(spec.num_layers, dtype=jnp.int32)
-            (x, cache_k, cache_v), _ = jax.lax.scan(
-                body, (env[op.ins[0]], cache_k, cache_v), (layer_consts, layers)
-            )
-            env[op.out] = x
-        elif op.op == "rmsnorm":
-            out = global_act(op.out)
-            env[op.out] = (_rmsnorm(spec, env[op.ins[0]], _sub(g, op.const), out), out[0])
-        elif op.op == "linear":
-            out = global_act(op.out)
-            y = _linear(spec, op.const, env[op.ins[0]], _sub(g, op.const), out)
-            env[op.out] = (y, out[0])
-        else:
-            raise QnpuError(f"the integer forward has no model-level op {op.op!r}")
+    for op in spec.model_ops:  # `int_spec` admits only MODEL_OPS' kinds
+        env[op.out] = MODEL_OPS[op.op](m, op, env)
     logits = env[spec.model_ops[-1].out][0].astype(jnp.int32)
-    return logits, cache_k, cache_v
+    return logits, m.cache_k, m.cache_v
 
 
 int_forward = jax.jit(_int_forward, static_argnames=("window",))

@@ -71,9 +71,10 @@ from qnpu_jax.eval import TASKS
 from qnpu_jax.eval.zeroshot import task_source
 from qnpu_jax.models.load import load_model
 from qnpu_jax.models.taps import SINK_PREFIXES, sink_prefix
-from qnpu_jax.pipeline.config import QuantizeConfig, load_config
+from qnpu_jax.pipeline.config import Method, QuantizeConfig, read_run_config
 from qnpu_jax.pipeline.recipes import describe, for_config
 from qnpu_jax.pipeline.run import evaluate, quantize
+from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.pipeline.stage1 import Stage1Config
 from qnpu_jax.report import Report, Section, assemble, table_sections, write_report
 from qnpu_jax.report.table import (
@@ -92,15 +93,16 @@ from qnpu_jax.report.table import (
 )
 from qnpu_jax.scoring import finish_eval_report, scored_model, zero_shot_report
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import provenance, write_study_json
+from qnpu_jax.studies.harness import provenance, w_a_bits, write_study_json
 
 if TYPE_CHECKING:
     from qnpu_jax.scoring import Scored
 
-METHODS = ("float", "rtn", "quarot", "spinquant", "quantnpu")
-QUANT_METHODS = METHODS[1:]
-BASELINES = ("rtn", "quarot", "spinquant")
-STAGE1_METHODS = ("spinquant", "quantnpu")
+# the methods of the grid (Table 1's), and its rows: the float reference, then them
+GRID_METHODS: tuple[Method, ...] = ("rtn", "quarot", "spinquant", "quantnpu")
+ROWS = ("float", *GRID_METHODS)
+BASELINES: tuple[Method, ...] = ("rtn", "quarot", "spinquant")
+STAGE1_METHODS: tuple[Method, ...] = ("spinquant", "quantnpu")
 BITS = ("W8A8", "W4A8", "W4A4")
 SETTINGS = ("table1", "ours")
 SETTING_TITLES = {
@@ -152,18 +154,6 @@ FLOAT_KEY = "float"  # the FP32 row's key among the zero-shot scores (cells: the
 FINISHED = ("ran", "reused")
 
 
-def parse_bits(text: str) -> tuple[int, int]:
-    """'W4A8' -> (4, 8)."""
-    t = text.strip().upper()
-    if not t.startswith("W") or "A" not in t:
-        raise argparse.ArgumentTypeError(f"bit setting must look like W4A8, got {text!r}")
-    w, a = t[1:].split("A", 1)
-    try:
-        return int(w), int(a)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"bit setting must look like W4A8, got {text!r}") from e
-
-
 def bits_name(w: int, a: int) -> str:
     return f"W{w}A{a}"
 
@@ -174,14 +164,14 @@ class Cell:
 
     method: str
     setting: str  # table1 | ours | ablation-<key>
-    config: Any  # QuantizeConfig
+    config: QuantizeConfig
     recipe: Any  # qnpu_jax.pipeline.recipes.Recipe
     run_dir: Path
     label: str = ""  # ablation row label
 
     @property
     def bits(self) -> str:
-        return bits_name(self.config.w_bits, self.config.a_bits)
+        return bits_name(self.config.bits.w, self.config.bits.a)
 
     @property
     def ablation(self) -> bool:
@@ -198,7 +188,7 @@ def eval_specs(args: argparse.Namespace) -> dict[str, str]:
     return {"wiki": "wiki", "wikitext2": f"wikitext:{path}"}
 
 
-def base_config(args: argparse.Namespace) -> Any:
+def base_config(args: argparse.Namespace) -> QuantizeConfig:
 
     stage1 = Stage1Config(
         steps=args.steps,
@@ -209,7 +199,7 @@ def base_config(args: argparse.Namespace) -> Any:
         local_loss_fraction=args.local_loss_fraction,
         checkpoint_every=args.checkpoint_every,
     )
-    return QuantizeConfig(
+    return QuantizeConfig.of(
         model=args.model,
         method="quantnpu",
         kv_bits=args.kv_bits,
@@ -233,7 +223,7 @@ def _run_dir(args: argparse.Namespace, method: str, w: int, a: int, kv: int, set
 
 
 def float_path(args: argparse.Namespace) -> Path:
-    return Path(args.runs_dir) / f"float{_suffix(args)}" / "report.json"
+    return RunDir(Path(args.runs_dir) / f"float{_suffix(args)}").report_path
 
 
 def _cell(method: str, setting: str, config: Any, run_dir: Path, label: str = "") -> Cell:
@@ -250,8 +240,8 @@ def grid(args: argparse.Namespace) -> tuple[list[Cell], list[Cell]]:
     table: list[Cell] = []
     for setting in SETTINGS:
         for bits in BITS:
-            w, a = parse_bits(bits)
-            for method in QUANT_METHODS:
+            w, a = w_a_bits(bits)
+            for method in GRID_METHODS:
                 over: dict[str, Any]
                 if setting == "table1":
                     over = {"down_in_bits": 16, "mixed_precision": 0.0}
@@ -259,7 +249,7 @@ def grid(args: argparse.Namespace) -> tuple[list[Cell], list[Cell]]:
                     over = {"down_in_bits": 8, "mixed_precision": args.mixed_fraction}
                 else:
                     over = {"down_in_bits": 8, "mixed_precision": 0.0}
-                config = dataclasses.replace(base, method=method, w_bits=w, a_bits=a, **over)
+                config = base.replace(method=method, w_bits=w, a_bits=a, **over)
                 if method not in STAGE1_METHODS:  # stage 1 flags do not change these runs
                     config = dataclasses.replace(config, stage1=Stage1Config())
                 run_dir = _run_dir(args, method, w, a, kv, setting)
@@ -267,8 +257,8 @@ def grid(args: argparse.Namespace) -> tuple[list[Cell], list[Cell]]:
     w, a = args.ablation_bits
     ablation: list[Cell] = []
     for key, label, over in ABLATION:
-        config = dataclasses.replace(
-            base, method="quantnpu", w_bits=w, a_bits=a, down_in_bits=8, scope="linears", **over
+        config = base.replace(
+            method="quantnpu", w_bits=w, a_bits=a, down_in_bits=8, scope="linears", **over
         )
         setting = f"ablation-{key}"
         run_dir = _run_dir(args, "quantnpu", w, a, kv, setting)
@@ -287,15 +277,14 @@ def selected(cell: Cell, args: argparse.Namespace) -> bool:
 def finished_report(cell: Cell) -> dict[str, Any] | None:
     """The report of a finished run with this cell's config, else None."""
 
-    report = cell.run_dir / "report.json"
-    saved = cell.run_dir / "config.yaml"
-    if not report.is_file() or not saved.is_file():
+    run = RunDir(cell.run_dir)
+    if not run.has_report or not run.has_config:
         return None
     try:
-        if load_config(saved) != cell.config:
+        if read_run_config(run) != cell.config:
             return None
-        return json.loads(report.read_text())
-    except (QnpuError, json.JSONDecodeError):
+        return run.read_report()
+    except QnpuError:
         return None
 
 
@@ -318,9 +307,9 @@ def run_cell(
 ) -> tuple[str, Any]:
     """("reused" | "ran", report) or ("error", message)."""
 
-    saved = cell.run_dir / "config.yaml"
+    run = RunDir(cell.run_dir)
     try:
-        if saved.is_file() and load_config(saved) != cell.config:
+        if run.has_config and read_run_config(run) != cell.config:
             return "error", (
                 f"{cell.run_dir} holds a run with a different config (other --steps, windows, "
                 "seq_len, ...): delete it or pass another --runs-dir"
@@ -328,7 +317,7 @@ def run_cell(
         report = finished_report(cell)
         if report is not None:
             return "reused", report
-        resume = saved.is_file()  # a killed run: stage 1 continues from its checkpoint
+        resume = run.has_config  # a killed run: stage 1 continues from its checkpoint
         report = quantize(
             cell.config,
             cell.run_dir,
@@ -382,7 +371,7 @@ def float_cell(
     }
     path = float_path(args)
     if path.is_file():
-        cached = json.loads(path.read_text())
+        cached = RunDir(path.parent).read_report()
         if cached.get("protocol") == protocol:
             return {**cached, "status": "reused"}
         raise QnpuError(f"{path} was measured under another protocol: delete it")
@@ -412,7 +401,7 @@ def task_order(tasks: Sequence[str]) -> list[str]:
 
 def evals_path(row_dir: Path, limit: int | None, seed: int) -> Path:
     """Where a row's zero-shot results live: ROW/evals/tasks-<limit|all>-<seed>.json."""
-    return row_dir / "evals" / f"tasks-{'all' if limit is None else limit}-{seed}.json"
+    return RunDir(row_dir).evals_dir / f"tasks-{'all' if limit is None else limit}-{seed}.json"
 
 
 def float_dir(args: argparse.Namespace) -> Path:
@@ -654,7 +643,7 @@ def compare_report(
 
     ordered = sorted(  # setting, then bits, then method: the paper's row order
         (c for c in cells if not c.ablation),
-        key=lambda c: (SETTINGS.index(c.setting), BITS.index(c.bits), METHODS.index(c.method)),
+        key=lambda c: (SETTINGS.index(c.setting), BITS.index(c.bits), ROWS.index(c.method)),
     )
     ablation_cells = [c for c in cells if c.ablation]
     main, ablation = table_of(ordered), table_of(ablation_cells)
@@ -828,12 +817,12 @@ def check_tasks(args: argparse.Namespace) -> str | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = study_parser(__name__, __doc__)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--methods", type=comma_choices(METHODS), default=METHODS)
+    parser.add_argument("--methods", type=comma_choices(ROWS), default=ROWS)
     parser.add_argument("--bits", type=comma_choices(BITS), default=BITS)
     parser.add_argument("--settings", type=comma_choices(SETTINGS), default=SETTINGS)
     parser.add_argument("--only-ablation", action="store_true")
     parser.add_argument("--skip-ablation", action="store_true")
-    parser.add_argument("--ablation-bits", type=parse_bits, default=(4, 4), help="e.g. W4A4")
+    parser.add_argument("--ablation-bits", type=w_a_bits, default=(4, 4), help="e.g. W4A4")
     parser.add_argument(
         "--variants",
         type=comma_choices(ABLATION_KEYS),

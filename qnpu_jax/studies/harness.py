@@ -3,6 +3,7 @@ seconds), the atomic write, and the summary of the run a study reads."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections.abc import Mapping, Sized
@@ -10,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from qnpu_jax.environment import environment_info
+from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_json_atomic
+from qnpu_jax.pipeline.config import parse_bits
 
 
 def provenance(command: str, started: float | None = None) -> dict[str, Any]:
@@ -32,6 +35,15 @@ def write_study_json(
     full = {**doc, **provenance(command, started)}
     write_json_atomic(Path(path), full)
     return full
+
+
+def w_a_bits(text: str) -> tuple[int, int]:
+    """An argparse type: "W4A8" -> (4, 8), read by `config.parse_bits` (a KV part ignored)."""
+    try:
+        bits = parse_bits(text)
+    except QnpuError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return bits["w_bits"], bits["a_bits"]
 
 
 def run_summary(run_path: Path | str, config: Any, windows: Sized) -> dict[str, Any]:

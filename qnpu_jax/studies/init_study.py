@@ -75,7 +75,8 @@ INIT_LABELS = {
 WEIGHT_NUM_BINS = 2048  # per output channel: rows of 576..1536 values
 
 
-def parse_bits(text: str) -> tuple[int, ...]:
+def parse_bit_widths(text: str) -> tuple[int, ...]:
+    """ "4,8" -> (4, 8): the bit-widths the study measures."""
     bits = tuple(int(x) for x in text.split(",") if x.strip())
     if not bits or any(not 2 <= b <= 16 for b in bits):
         raise argparse.ArgumentTypeError(f"bit-widths in 2..16, got {text!r}")
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calib-windows", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix", choices=SINK_PREFIXES, default="none")
-    parser.add_argument("--bits", type=parse_bits, default=BITS, help="e.g. 4,8")
+    parser.add_argument("--bits", type=parse_bit_widths, default=BITS, help="e.g. 4,8")
     parser.add_argument("--inits", type=comma_choices(tuple(INITS)), default=tuple(INITS))
     parser.add_argument("--targets", type=comma_choices(tuple(TARGETS)), default=tuple(TARGETS))
     parser.add_argument("--rotations", type=comma_choices(ROTATIONS), default=ROTATIONS)

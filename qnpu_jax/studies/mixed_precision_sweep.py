@@ -13,7 +13,6 @@ run reproduces the run, and the other points have no stage 1 of their own.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import jax
@@ -26,6 +25,7 @@ from qnpu_jax.ir.graph import UNROTATED_INPUT as DOWN_IN
 from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.pipeline.mixed_precision import down_proj_sensitivity, mixed_layer_bits
 from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
+from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.quant.plan import QuantPlan, TensorQuant
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import run_summary, say, write_study_json
@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model.config
     prefix = run.model.prefix  # the sink prefix the run was made with
     _, calib = calibration_data(config, model.tokenizer)
-    sensitivity_path = args.run / "sensitivity.json"
-    if sensitivity_path.is_file():
-        ratios = json.loads(sensitivity_path.read_text())["ratios"]
+    scan = RunDir(args.run).read_sensitivity(DOWN_IN)
+    if scan is not None:
+        ratios = scan["ratios"]
     else:
         ratios = list(down_proj_sensitivity(params, cfg, calib, prefix=prefix).ratios)
     encodings = {}

@@ -31,6 +31,7 @@ import numpy as np
 
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.environment import study_command
+from qnpu_jax.export.artifact import MANIFEST
 from qnpu_jax.export.exporter import export_run
 from qnpu_jax.export.int_model import load_int_model
 from qnpu_jax.ir.graph import SIMULATIONS
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"reading and verifying the run {args.run}")
     loaded = load_run(args.run)
     art = args.artifact or Path("artifacts") / args.run.resolve().name
-    if not (art / "manifest.json").exists():
+    if not (art / MANIFEST).exists():
         say(f"exporting the integer artifact to {art}")
         export_run(args.run, art)
     model = loaded.model

@@ -72,9 +72,10 @@ from qnpu_jax.files import write_bytes_atomic, write_json_atomic
 from qnpu_jax.memory_plan import model_architecture
 from qnpu_jax.models.load import load_model
 from qnpu_jax.pipeline import Calibration, QuantizedModel
-from qnpu_jax.pipeline.quantized_model import read_plan
+from qnpu_jax.pipeline.config import QuantizeConfig
 from qnpu_jax.pipeline.recipes import after_stage1, chain, outlier_steps
 from qnpu_jax.pipeline.run import calibration_data, evaluation_sets
+from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.quant.plan import QuantPlan
 from qnpu_jax.report.plots import _figure, _png
 from qnpu_jax.report.table import TASK_LABELS, average, pct, ppl_text, significance
@@ -82,7 +83,7 @@ from qnpu_jax.scoring import scored_quantized
 from qnpu_jax.studies import compare_methods as cm
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.compare_methods import BITS, _task_state, add_protocol_args, add_task_args
-from qnpu_jax.studies.harness import write_study_json
+from qnpu_jax.studies.harness import w_a_bits, write_study_json
 
 PROMPT, CHUNK, GENERATED = 512, 64, 128
 LATENCY_READING = "quantnpu-table3"  # the plot's x axis: the reading Table 12 supports
@@ -219,14 +220,14 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]
     return mechanisms + promotions + both
 
 
-def post_recipe(config: Any, options: dict[str, Any]) -> Any:
+def post_recipe(config: QuantizeConfig, options: dict[str, Any]) -> Any:
     """The steps a post-training row applies to the finished run of `config`: `options` over
     the run's config (a `QnpuError` when the config refuses them), then what they change
     after stage 1 (`recipes.after_stage1`): the outlier step alone on the calibrated model,
     or, when they promote down_proj outputs (a plan change), stage 2 again before it."""
 
-    new = dataclasses.replace(config, **options)
-    if new.down_out_mixed_precision != config.down_out_mixed_precision:
+    new = config.replace(**options)
+    if new.promotions.down_out != config.promotions.down_out:
         return chain(*after_stage1(new))
     return chain(*outlier_steps(new))
 
@@ -486,10 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     for bits in args.bits:
-        w, a = cm.parse_bits(bits)
-        config = dataclasses.replace(
-            base, w_bits=w, a_bits=a, down_in_bits=8, mixed_precision=args.mixed_fraction
-        )
+        w, a = w_a_bits(bits)
+        promote = {"down_in_bits": 8, "mixed_precision": args.mixed_fraction}
+        config = base.replace(w_bits=w, a_bits=a, **promote)
         run_dir = cm._run_dir(args, "quantnpu", w, a, args.kv_bits, "ours")
         promoted = f"{args.mixed_fraction:.0%} of down_proj inputs at 16 bits"
         label = f"Quant.npu {bits}, setting (b), {promoted}"
@@ -502,11 +502,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{entry['label']}: {status} {entry.get('ppl', '')}", flush=True)
         if status not in cm.FINISHED:
             continue
-        entry["cost"] = plan_cost(read_plan(run_dir / "plan.json"), loaded.config, devices)
+        entry["cost"] = plan_cost(RunDir(run_dir).read_plan(), loaded.config, devices)
         rows += posts(run_dir, config, entry["label"], bits)
         for name in args.recipes:
             method, setting, what, options = RECIPE_ROWS[name]
-            own = dataclasses.replace(config, method=method, **options)
+            own = config.replace(method=method, **options)
             own_dir = cm._run_dir(args, method, w, a, args.kv_bits, setting)
             own_cell = cm._cell(method, setting, own, own_dir, f"{what} {bits}, {promoted}")
             status, payload = cm.run_cell(
@@ -519,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             if status not in cm.FINISHED:
                 continue
-            row["cost"] = plan_cost(read_plan(own_dir / "plan.json"), loaded.config, devices)
+            row["cost"] = plan_cost(RunDir(own_dir).read_plan(), loaded.config, devices)
             rows += posts(own_dir, own, row["label"], bits)  # on this run too
 
     out = Path(args.json)

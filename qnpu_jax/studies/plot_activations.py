@@ -154,7 +154,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     t = windows.shape[1]
     title = (
         f"{args.run.name}: layer {args.layer} linear inputs, {len(windows)} calibration "
-        f"windows of {t} tokens ({config.method} W{config.w_bits}A{config.a_bits})"
+        f"windows of {t} tokens ({config.method} W{config.bits.w}A{config.bits.a})"
     )
     png = plot_activation_distributions(panels, columns=len(LINEAR_INPUTS), title=title)
     out = Path(args.out)

@@ -23,7 +23,6 @@ from `qnpu quantize`). It costs one calibration, GPTQ where it rounds, and two e
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,21 +73,20 @@ def main(argv: list[str] | None = None) -> int:
         specs = tuple(s.strip() for s in args.eval_data.split(",") if s.strip())
         if not specs:
             raise QnpuError("--eval-data names no eval set")
-        evaluated = dataclasses.replace(config, eval_data=specs, eval_windows=args.eval_windows)
+        evaluated = config.replace(eval_data=specs, eval_windows=args.eval_windows)
         room = model.config.max_position_embeddings - len(run.model.prefix)
         sets = evaluation_sets(evaluated, model.tokenizer, room)  # a wrong path fails first
         new_config = load_config(args.config) if args.config is not None else config
         if args.down_out_mixed_precision is not None:
-            new_config = dataclasses.replace(
-                new_config, down_out_mixed_precision=args.down_out_mixed_precision
+            new_config = new_config.replace(
+                down_out_mixed_precision=args.down_out_mixed_precision
             )
         source = str(args.config) if args.config is not None else "the run's config"
-        same = dataclasses.replace(
-            new_config,
+        same = new_config.replace(
             rules=config.rules,
-            down_out_mixed_precision=config.down_out_mixed_precision,
-            weight_rounding=config.weight_rounding,
-            gptq_damp=config.gptq_damp,
+            down_out_mixed_precision=config.promotions.down_out,
+            weight_rounding=config.weights.rounding,
+            gptq_damp=config.weights.gptq_damp,
         )
         if same != config:
             raise QnpuError(
@@ -98,28 +96,23 @@ def main(argv: list[str] | None = None) -> int:
         layer_bits = {}  # the run's per-layer promotions (sensitivity scans) stay
         for name in (UNROTATED_INPUT, UNROTATED_OUTPUT, MLP_INPUT):
             entry = plan.get(f"layers/{name}")
-            layer_bits[name] = entry.layer_bits if entry is not None else None
+            if entry is not None and entry.layer_bits is not None:
+                layer_bits[name] = entry.layer_bits
         promotion = None
-        if new_config.down_out_mixed_precision != config.down_out_mixed_precision:
-            layer_bits[UNROTATED_OUTPUT] = None
-            if new_config.down_out_mixed_precision > 0:
-                fraction = new_config.down_out_mixed_precision
+        fraction = new_config.promotions.down_out
+        if fraction != config.promotions.down_out:
+            layer_bits.pop(UNROTATED_OUTPUT, None)
+            if fraction > 0:
                 promotion = promote(UNROTATED_OUTPUT, fraction)(run.model, data).steps[-1].info
                 layer_bits[UNROTATED_OUTPUT] = tuple(promotion["layer_bits"])
-        new_plan = build_plan(
-            new_config,
-            plan.num_layers,
-            layer_bits[UNROTATED_INPUT],
-            layer_bits[UNROTATED_OUTPUT],
-            layer_bits[MLP_INPUT],
-        )
+        new_plan = build_plan(new_config, plan.num_layers, layer_bits)
         changed = changed_entries(plan, new_plan)
         learned = [p for p in changed if p.removeprefix("layers/") in STAGE1_TENSORS]
         if learned:
             raise QnpuError(f"the rules change stage-1 tensors {learned}: run qnpu quantize")
-        rounding = new_config.weight_rounding, new_config.gptq_damp
+        rounding = new_config.weights.rounding, new_config.weights.gptq_damp
         rounds = rounding[0] == "gptq"
-        if not changed and rounding == (config.weight_rounding, config.gptq_damp):
+        if not changed and rounding == (config.weights.rounding, config.weights.gptq_damp):
             raise QnpuError("the new config changes no tensor of the plan and not the rounding")
     except QnpuError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -129,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if changed:
         restaged = calibrate(changed)(restaged, data)
     if rounds:
-        restaged = gptq(new_config.gptq_damp)(restaged, data)
+        restaged = gptq(new_config.weights.gptq_damp)(restaged, data)
     results = {}
     for spec, windows in sets.items():
         run_ppl = nll_perplexity(run.model.nll_fn(), windows)["ppl"]
@@ -143,12 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         {
             "run": str(args.run),
             "config": str(args.config) if args.config is not None else None,
-            "down_out_mixed_precision": new_config.down_out_mixed_precision,
+            "down_out_mixed_precision": new_config.promotions.down_out,
             **config.summary(),
             "eval": {"data": specs, "windows": first["windows"]},
             "recalibrated": changed,
             "down_out_promotion": promotion,
-            "weight_rounding": new_config.weight_rounding,
+            "weight_rounding": new_config.weights.rounding,
             "gptq_redone": rounds,
             "run_ppl": first["run_ppl"],  # of the first eval set
             "new_ppl": first["new_ppl"],

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             **config.summary(),
             "stage1": dataclasses.asdict(config.stage1),
             "reference": "the plan's initializer on the run's final rotated model "
-            f"(calibration: {config.calib_data}, {config.calib_windows} windows)",
+            f"(calibration: {config.data.calib}, {config.data.windows} windows)",
             "rows": rows,
         },
         command=command,

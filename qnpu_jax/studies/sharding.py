@@ -14,7 +14,6 @@ reductions, so the differences are rounding, which stage 1 amplifies.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -31,6 +30,7 @@ from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.pipeline.quantized_model import QuantizedModel, restore_learned
 from qnpu_jax.pipeline.recipes import config_stage1_plan, run_keys
 from qnpu_jax.pipeline.run import calibration_data, load_run
+from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.pipeline.stage1 import init_train_state, make_train_step, step_batch
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import write_study_json
@@ -88,7 +88,7 @@ def run_on_mesh(
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"mesh {mesh}: qnpu quantize failed:\n{done.stderr[-3000:]}")
-    report = json.loads((out / "report.json").read_text())
+    report = RunDir(out).read_report()
     report["wall_seconds"] = time.perf_counter() - t0
     return report
 
@@ -101,7 +101,7 @@ def first_step_sensitivity(run_dir: Path, eps: float, seed: int = 0) -> dict[str
 
 
     run = load_run(run_dir)
-    model = QuantizedModel.load(run_dir / "resume", base=run.loaded)
+    model = QuantizedModel.load(RunDir(run_dir).resume.path, base=run.loaded)
     cfg, t, config = model.cfg, model.transforms, run.config.stage1
     if t.r1 is None or t.r2 is None:
         raise SystemExit(f"{run_dir}: the run learns no rotations (no stage 1 to measure)")
@@ -109,7 +109,7 @@ def first_step_sensitivity(run_dir: Path, eps: float, seed: int = 0) -> dict[str
     plan = config_stage1_plan(model.require_plan(), run.config)
     state = calibrate(model.unrounded_params(), cfg, plan, windows, prefix=model.prefix)
     base = t.apply(model.base, cfg, rotate=False)
-    batch = step_batch(ids, 0, config, run.config.seq_len, run_keys(run.config.seed)[2])
+    batch = step_batch(ids, 0, config, run.config.data.seq_len, run_keys(run.config.seed)[2])
     step = make_train_step(cfg, plan, config, model.prefix)
     out = {}
     for label, noise in (("as_is", 0.0), ("perturbed", eps)):

@@ -51,6 +51,7 @@ import numpy as np
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.environment import study_command
 from qnpu_jax.eval import perplexity
+from qnpu_jax.export.artifact import MANIFEST
 from qnpu_jax.export.exporter import export_run
 from qnpu_jax.export.int_model import load_int_model
 from qnpu_jax.export.onnx_export import export_run_onnx
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         art = args.artifacts / run.resolve().name
         export_s = None  # None: an existing artifact was reused
 
-        if not (art / "manifest.json").exists():
+        if not (art / MANIFEST).exists():
             say(f"exporting the integer artifact to {art}")
             t0 = time.perf_counter()
             export_run(run, art)
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         int_model = load_int_model(art)
         entry: dict[str, Any] = {
             "method": config.method,
-            "bits": config.bits_name,
+            "bits": config.bits.name,
             "artifact": str(art),
             "export_seconds": export_s,
             "simulation": simulations[0],
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.onnx:
 
             onnx_dir = args.exports / run.resolve().name
-            if not (onnx_dir / "manifest.json").exists():
+            if not (onnx_dir / MANIFEST).exists():
                 t0 = time.perf_counter()
                 context = args.seq_len + len(loaded_run.model.prefix)
                 chunk = min(64, args.seq_len)

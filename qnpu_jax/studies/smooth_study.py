@@ -5,7 +5,7 @@ promotion: the tensor smoothing is for), calibrated once per α exactly as `qnpu
 calibrates it (the run's calibration windows, seed, rotations and sink prefix), evaluated on
 the first `--eval-windows` windows of the `wiki` eval split. "none" is the method without
 smoothing. A stage-1 method is measured with a full run instead
-(qnpu_jax/configs/smollm2-135m-quantnpu-w4a8-smooth.yaml).
+(configs/smollm2-135m-quantnpu-w4a8-smooth.yaml).
 
     qnpu study smooth_study --method quarot --bits W4A8 \
         --alphas none,0.2,0.3,0.5,0.7 --eval-windows 16 --json reports/smooth_study.json
@@ -14,8 +14,6 @@ smoothing. A stage-1 method is measured with a full run instead
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import re
 import time
 from typing import Any
 
@@ -29,7 +27,7 @@ from qnpu_jax.pipeline.recipes import for_config
 from qnpu_jax.pipeline.run import calibration_data, wiki_eval_windows
 from qnpu_jax.pipeline.steps import Calibration
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import write_study_json
+from qnpu_jax.studies.harness import w_a_bits, write_study_json
 
 
 def _alphas(text: str) -> tuple[float | None, ...]:
@@ -48,18 +46,11 @@ def _alphas(text: str) -> tuple[float | None, ...]:
     return tuple(out)
 
 
-def _bits(text: str) -> tuple[int, int]:
-    match = re.fullmatch(r"W(\d+)A(\d+)", text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not of the form W4A8")
-    return int(match[1]), int(match[2])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = study_parser(__name__, __doc__, eval_windows=16, json=True)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--method", choices=("rtn", "quarot"), default="quarot")
-    parser.add_argument("--bits", type=_bits, default=(4, 8))
+    parser.add_argument("--bits", type=w_a_bits, default=(4, 8))
     parser.add_argument("--alphas", type=_alphas, default=(None, 0.2, 0.3, 0.5, 0.7))
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--calib-windows", type=int, default=16)
@@ -68,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     command = study_command("smooth_study", argv)
 
 
-    config = QuantizeConfig(
+    config = QuantizeConfig.of(
         model=args.model,
         method=args.method,
         w_bits=args.bits[0],
@@ -85,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for alpha in args.alphas:
         t0 = time.perf_counter()
-        quantized = for_config(dataclasses.replace(config, smooth_mlp=alpha))(start, data)
+        quantized = for_config(config.replace(smooth_mlp=alpha))(start, data)
         ppl = quantized.perplexity(windows)["ppl"]
         state = quantized.require_state()
         # smoothing also rescales up_proj's (8-bit) output channels by 1/s
@@ -99,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json,
         {
             **config.summary(),
-            "down_in_bits": config.down_in_bits,
-            "calibration": {"data": config.calib_data, "windows": config.calib_windows},
+            "down_in_bits": config.bits.down_in,
+            "calibration": {"data": config.data.calib, "windows": config.data.windows},
             "eval": {"data": "wiki (eval split)", "windows": len(windows)},
             "rows": rows,
         },

@@ -27,13 +27,13 @@ reports/weight_granularity.json) and a markdown table beside it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from qnpu_jax.files import write_bytes_atomic
+from qnpu_jax.pipeline.config import QuantizeConfig
 from qnpu_jax.pipeline.recipes import for_config
 from qnpu_jax.pipeline.stage1 import Stage1Config
 from qnpu_jax.studies import compare_methods as cm
@@ -90,7 +90,9 @@ QUANTNPU_ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
 )
 
 
-def row_config(base: Any, over: dict[str, Any], args: argparse.Namespace) -> Any:
+def row_config(
+    base: QuantizeConfig, over: dict[str, Any], args: argparse.Namespace
+) -> QuantizeConfig:
     """The QuantizeConfig of one row: RTN with all down_proj inputs at 16 bits (Table 1's
     setting), or Quant.npu's setting (b) for the Quant.npu row."""
 
@@ -101,8 +103,7 @@ def row_config(base: Any, over: dict[str, Any], args: argparse.Namespace) -> Any
         setting = {"down_in_bits": 8, "mixed_precision": args.mixed_fraction}
     else:
         setting = {"down_in_bits": 16, "mixed_precision": 0.0, "stage1": Stage1Config()}
-    return dataclasses.replace(
-        base,
+    return base.replace(
         method=method,
         **setting,
         **over,
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         cell = cm.Cell(config.method, key, config, for_config(config), run_dir, label)
         status, payload = cm.run_cell(cell, args, command, cm.float_reference(float_report, specs))
         entry = cm.grid_entry(cell, status, payload, specs)
-        entry["bits"] = f"{config.w_bits}-{config.a_bits}-{config.kv_bits}"
+        entry["bits"] = f"{config.bits.w}-{config.bits.a}-{config.bits.kv}"
         entry["weights"] = _weights_text(config)
         out.append(entry)
         print(f"{label}: {status} {entry.get('ppl', payload if status == 'error' else '')}")
@@ -166,12 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r["status"] in ("ran", "reused") for r in out) else 1
 
 
-def _weights_text(config: Any) -> str:
-    if config.weight_block is None:
+def _weights_text(config: QuantizeConfig) -> str:
+    w = config.weights
+    if w.block is None:
         return "per-channel"
-    if config.weight_block_scale_bits is None:
-        return f"per-block {config.weight_block}"
-    return f"LPBQ {config.weight_block} ({config.weight_block_scale_bits}-bit block scales)"
+    if w.block_scale_bits is None:
+        return f"per-block {w.block}"
+    return f"LPBQ {w.block} ({w.block_scale_bits}-bit block scales)"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

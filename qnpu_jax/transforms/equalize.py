@@ -39,13 +39,14 @@ from qnpu_jax.ir.graph import (
     SMOOTHED_LINEARS,
     UNROTATED_INPUT,
     V_LINEAR,
+    OpKind,
 )
 from qnpu_jax.models.config import ModelConfig
 
 Params = dict[str, Any]
 
-_NORM_OUT = {op.gain: op.out_name for op in GRAPH.ops("rmsnorm")}
-ATTENTION_OUT = GRAPH.ops("attention")[0].out_name
+_NORM_OUT = {op.gain: op.out_name for op in GRAPH.ops(OpKind.RMSNORM)}
+ATTENTION_OUT = GRAPH.ops(OpKind.ATTENTION)[0].out_name
 # input name -> (producer kind, producer param, readers)
 EQUALIZED: dict[str, tuple[str, str, tuple[str, ...]]] = {
     **{_NORM_OUT[g]: ("gain", g, readers) for g, readers in NORM_READERS.items()},
