@@ -136,7 +136,9 @@ def test_shadow_outliers_step_on_the_two_layer_model(shadowed):
     assert float(entry.scale[kept]) < float(old.scale[kept])  # clipped at P99
     for c in tq.shadow_channels[kept]:
         assert float(entry.qmax[kept, c]) == WIDE[1]
-    # the clipped scale with shadows beats the clipped scale alone
+    # the clipped scale with shadows beats the clipped scale alone. Measured as each token's
+    # NLL distance from the float model's: two layers of SmolLM2 score ppl ~3e14, so their
+    # perplexities differ by noise (seen here: shadows 1.05 nats, clipped alone 1.87)
     clipped_only = model.replace(
         state={
             **model.state,
@@ -147,8 +149,13 @@ def test_shadow_outliers_step_on_the_two_layer_model(shadowed):
         },
         plan=base.plan,
     )  # fmt: skip
-    with_shadow = model.perplexity(windows)["ppl"]
-    assert with_shadow < clipped_only.perplexity(windows)["ppl"]
+    tokens = jnp.asarray(windows)
+    float_nll = np.asarray(QuantizedModel.from_float(fp, prefix="bos").nll_fn()(tokens))
+
+    def distance(m: QuantizedModel) -> float:
+        return float(np.abs(np.asarray(m.nll_fn()(tokens)) - float_nll).mean())
+
+    assert distance(model) < 0.8 * distance(clipped_only)
     from qnpu_jax.export.aimet import aimet_encodings
     from qnpu_jax.export.exporter import run_encodings
 

@@ -1,9 +1,11 @@
 """README's Python examples run as written, at full size, and print what README says they print.
 
 Each example is a ```python block after `<!-- example: NAME -->`; what it printed is the plain
-``` block after `<!-- output: NAME -->`. Every example runs in a fresh interpreter in an empty
-directory (the examples write runs/ and artifacts/ there). Text must match exactly; numbers
-to a relative 1e-6 (the last digits of a float32 perplexity may move with the BLAS build).
+``` block after `<!-- output: NAME -->`. What it printed on another machine sits in an HTML
+comment, `<!-- output: NAME, on WHICH` + block + `-->`: 4-bit training and GPTQ turn the
+CPU's last-bit float differences into other codes. Every example runs in a fresh interpreter
+in an empty directory (the examples write runs/ and artifacts/ there), and must print one of
+its recorded outputs: text exactly, numbers to a relative 1e-6.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 _NUMBER = re.compile(r"-?\d+\.\d+(?:e[-+]?\d+)?")
 
 
-def readme_examples(text: str) -> dict[str, tuple[str, str | None]]:
-    """{name: (code, printed output or None)} of README's marked examples."""
-    examples: dict[str, tuple[str, str | None]] = {}
+def readme_examples(text: str) -> dict[str, tuple[str, list[str]]]:
+    """{name: (code, printed outputs: the shown one first, then those of other machines)}
+    of README's marked examples."""
+    examples: dict[str, tuple[str, list[str]]] = {}
     for m in re.finditer(r"<!-- example: (\S+).*?-->\n```python\n(.*?)```", text, re.S):
-        out = re.search(rf"<!-- output: {re.escape(m.group(1))} -->\n```\n(.*?)```", text, re.S)
-        examples[m.group(1)] = (m.group(2), out.group(1) if out else None)
+        name = re.escape(m.group(1))
+        shown = re.findall(rf"<!-- output: {name} -->\n```\n(.*?)```", text, re.S)
+        others = re.findall(rf"<!-- output: {name}, [^\n]*\n```\n(.*?)```\n-->", text, re.S)
+        examples[m.group(1)] = (m.group(2), shown + others)
     return examples
 
 
@@ -48,7 +53,11 @@ EXAMPLES = readme_examples(README.read_text())
 
 def test_the_examples_are_found_and_each_has_its_output() -> None:
     assert set(EXAMPLES) == {"quick-start", "recipe"}
-    assert all(out is not None for _, out in EXAMPLES.values()), EXAMPLES.keys()
+    assert all(len(outs) == 2 for _, outs in EXAMPLES.values()), EXAMPLES
+    text = "<!-- example: x -->\n```python\npass\n```\n<!-- output: x -->\n```\na\n```\n"
+    other = "<!-- output: x, elsewhere\n```\nb\n```\n-->\n"
+    assert readme_examples(text) == {"x": ("pass\n", ["a\n"])}
+    assert readme_examples(text + other) == {"x": ("pass\n", ["a\n", "b\n"])}
 
 
 TEST_COMMAND = (
@@ -81,12 +90,13 @@ def test_output_comparison_catches_a_changed_number_or_word() -> None:
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_readme_example_prints_what_readme_says(name: str, tmp_path: Path) -> None:
-    code, want = EXAMPLES[name]
+    code, recorded = EXAMPLES[name]
     (tmp_path / "example.py").write_text(code)
     done = subprocess.run(
         [sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=1500
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    assert want is not None and same_output(done.stdout, want), (
-        f"README's {name} example printed\n{done.stdout}\nREADME says\n{want}"
+    assert any(same_output(done.stdout, want) for want in recorded), (
+        f"README's {name} example printed\n{done.stdout}\nREADME records\n"
+        + "\nor\n".join(recorded)
     )

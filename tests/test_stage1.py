@@ -1,6 +1,7 @@
 """Stage 1: the jitted train step learns, keeps rotations orthogonal, and resumes exactly."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -84,17 +85,18 @@ def test_train_step_lowers_the_loss_and_keeps_rotations_orthogonal(tiny_cfg, set
     assert not np.allclose(ts["params"]["r1"], r1)
 
 
-def _whole_killed_resumed(tiny_cfg, setup, config, tmp_path):
-    """run_stage1 uninterrupted (in tmp_path/a), killed after step 3 and resumed (tmp_path/b):
-    (whole, resumed) train states."""
+def _whole_killed_resumed(tiny_cfg, setup, config, tmp_path, seed=9, whole=None):
+    """run_stage1 uninterrupted (in tmp_path/a, unless `whole` is that run's state), killed
+    after step 3 and resumed (tmp_path/b): (whole, resumed) train states."""
     ids, fused, r1, r2, plan, state = setup
     common = dict(
         cfg=tiny_cfg, plan=plan, config=config, base_params=fused, frozen_state=state,
-        calib_ids=ids, seq_len=16, key=jax.random.key(9), progress=False,
+        calib_ids=ids, seq_len=16, key=jax.random.key(seed), progress=False,
     )  # fmt: skip
-    whole = run_stage1(
-        init_train_state(r1, r2, state, plan, config), run_dir=tmp_path / "a", **common
-    )
+    if whole is None:
+        whole = run_stage1(
+            init_train_state(r1, r2, state, plan, config), run_dir=tmp_path / "a", **common
+        )
     killed_dir = tmp_path / "b"
     run_stage1(
         init_train_state(r1, r2, state, plan, config), run_dir=killed_dir, stop_after=3, **common
@@ -263,15 +265,29 @@ def test_checkpoint_selection_keeps_the_best_held_out_step_and_resumes_exactly(
     the held-out tail, and a killed run resumes to the same choice."""
     from qnpu_jax.pipeline.stage1 import held_out_split, make_held_out_score
 
-    ids, fused, r1, _, plan, state = setup
-    # a learning rate that overshoots: the later steps score worse than an earlier one
+    ids, fused, r1, r2, plan, state = setup
+    # a learning rate that overshoots, so that an earlier step can score best. Which step
+    # does depends on float rounding (4-bit training flips codes): the first of these data
+    # orders whose best step comes before the last is the one checked
     config = _config(steps=6, select_every=2, select_windows=3, lr_rotation=2.0, lr_scale=0.05)
-    whole, resumed = _whole_killed_resumed(tiny_cfg, setup, config, tmp_path)
-    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    scored = {r["step"]: r["held_out_ce"] for r in rows if "held_out_ce" in r}
-    assert sorted(scored) == [0, 2, 4, 6]
-    best_step = min(scored, key=scored.__getitem__)
-    assert best_step < config.steps  # this learning rate makes an earlier step the best
+    tried = {}
+    for seed in (9, 1, 2, 3):
+        whole = run_stage1(
+            init_train_state(r1, r2, state, plan, config), cfg=tiny_cfg, plan=plan,
+            config=config, base_params=fused, frozen_state=state, calib_ids=ids, seq_len=16,
+            key=jax.random.key(seed), progress=False, run_dir=tmp_path / "a",
+        )  # fmt: skip
+        lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+        scored = {r["step"]: r["held_out_ce"] for r in map(json.loads, lines) if "held_out_ce" in r}
+        assert sorted(scored) == [0, 2, 4, 6]
+        best_step = min(scored, key=scored.__getitem__)
+        tried[seed] = scored
+        if best_step < config.steps:
+            break
+        shutil.rmtree(tmp_path / "a")
+    else:
+        pytest.fail(f"the last step scored best for every data order: {tried}")
+    whole, resumed = _whole_killed_resumed(tiny_cfg, setup, config, tmp_path, seed, whole)
     assert int(whole["best"]["step"]) == best_step
     assert float(whole["best"]["loss"]) == pytest.approx(scored[best_step], rel=1e-6)
     assert int(whole["step"]) == 6
