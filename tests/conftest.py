@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
+
+# One XLA compilation cache for the session and every process it starts (before JAX is
+# imported, so the CLI subprocesses inherit it). The suite is bound by compiling the same
+# programs again: after each module's `jax.clear_caches`, in each `qnpu` subprocess, for each
+# new jit of the same function. The cache keys on the program and the compiler, so a hit runs
+# the very executable a miss would have built.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _XLA_CACHE = tempfile.mkdtemp(prefix="qnpu-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax
 import numpy as np
@@ -12,6 +27,9 @@ import pytest
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import init_random_params
 from qnpu_jax.models.load import LoadedModel, load_model
+
+# in case a plugin imported JAX before this file set the environment
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
