@@ -85,25 +85,23 @@ def test_train_step_lowers_the_loss_and_keeps_rotations_orthogonal(tiny_cfg, set
     assert not np.allclose(ts["params"]["r1"], r1)
 
 
+def _run(tiny_cfg, setup, config, run_dir, seed=9, **kw):
+    """run_stage1 from the setup's start, data order `seed`, writing `run_dir`."""
+    ids, fused, r1, r2, plan, state = setup
+    return run_stage1(
+        init_train_state(r1, r2, state, plan, config), cfg=tiny_cfg, plan=plan, config=config,
+        base_params=fused, frozen_state=state, calib_ids=ids, seq_len=16,
+        key=jax.random.key(seed), progress=False, run_dir=run_dir, **kw,
+    )  # fmt: skip
+
+
 def _whole_killed_resumed(tiny_cfg, setup, config, tmp_path, seed=9, whole=None):
     """run_stage1 uninterrupted (in tmp_path/a, unless `whole` is that run's state), killed
     after step 3 and resumed (tmp_path/b): (whole, resumed) train states."""
-    ids, fused, r1, r2, plan, state = setup
-    common = dict(
-        cfg=tiny_cfg, plan=plan, config=config, base_params=fused, frozen_state=state,
-        calib_ids=ids, seq_len=16, key=jax.random.key(seed), progress=False,
-    )  # fmt: skip
     if whole is None:
-        whole = run_stage1(
-            init_train_state(r1, r2, state, plan, config), run_dir=tmp_path / "a", **common
-        )
-    killed_dir = tmp_path / "b"
-    run_stage1(
-        init_train_state(r1, r2, state, plan, config), run_dir=killed_dir, stop_after=3, **common
-    )
-    resumed = run_stage1(
-        init_train_state(r1, r2, state, plan, config), run_dir=killed_dir, **common
-    )
+        whole = _run(tiny_cfg, setup, config, tmp_path / "a", seed)
+    _run(tiny_cfg, setup, config, tmp_path / "b", seed, stop_after=3)
+    resumed = _run(tiny_cfg, setup, config, tmp_path / "b", seed)
     return whole, resumed
 
 
@@ -265,18 +263,14 @@ def test_checkpoint_selection_keeps_the_best_held_out_step_and_resumes_exactly(
     the held-out tail, and a killed run resumes to the same choice."""
     from qnpu_jax.pipeline.stage1 import held_out_split, make_held_out_score
 
-    ids, fused, r1, r2, plan, state = setup
+    ids, fused, r1, _, plan, state = setup
     # a learning rate that overshoots, so that an earlier step can score best. Which step
     # does depends on float rounding (4-bit training flips codes): the first of these data
     # orders whose best step comes before the last is the one checked
     config = _config(steps=6, select_every=2, select_windows=3, lr_rotation=2.0, lr_scale=0.05)
     tried = {}
     for seed in (9, 1, 2, 3):
-        whole = run_stage1(
-            init_train_state(r1, r2, state, plan, config), cfg=tiny_cfg, plan=plan,
-            config=config, base_params=fused, frozen_state=state, calib_ids=ids, seq_len=16,
-            key=jax.random.key(seed), progress=False, run_dir=tmp_path / "a",
-        )  # fmt: skip
+        whole = _run(tiny_cfg, setup, config, tmp_path / "a", seed)
         lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
         scored = {r["step"]: r["held_out_ce"] for r in map(json.loads, lines) if "held_out_ce" in r}
         assert sorted(scored) == [0, 2, 4, 6]
