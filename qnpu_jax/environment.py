@@ -6,11 +6,13 @@ import os
 import platform
 import shlex
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from qnpu_jax.version import __version__
 
@@ -28,6 +30,21 @@ def environment_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
     }
+
+
+def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
+    """Best float32 FLOP/s of a jitted n×n×n matmul on the default device: the machine's
+    speed, against which a benchmark's or a test suite's time is read (the CPUs CI runs on
+    differ by 3× here)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
 
 
 def study_command(name: str, argv: Sequence[str] | None = None) -> str:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.data import load_documents, sample_windows, tokenize_documents
-from qnpu_jax.environment import environment_info, script_command
+from qnpu_jax.environment import environment_info, matmul_peak, script_command
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.ir.graph import SIMULATIONS
 from qnpu_jax.models.llama import MATMUL_DTYPES
@@ -43,19 +43,6 @@ from qnpu_jax.pipeline.recipes import build_plan
 from qnpu_jax.pipeline.recipes import config_stage1_plan as stage1_plan
 from qnpu_jax.pipeline.stage1 import Stage1Config, init_train_state, make_train_step
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
-
-
-def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
-    """Best float32 FLOP/s of an n×n×n matmul on the default device."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
 
 
 def step_matmul_flops(cfg: Any, tokens: int, seq_len: int, remat: bool) -> float:

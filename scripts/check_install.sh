@@ -2,11 +2,15 @@
 # A plain (non-editable) `pip install .` into a fresh venv, used from another directory: a
 # shipped config named without a path (`config show`, and the quick start's `quick` run), a
 # config-free run and README's quick start.
+#     bash scripts/check_install.sh [QUICK_START_OUTPUT]
+# QUICK_START_OUTPUT: where to write what the quick start printed (tests/test_readme.py runs
+# this script and compares that with README, so the quick start runs once in CI).
 # The venv sees the system packages (jax, the model and corpus wheels), so nothing is downloaded; the check asserts
 # that qnpu_jax itself is imported from the venv's copy, not from this checkout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+quick_start_output=${1:-}
 src=$(pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -41,7 +45,10 @@ block = re.search(r"<!-- example: quick-start.*?-->\n```python\n(.*?)```", text,
 assert block is not None, "README has no quick-start example"
 Path(sys.argv[2]).write_text(block.group(1))
 PY
-(cd "$work/empty" && "$work/venv/bin/python" "$work/quick_start.py")
+(cd "$work/empty" && "$work/venv/bin/python" "$work/quick_start.py") | tee "$work/quick_start.out"
+if [[ -n "$quick_start_output" ]]; then
+  cp "$work/quick_start.out" "$quick_start_output.tmp" && mv "$quick_start_output.tmp" "$quick_start_output"
+fi
 # both runs (the quick start's names the shipped `quick` config) finished: their manifests
 # are sealed (RunDir names the run directory's files)
 "$work/venv/bin/python" -c 'import sys; from qnpu_jax.pipeline.run_dir import RunDir

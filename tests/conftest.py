@@ -14,11 +14,15 @@ from typing import Any
 # programs again: after each module's `jax.clear_caches`, in each `qnpu` subprocess, for each
 # new jit of the same function. The cache keys on the program and the compiler, so a hit runs
 # the very executable a miss would have built.
+# Under pytest-xdist the controller runs this first and its workers inherit the directory,
+# so they share it too. A size cap turns on JAX's file lock around the cache's reads and
+# writes: without it a worker can read an entry another is still writing.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _XLA_CACHE = tempfile.mkdtemp(prefix="qnpu-tests-xla-cache-")
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
 
 import jax
 import numpy as np
@@ -30,6 +34,9 @@ from qnpu_jax.models.load import LoadedModel, load_model
 
 # in case a plugin imported JAX before this file set the environment
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+if "JAX_COMPILATION_CACHE_MAX_SIZE" in os.environ:
+    _max_size = int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"])
+    jax.config.update("jax_compilation_cache_max_size", _max_size)
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
