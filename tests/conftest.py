@@ -23,6 +23,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
+# The same for the data layer's cache (the parsed Wikipedia dump, token ids): the session's
+# own, shared by its workers and subprocesses, and not the user's ~/.cache.
+if "QNPU_CACHE_DIR" not in os.environ:
+    _DATA_CACHE = tempfile.mkdtemp(prefix="qnpu-tests-data-cache-")
+    atexit.register(shutil.rmtree, _DATA_CACHE, ignore_errors=True)
+    os.environ["QNPU_CACHE_DIR"] = _DATA_CACHE
 
 import jax
 import numpy as np
@@ -40,6 +46,75 @@ if "JAX_COMPILATION_CACHE_MAX_SIZE" in os.environ:
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+# JAX's events for tracing, lowering and XLA's compile: each test's report carries the
+# seconds its process spent in them per phase (`compile_seconds_setup` ...; a persistent-cache
+# hit costs its read only; `qnpu` subprocesses are not counted), and the session's summary says
+# how much of the tests' time that was. It is the figure to cut when CI's budget is tight.
+_COMPILE_EVENTS = frozenset(
+    {
+        "/jax/core/compile/jaxpr_trace_duration",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration",
+        "/jax/core/compile/backend_compile_duration",
+    }
+)
+
+
+class _CompileClock:
+    """Seconds spent compiling since the last `take` (fed by a jax.monitoring listener)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def record(self, event: str, duration: float, **_: Any) -> None:
+        if event in _COMPILE_EVENTS:
+            self.seconds += duration
+
+    def take(self) -> float:
+        taken, self.seconds = self.seconds, 0.0
+        return taken
+
+
+_compile_clock = pytest.StashKey[_CompileClock]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    clock = _CompileClock()
+    jax.monitoring.register_event_duration_secs_listener(clock.record)
+    config.stash[_compile_clock] = clock
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    # before the report is made, so that it carries the figure (xdist sends it to the controller)
+    seconds = item.config.stash[_compile_clock].take()
+    item.user_properties.append((f"compile_seconds_{call.when}", round(seconds, 3)))
+    yield
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    tests: dict[str, list[float]] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if not isinstance(report, pytest.TestReport):
+                continue
+            row = tests.setdefault(report.nodeid, [0.0, 0.0])
+            row[1] += report.duration
+            if report.when == "teardown":  # it carries the three phases' figures
+                props = dict(report.user_properties)
+                row[0] = sum(float(props.get(f"compile_seconds_{w}", 0.0)) for w in
+                             ("setup", "call", "teardown"))  # fmt: skip
+    if not tests:
+        return
+    compiling, total = (sum(r[i] for r in tests.values()) for i in (0, 1))
+    terminalreporter.write_line(
+        f"compiling (trace, lower, XLA) in the test processes: {compiling:.0f} s of the "
+        f"tests' {total:.0f} s ({compiling / max(total, 1e-9):.0%})"
+    )
+    top = sorted(tests.items(), key=lambda kv: -kv[1][0])[:15]
+    for nodeid, (c, t) in top:
+        terminalreporter.write_line(f"  {c:7.1f} s compiling of {t:7.1f} s  {nodeid}")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -78,3 +78,49 @@ def test_documents_joined_with_blank_line_without_bos(smollm):
     ids = tokenize_documents(["Hello world", "Second"], smollm.tokenizer)
     assert list(ids) == smollm.tokenizer.encode("Hello world\n\nSecond")
     assert ids[0] != smollm.tokenizer.bos_token_id
+
+
+def test_the_data_cache_returns_what_deriving_returns_and_rederives_a_bad_entry(
+    smollm, tmp_path, monkeypatch
+):
+    """The parsed dump and the token ids come back from the cache equal to what parsing and
+    tokenizing give with the cache off; a second reader derives nothing; an entry whose bytes
+    do not match its digest is derived again; another tokenizer is another entry."""
+    import qnpu_jax.data.sources as sources
+    import qnpu_jax.data.wiki as wiki
+    from qnpu_jax.data.cache import CACHE_DIR_ENV, cached_bytes, digest
+
+    monkeypatch.setenv(CACHE_DIR_ENV, "")
+    docs_off = load_documents("wiki", "eval")
+    ids_off = tokenize_documents(docs_off, smollm.tokenizer)
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    docs, ids = load_documents("wiki", "eval"), tokenize_documents(docs_off, smollm.tokenizer)
+    assert docs == docs_off
+    np.testing.assert_array_equal(ids, ids_off)
+    assert ids.dtype == np.int32
+    entries = sorted(p.name.split("-")[0] for p in tmp_path.iterdir())
+    assert entries == ["tokens", "wiki"], entries
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("derived again")
+
+    with monkeypatch.context() as m:
+        m.setattr(wiki, "parse_wiki_dump", refuse)
+        m.setattr(type(smollm.tokenizer), "encode", refuse)
+        assert load_documents("wiki", "eval") == docs_off
+        np.testing.assert_array_equal(tokenize_documents(docs_off, smollm.tokenizer), ids_off)
+    # a torn or edited entry: derived again and replaced
+    (entry,) = tmp_path.glob("tokens-*")
+    raw = bytearray(entry.read_bytes())
+    raw[-1] ^= 1
+    entry.write_bytes(bytes(raw))
+    np.testing.assert_array_equal(tokenize_documents(docs_off, smollm.tokenizer), ids_off)
+    assert entry.read_bytes() != bytes(raw)
+    # the key covers every part, length-prefixed
+    assert digest("ab", "c") != digest("a", "bc")
+    calls = []
+    assert cached_bytes("t", digest("x"), lambda: calls.append(1) or b"v") == b"v"
+    assert cached_bytes("t", digest("x"), lambda: calls.append(1) or b"w") == b"v"
+    assert cached_bytes("t", digest("y"), lambda: calls.append(1) or b"w") == b"w"
+    assert len(calls) == 2
+    assert sources.cached_bytes is cached_bytes

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from qnpu_jax.data.cache import cached_bytes, digest
 from qnpu_jax.data.locations import WIKITEXT2_SPEC, wikitext2_spec
 from qnpu_jax.data.wiki import load_wiki
 from qnpu_jax.errors import QnpuError
@@ -83,8 +84,16 @@ def load_documents(spec: str, split: str | None = None) -> list[str]:
 
 
 def tokenize_documents(docs: Sequence[str], tokenizer: Tokenizer) -> np.ndarray:
-    """Join documents with a blank line and tokenize without BOS (the GPTQ convention)."""
-    return np.asarray(tokenizer.encode("\n\n".join(docs)), dtype=np.int32)
+    """Join documents with a blank line and tokenize without BOS (the GPTQ convention).
+    Through the data cache (`data.cache`), keyed by the text and the tokenizer's whole
+    serialization: the embedded corpus takes seconds to tokenize on a slow CPU."""
+    text = "\n\n".join(docs)
+    payload = cached_bytes(
+        "tokens",
+        digest(tokenizer.backend.to_str(), text),
+        lambda: np.asarray(tokenizer.encode(text), dtype="<i4").tobytes(),
+    )
+    return np.frombuffer(payload, dtype="<i4").astype(np.int32)
 
 
 def eval_windows(ids: np.ndarray, seq_len: int, max_windows: int | None = None) -> np.ndarray:
