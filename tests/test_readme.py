@@ -5,7 +5,8 @@ Each example is a ```python block after `<!-- example: NAME -->`; what it printe
 comment, `<!-- output: NAME, on WHICH` + block + `-->`: 4-bit training and GPTQ turn the
 CPU's last-bit float differences into other codes. Every example runs in a fresh interpreter
 in an empty directory (the examples write runs/ and artifacts/ there), and must print one of
-its recorded outputs: text exactly, numbers to a relative 1e-6.
+its recorded outputs: text exactly, numbers to a relative 1e-6. The quick start runs once, on
+the package installed non-editable into a fresh venv (`scripts/check_install.sh`).
 """
 
 from __future__ import annotations
