@@ -85,7 +85,7 @@ def test_the_data_cache_returns_what_deriving_returns_and_rederives_a_bad_entry(
 ):
     """The parsed dump and the token ids come back from the cache equal to what parsing and
     tokenizing give with the cache off; a second reader derives nothing; an entry whose bytes
-    do not match its digest is derived again; another tokenizer is another entry."""
+    do not match its digest is derived again; a key covers each of its parts."""
     import qnpu_jax.data.sources as sources
     import qnpu_jax.data.wiki as wiki
     from qnpu_jax.data.cache import CACHE_DIR_ENV, cached_bytes, digest
