@@ -384,3 +384,19 @@ def test_script_command_records_a_rerunnable_line(monkeypatch):
     assert script_command("/abs/path/scripts/bench_forward.py") == (
         "python scripts/bench_forward.py --windows 4"
     )
+
+
+def test_matmul_peak_prints_and_reports_a_positive_rate(tmp_path, capsys):
+    """scripts/matmul_peak.py (the first line of every CI log): the printed rate and the JSON
+    report agree, and a non-positive size is refused."""
+    import json
+
+    peak = load_script("matmul_peak")
+    assert peak.main(["--size", "64", "--json", str(tmp_path / "p.json")]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((tmp_path / "p.json").read_text())
+    assert report["size"] == 64 and report["matmul_peak_flops_per_second"] > 0
+    assert f"{report['matmul_peak_flops_per_second'] / 1e9:.1f} GFLOP/s" in printed
+    assert report["command"].startswith("python scripts/matmul_peak.py")
+    with pytest.raises(SystemExit):
+        peak.main(["--size", "0"])
