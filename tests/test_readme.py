@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SCRIPTS  # tests/ is on sys.path (rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -117,7 +118,7 @@ def test_installed_package_runs_the_quick_start_as_readme_says(tmp_path: Path) -
     be what README records."""
     printed = tmp_path / "quick_start.out"
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "check_install.sh"), str(printed)],
+        ["bash", str(SCRIPTS / "check_install.sh"), str(printed)],
         env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True,
         timeout=2400,
     )  # fmt: skip
