@@ -10,7 +10,15 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
+from qnpu_jax.models.config import (
+    FULL_ATTENTION,
+    GEMMA3_LOCAL_THETA,
+    GEMMA3_SLIDING_PATTERN,
+    SLIDING_ATTENTION,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    RopeConfig,
+)
 from qnpu_jax.models.hf import params_from_state_dict
 from qnpu_jax.models.tokenizer import Tokenizer, tokenizer_from_gguf_vocab
 
@@ -31,6 +39,14 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 (llama.cpp's gemma3 tensors): ffn_norm is the pre-MLP norm, and the attention and
+# MLP outputs have norms of their own
+_GGUF_GEMMA3_LAYER_NAMES = _GGUF_LAYER_NAMES | {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GGUF_ARCH_LAYER_NAMES = {"gemma3": _GGUF_GEMMA3_LAYER_NAMES}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -84,6 +100,7 @@ def gguf_model_config(reader: Any) -> ModelConfig:
             "GGUF rope frequency factors (rope_freqs, LLaMA 3.1+ scaling) are not supported; "
             "load the model's Hugging Face directory instead"
         )
+    gemma = _gemma3_fields(reader, arch) if arch == "gemma3" else {}
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise QnpuError(f"GGUF rope scaling {scaling!r} is not supported")
@@ -108,7 +125,38 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        **gemma,
     )
+
+
+def _gemma3_fields(reader: Any, arch: str) -> dict[str, Any]:
+    """Gemma 3's fields as llama.cpp runs a gemma3 file: every 6th layer global (or the
+    file's `attention.sliding_window_pattern`), local RoPE base 1e4 (or `rope.freq_base_swa`),
+    scores · head_dim^-0.5, tanh-GELU."""
+    layers = int(_field(reader, f"{arch}.block_count", 0))
+    if layers == 62:  # llama.cpp scales the 27B's scores by (hidden / heads)^-0.5
+        raise QnpuError("GGUF gemma3 with 62 layers (27B) is not supported")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if _field(reader, f"{arch}.{key}") is not None:
+            raise QnpuError(f"GGUF {arch}.{key} is set: softcapping is not supported")
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window is None:
+        raise QnpuError(f"GGUF metadata lacks {arch}.attention.sliding_window")
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+    if isinstance(pattern, list):  # per layer: true = sliding
+        types = [SLIDING_ATTENTION if p else FULL_ATTENTION for p in pattern]
+    else:
+        types = [
+            SLIDING_ATTENTION if (i + 1) % int(pattern) else FULL_ATTENTION for i in range(layers)
+        ]
+    key_length = int(_field(reader, f"{arch}.attention.key_length", 0))
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "sliding_window": int(window),
+        "layer_types": tuple(types),
+        "rope_local_theta": _f32(_field(reader, f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_THETA)),
+        "query_pre_attn_scalar": float(key_length) if key_length else None,
+    }
 
 
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
@@ -132,6 +180,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
     cfg = gguf_model_config(reader)
     # The tokenizer first: a file we cannot use fails before the slow dequantization.
     tokenizer = tokenizer_from_gguf_vocab(
+        architecture=cfg.architecture,
         model=_field(reader, "tokenizer.ggml.model", ""),
         pre=_field(reader, "tokenizer.ggml.pre", "default"),
         tokens=_field(reader, "tokenizer.ggml.tokens", []),
@@ -143,7 +192,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
     )
     state: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        hf_name = _hf_name(t.name)
+        hf_name = _hf_name(t.name, cfg.architecture)
         try:
             w = dequantize(t.data, t.tensor_type).astype(np.float32)
         except (NotImplementedError, ValueError) as e:
@@ -159,19 +208,16 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
             elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
                 w = unpermute_rope_rows(w, cfg.num_kv_heads)
         state[hf_name] = w
-    return cfg, params_from_state_dict(state, cfg), tokenizer
+    # Gemma's norms are stored as gains (llama.cpp's converter adds 1 to HF's weights)
+    return cfg, params_from_state_dict(state, cfg, gains=True), tokenizer
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, architecture: str = "llama") -> str:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]
+    names = _GGUF_ARCH_LAYER_NAMES.get(architecture, _GGUF_LAYER_NAMES)
     parts = gguf_name.split(".", 2)
-    if (
-        len(parts) == 3
-        and parts[0] == "blk"
-        and parts[1].isdigit()
-        and parts[2] in _GGUF_LAYER_NAMES
-    ):
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     # Unknown names pass through, so params_from_state_dict reports them as unexpected.
     return gguf_name
