@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from qnpu_jax.errors import QnpuError
@@ -63,6 +63,42 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     head_dim = w.shape[0] // n_heads
     rest = w.shape[1:]
     return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+class _Reader(GGUFReader):
+    """GGUFReader, with arrays read in one piece: the stock reader makes a numpy view per
+    element (and two per string), half a minute for a 262k-token vocabulary. `contents()`
+    reads the same values: a numeric array is one part, a string one memoryview slice."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+        if GGUFValueType(raw_type) != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        offs = orig_offs + 12
+        itype = GGUFValueType(int(raw_itype[0]))
+        count = int(alen[0])
+        nptype = self.gguf_scalar_to_np.get(itype)
+        if nptype is not None:
+            values = self._get(offs, nptype, count)
+            return (
+                12 + int(values.nbytes),
+                [raw_itype, alen, values],
+                [2],
+                [
+                    GGUFValueType.ARRAY,
+                    itype,
+                ],
+            )
+        if itype != GGUFValueType.STRING:
+            return super()._get_field_parts(orig_offs, raw_type)
+        buf = memoryview(self.data)
+        parts: list[Any] = [raw_itype, alen]
+        for _ in range(count):
+            size = int.from_bytes(buf[offs : offs + 8], "little")
+            parts += [buf[offs : offs + 8], buf[offs + 8 : offs + 8 + size]]
+            offs += 8 + size
+        return offs - orig_offs, parts, list(range(3, len(parts), 2)), [GGUFValueType.ARRAY, itype]
 
 
 def _f32(value: Any) -> float:
@@ -167,7 +203,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
         raise QnpuError(f"GGUF file {path} does not exist")
     size = path.stat().st_size
     try:
-        reader = GGUFReader(str(path))
+        reader = _Reader(str(path))
     except (ValueError, OSError, IndexError, KeyError) as e:
         # The reader maps tensors at the offsets the header promises: a short file fails here
         # with numpy's reshape/view messages, which say nothing of the cause.
