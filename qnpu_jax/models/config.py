@@ -368,13 +368,12 @@ class ModelConfig:
         for key in ("hidden_act", "mlp_bias"):
             del out[key]
         local = self.local_rope.theta
-        scalar = self.query_pre_attn_scalar
+        scalar = self.query_pre_attn_scalar or float(self.head_dim)
         return out | {
             "model_type": next(t for t, a in HF_MODEL_TYPES.items() if a == self.architecture),
             "hidden_activation": self.hidden_act,
-            "query_pre_attn_scalar": int(scalar)
-            if scalar is not None and scalar.is_integer()
-            else (scalar if scalar is not None else self.head_dim),
+            # an int in transformers' config class
+            "query_pre_attn_scalar": int(scalar) if scalar.is_integer() else scalar,
             "sliding_window": self.sliding_window,
             "layer_types": list(self.layer_types) or [FULL_ATTENTION] * self.num_layers,
             "rope_local_base_freq": local,
