@@ -25,7 +25,6 @@ ARCHITECTURE_CLASSES = {
 # its "gemma3" model_type is the multimodal model, refused)
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 # Gemma 3's defaults (transformers' Gemma3TextConfig, llama.cpp's hparams): every 6th layer is
@@ -250,7 +249,8 @@ class ModelConfig:
     def from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
         """Build from a Hugging Face `config.json` dict (transformers 4.x or 5.x layout)."""
         model_type = hf.get("model_type")
-        known = [*(a for a in SUPPORTED_ARCHITECTURES if a not in HF_MODEL_TYPES.values())]
+        # the model_types we read: each architecture's own name, or its HF_MODEL_TYPES alias
+        known = [a for a in SUPPORTED_ARCHITECTURES if a not in HF_MODEL_TYPES.values()]
         known += list(HF_MODEL_TYPES)
         if model_type == "gemma3" or "text_config" in hf:
             raise QnpuError(
