@@ -20,6 +20,7 @@ from qnpu_jax.models.hf import save_hf_dir, state_dict_from_params
 from qnpu_jax.models.llama import _attention, forward
 from qnpu_jax.models.load import (
     ASSEMBLED_MODELS,
+    assembled_model_path,
     builtin_model_path,
     load_model,
 )
@@ -436,3 +437,43 @@ def test_real_weights_two_layers_match_transformers(gemma):
     with torch.no_grad():
         ref = model.eval()(torch.tensor(ids)).logits.numpy()
     _assert_logits(ours, ref)
+
+
+def test_assembly_is_atomic_and_replaces_a_bad_file(tmp_path, monkeypatch):
+    """A stand-in for the meta package: the file appears whole through a rename, a
+    half-written one (the package's own non-atomic `assemble` killed) is replaced, and a
+    failed assembly leaves nothing behind."""
+    import hashlib
+    import sys
+
+    data = b"GGUF" + bytes(range(256)) * 64
+    pkg = tmp_path / "site" / "fake_assembled"
+    pkg.mkdir(parents=True)
+    cache = tmp_path / "cache"
+    (pkg / "__init__.py").write_text(
+        "from pathlib import Path\n"
+        f"EXPECTED_SHA256 = {hashlib.sha256(data).hexdigest()!r}\n"
+        f"DATA = {data!r}\n"
+        "FAIL = False\n"
+        "def default_output_path():\n"
+        f"    Path({str(cache)!r}).mkdir(exist_ok=True)\n"
+        f"    return Path({str(cache)!r}) / 'model.gguf'\n"
+        "def assemble(output_path, overwrite=False):\n"
+        "    Path(output_path).write_bytes(DATA[:10])\n"
+        "    if FAIL:\n"
+        "        raise ValueError('Assembled file sha256 did not match expected value')\n"
+        "    Path(output_path).write_bytes(DATA)\n"
+        "    return Path(output_path)\n"
+    )
+    monkeypatch.syspath_prepend(str(pkg.parent))
+    monkeypatch.setitem(ASSEMBLED_MODELS, "fake", ("fake_assembled", ()))
+    final = assembled_model_path("fake")
+    assert final == cache / "model.gguf" and final.read_bytes() == data
+    assert sorted(p.name for p in cache.iterdir()) == ["model.gguf"]
+    final.write_bytes(data[:100])  # half-written
+    assert assembled_model_path("fake").read_bytes() == data
+    final.unlink()
+    monkeypatch.setattr(sys.modules["fake_assembled"], "FAIL", True)
+    with pytest.raises(QnpuError, match=r"cannot assemble model 'fake'.*sha256"):
+        assembled_model_path("fake")
+    assert list(cache.iterdir()) == []
