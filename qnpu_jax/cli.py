@@ -44,7 +44,7 @@ from qnpu_jax.memory_plan import (
 )
 from qnpu_jax.mesh import MeshConfig, initialize_distributed, make_mesh
 from qnpu_jax.mesh import describe as describe_mesh
-from qnpu_jax.models.config import ModelConfig, RopeConfig
+from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import generate
 from qnpu_jax.models.load import load_model
 from qnpu_jax.models.taps import SINK_PREFIXES, prefix_name
@@ -770,7 +770,7 @@ def cmd_cost(args: argparse.Namespace) -> int:
         print(f"  {name}: {READINGS.get(name, '').format(a16=device.a16, block=device.per_block)}")
     report: dict[str, Any] = {
         "source": source,
-        "model": dataclasses.asdict(cfg),
+        "model": cfg.to_json(),
         "note": "counts are exact; latencies are a model fitted to the seeds' device figures "
         "(qnpu_jax.cost), not measurements",
         "devices": {k: dataclasses.asdict(v) for k, v in readings.items()},
@@ -854,7 +854,7 @@ def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, s
         meta = run.read_model_json()
         try:
             data = dict(meta["config"])
-            cfg = ModelConfig(**{**data, "rope": RopeConfig(**data["rope"])})
+            cfg = ModelConfig.from_json(data)
         except (TypeError, KeyError) as e:
             raise QnpuError(f"{run.model_json_path}: its model config is unreadable ({e})") from e
         return plan, cfg, f"run {args.run}", str(meta["source"])

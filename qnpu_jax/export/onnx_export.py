@@ -72,7 +72,13 @@ from qnpu_jax.ir.graph import (
     check_handlers,
     layer_widths,
 )
-from qnpu_jax.models.llama import forward_tapped, init_cache, lm_head_weight, rope_inv_freq
+from qnpu_jax.models.llama import (
+    check_llama_graph,
+    forward_tapped,
+    init_cache,
+    lm_head_weight,
+    rope_inv_freq,
+)
 from qnpu_jax.models.taps import CacheOnlyTaps, FakeQuantTaps, effective_state
 from qnpu_jax.pipeline.run import load_run
 
@@ -739,6 +745,7 @@ def build_graph(params: Any, cfg: Any, plan: OnnxPlan, *, name: str, graph: Grap
     fused, rotations and smoothing in the weights). Every op kind of `graph` is translated;
     an op this exporter does not know is refused by name.
     """
+    check_llama_graph(cfg, "the ONNX export")
     from onnx import TensorProto, helper
 
     c, s = plan.chunk, plan.max_context

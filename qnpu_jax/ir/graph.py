@@ -377,6 +377,77 @@ GRAPH = Graph(
 )
 
 
+def _gemma3_graph() -> Graph:
+    """Gemma 3's decoder layer: GRAPH's attention and gated MLP (the LUT is tanh-GELU), with
+    RMSNorms of the attention output and of the MLP output before each joins the residual,
+    and the pre-MLP norm's gain named as Gemma names it (`pre_feedforward_layernorm`; Gemma's
+    `post_attention_layernorm` is the attention output's norm). The model ops are GRAPH's (the
+    embedding's √hidden scale is the forward's, `ModelConfig.embed_scale`)."""
+    by_out = {op.out_name: op for op in GRAPH.layer}
+    layer = (
+        *(by_out[n] for n in ("attn_in", "q_out", "k_out", "v_out", "q_rope", "k_rope")),
+        by_out["attn_out"],
+        by_out["o_out"],
+        Op(
+            OpKind.RMSNORM,
+            ("o_out",),
+            _t("attn_post", "post_attention_layernorm.output", "16"),
+            "layers.attn_post_norm",
+            gain="post_attention_layernorm",
+        ),
+        Op(
+            OpKind.ADD,
+            ("x", "attn_post"),
+            _t("resid_attn", "pre_feedforward_layernorm.input", "16"),
+            "layers.resid_attn",
+        ),
+        Op(
+            OpKind.RMSNORM,
+            ("resid_attn",),
+            _t("mlp_in", "pre_feedforward_layernorm.output", "act"),
+            "layers.mlp_norm",
+            gain="pre_feedforward_layernorm",
+        ),
+        by_out["gate_out"],
+        by_out["up_out"],
+        Op(
+            OpKind.LUT,
+            ("gate_out",),
+            _t("gelu_out", "mlp.act_fn.output", "16", "ffn"),
+            "layers.gelu",
+            fn="gelu_tanh",
+        ),
+        Op(
+            OpKind.MUL,
+            ("gelu_out", "up_out"),
+            _t("down_in", "mlp.down_proj.input", UNROTATED_ROLE, "ffn"),
+            "layers.down_in",
+        ),
+        by_out["down_out"],
+        Op(
+            OpKind.RMSNORM,
+            ("down_out",),
+            _t("mlp_post", "post_feedforward_layernorm.output", "16"),
+            "layers.mlp_post_norm",
+            gain="post_feedforward_layernorm",
+        ),
+        Op(
+            OpKind.ADD,
+            ("resid_attn", "mlp_post"),
+            _t("resid_mlp", "output", "16"),
+            "layers.resid_mlp",
+        ),
+    )
+    return Graph(layer=layer, model=GRAPH.model)
+
+
+# Gemma 3 (text): the float forward, the params' layout and the HF names read it; nothing
+# quantized does yet (the module tables below are GRAPH's, LLaMA's semantics).
+GEMMA3_GRAPH = _gemma3_graph()
+# The graph of each architecture whose decoder layer is not GRAPH's (`models.llama.graph_of`).
+ARCHITECTURE_GRAPHS = {"gemma3": GEMMA3_GRAPH}
+
+
 def graph_ops() -> dict[str, list[dict[str, Any]]]:
     """The artifact's op list of the model and of one decoder layer ("in" names are
     environment values)."""

@@ -6,11 +6,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
+from qnpu_jax.models.config import (
+    FULL_ATTENTION,
+    GEMMA3_LOCAL_THETA,
+    GEMMA3_SLIDING_PATTERN,
+    SLIDING_ATTENTION,
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    RopeConfig,
+)
 from qnpu_jax.models.hf import params_from_state_dict
 from qnpu_jax.models.tokenizer import Tokenizer, tokenizer_from_gguf_vocab
 
@@ -31,6 +39,14 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 (llama.cpp's gemma3 tensors): ffn_norm is the pre-MLP norm, and the attention and
+# MLP outputs have norms of their own
+_GGUF_GEMMA3_LAYER_NAMES = _GGUF_LAYER_NAMES | {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GGUF_ARCH_LAYER_NAMES = {"gemma3": _GGUF_GEMMA3_LAYER_NAMES}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -47,6 +63,42 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     head_dim = w.shape[0] // n_heads
     rest = w.shape[1:]
     return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+class _Reader(GGUFReader):
+    """GGUFReader, with arrays read in one piece: the stock reader makes a numpy view per
+    element (and two per string), half a minute for a 262k-token vocabulary. `contents()`
+    reads the same values: a numeric array is one part, a string one memoryview slice."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+        if GGUFValueType(raw_type) != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        offs = orig_offs + 12
+        itype = GGUFValueType(int(raw_itype[0]))
+        count = int(alen[0])
+        nptype = self.gguf_scalar_to_np.get(itype)
+        if nptype is not None:
+            values = self._get(offs, nptype, count)
+            return (
+                12 + int(values.nbytes),
+                [raw_itype, alen, values],
+                [2],
+                [
+                    GGUFValueType.ARRAY,
+                    itype,
+                ],
+            )
+        if itype != GGUFValueType.STRING:
+            return super()._get_field_parts(orig_offs, raw_type)
+        buf = memoryview(self.data)  # type: ignore[arg-type]  # numpy arrays are buffers
+        parts: list[Any] = [raw_itype, alen]
+        for _ in range(count):
+            size = int.from_bytes(buf[offs : offs + 8], "little")
+            parts += [buf[offs : offs + 8], buf[offs + 8 : offs + 8 + size]]
+            offs += 8 + size
+        return offs - orig_offs, parts, list(range(3, len(parts), 2)), [GGUFValueType.ARRAY, itype]
 
 
 def _f32(value: Any) -> float:
@@ -84,6 +136,7 @@ def gguf_model_config(reader: Any) -> ModelConfig:
             "GGUF rope frequency factors (rope_freqs, LLaMA 3.1+ scaling) are not supported; "
             "load the model's Hugging Face directory instead"
         )
+    gemma = _gemma3_fields(reader, arch) if arch == "gemma3" else {}
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise QnpuError(f"GGUF rope scaling {scaling!r} is not supported")
@@ -108,7 +161,38 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        **gemma,
     )
+
+
+def _gemma3_fields(reader: Any, arch: str) -> dict[str, Any]:
+    """Gemma 3's fields as llama.cpp runs a gemma3 file: every 6th layer global (or the
+    file's `attention.sliding_window_pattern`), local RoPE base 1e4 (or `rope.freq_base_swa`),
+    scores · head_dim^-0.5, tanh-GELU."""
+    layers = int(_field(reader, f"{arch}.block_count", 0))
+    if layers == 62:  # llama.cpp scales the 27B's scores by (hidden / heads)^-0.5
+        raise QnpuError("GGUF gemma3 with 62 layers (27B) is not supported")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if _field(reader, f"{arch}.{key}") is not None:
+            raise QnpuError(f"GGUF {arch}.{key} is set: softcapping is not supported")
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window is None:
+        raise QnpuError(f"GGUF metadata lacks {arch}.attention.sliding_window")
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+    if isinstance(pattern, list):  # per layer: true = sliding
+        types = [SLIDING_ATTENTION if p else FULL_ATTENTION for p in pattern]
+    else:
+        types = [
+            SLIDING_ATTENTION if (i + 1) % int(pattern) else FULL_ATTENTION for i in range(layers)
+        ]
+    key_length = int(_field(reader, f"{arch}.attention.key_length", 0))
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "sliding_window": int(window),
+        "layer_types": tuple(types),
+        "rope_local_theta": _f32(_field(reader, f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_THETA)),
+        "query_pre_attn_scalar": float(key_length) if key_length else None,
+    }
 
 
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
@@ -119,7 +203,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
         raise QnpuError(f"GGUF file {path} does not exist")
     size = path.stat().st_size
     try:
-        reader = GGUFReader(str(path))
+        reader = _Reader(str(path))
     except (ValueError, OSError, IndexError, KeyError) as e:
         # The reader maps tensors at the offsets the header promises: a short file fails here
         # with numpy's reshape/view messages, which say nothing of the cause.
@@ -132,6 +216,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
     cfg = gguf_model_config(reader)
     # The tokenizer first: a file we cannot use fails before the slow dequantization.
     tokenizer = tokenizer_from_gguf_vocab(
+        architecture=cfg.architecture,
         model=_field(reader, "tokenizer.ggml.model", ""),
         pre=_field(reader, "tokenizer.ggml.pre", "default"),
         tokens=_field(reader, "tokenizer.ggml.tokens", []),
@@ -143,7 +228,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
     )
     state: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        hf_name = _hf_name(t.name)
+        hf_name = _hf_name(t.name, cfg.architecture)
         try:
             w = dequantize(t.data, t.tensor_type).astype(np.float32)
         except (NotImplementedError, ValueError) as e:
@@ -159,19 +244,16 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
             elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
                 w = unpermute_rope_rows(w, cfg.num_kv_heads)
         state[hf_name] = w
-    return cfg, params_from_state_dict(state, cfg), tokenizer
+    # Gemma's norms are stored as gains (llama.cpp's converter adds 1 to HF's weights)
+    return cfg, params_from_state_dict(state, cfg, gains=True), tokenizer
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, architecture: str = "llama") -> str:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]
+    names = _GGUF_ARCH_LAYER_NAMES.get(architecture, _GGUF_LAYER_NAMES)
     parts = gguf_name.split(".", 2)
-    if (
-        len(parts) == 3
-        and parts[0] == "blk"
-        and parts[1].isdigit()
-        and parts[2] in _GGUF_LAYER_NAMES
-    ):
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     # Unknown names pass through, so params_from_state_dict reports them as unexpected.
     return gguf_name

@@ -20,16 +20,16 @@ from safetensors.numpy import save_file
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import current_umask, read_text
-from qnpu_jax.ir.graph import EMBED_TABLE, FINAL_NORM, GRAPH, LM_HEAD
+from qnpu_jax.ir.graph import ARCHITECTURE_GRAPHS, EMBED_TABLE, FINAL_NORM, GRAPH, LM_HEAD, Graph
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import layer_param_shapes
+from qnpu_jax.models.llama import graph_of, layer_param_shapes
 from qnpu_jax.models.tokenizer import Tokenizer, tokenizer_from_file
 
 
-def _hf_layer_names() -> dict[str, str]:
-    """params key inside "layers" -> HF name inside "model.layers.{i}.", from the graph."""
+def hf_layer_names(graph: Graph) -> dict[str, str]:
+    """params key inside "layers" -> HF name inside "model.layers.{i}.", from `graph`."""
     names = {}
-    for op in GRAPH.layer:
+    for op in graph.layer:
         if op.gain:
             names[op.gain] = f"{op.gain}.weight"
         if op.head_norm:  # inside the attention module (Qwen3)
@@ -41,7 +41,8 @@ def _hf_layer_names() -> dict[str, str]:
     return names
 
 
-HF_LAYER_NAMES = _hf_layer_names()
+HF_LAYER_NAMES = hf_layer_names(GRAPH)
+_FAMILY_LAYER_NAMES = {arch: hf_layer_names(g) for arch, g in ARCHITECTURE_GRAPHS.items()}
 # the global params' HF names: the embedding table's and lm_head's from the graph, the norm's
 HF_GLOBAL_NAMES = {t.name: t.hf for t in GRAPH.global_tensors if t.hf.endswith(".weight")} | {
     FINAL_NORM: f"model.{FINAL_NORM}.weight"
@@ -51,18 +52,32 @@ _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def _layer_names(cfg: ModelConfig) -> dict[str, str]:
+    return _FAMILY_LAYER_NAMES.get(cfg.architecture, HF_LAYER_NAMES)
+
+
 def layer_tensor_names(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(params key, HF name) of every per-layer tensor this config has."""
-    return [(key, HF_LAYER_NAMES[key]) for key in layer_param_shapes(cfg)]
+    names = _layer_names(cfg)
+    return [(key, names[key]) for key in layer_param_shapes(cfg)]
+
+
+def _gain_keys(cfg: ModelConfig) -> set[str]:
+    """The params keys in "layers" that are RMSNorm gains (the layer's and the per-head ones)."""
+    graph = graph_of(cfg)
+    return {op.gain for op in graph.layer if op.gain} | {
+        op.head_norm for op in graph.layer if op.head_norm
+    }
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every HF tensor the checkpoint must hold."""
     d = cfg.hidden_size
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    names = _layer_names(cfg)
     for i in range(cfg.num_layers):
         shapes |= {
-            f"model.layers.{i}.{HF_LAYER_NAMES[key]}": shape
+            f"model.layers.{i}.{names[key]}": shape
             for key, shape in layer_param_shapes(cfg).items()
         }
     if not cfg.tie_word_embeddings:
@@ -70,8 +85,14 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str, Any]:
-    """HF-named float tensors -> stacked float32 params; every name and shape is checked."""
+def params_from_state_dict(
+    state: Mapping[str, np.ndarray], cfg: ModelConfig, *, gains: bool = False
+) -> dict[str, Any]:
+    """HF-named float tensors -> stacked float32 params; every name and shape is checked.
+
+    Gemma (`cfg.norm_unit_offset`): HF checkpoints store each RMSNorm weight w of gain 1 + w,
+    which is added here in float32 (as HF's forward does); `gains=True` says `state` already
+    holds the gains (GGUF files do)."""
     shapes = expected_shapes(cfg)
     missing = sorted(set(shapes) - set(state))
     if missing:
@@ -103,6 +124,8 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig) ->
     }
     if not cfg.tie_word_embeddings:
         params[LM_HEAD] = f32(HF_GLOBAL_NAMES[LM_HEAD])
+    if cfg.norm_unit_offset and not gains:
+        params = _shift_gains(params, cfg, np.float32(1.0))
     for path, value in jax.tree_util.tree_flatten_with_path(params)[0]:
         if not np.isfinite(value).all():
             name = "/".join(str(k.key) for k in path)  # type: ignore[attr-defined]
@@ -110,7 +133,19 @@ def params_from_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig) ->
     return params
 
 
+def _shift_gains(params: Mapping[str, Any], cfg: ModelConfig, by: np.float32) -> dict[str, Any]:
+    """`params` with `by` added (float32) to every RMSNorm gain: Gemma's w <-> 1 + w."""
+    keys = _gain_keys(cfg)
+    layers = {
+        k: np.asarray(v, np.float32) + by if k in keys else v for k, v in params["layers"].items()
+    }
+    return {**params, "layers": layers, FINAL_NORM: np.asarray(params[FINAL_NORM], np.float32) + by}
+
+
 def state_dict_from_params(params: Mapping[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Stacked params -> HF-named tensors (Gemma: gains written as w = gain − 1)."""
+    if cfg.norm_unit_offset:
+        params = _shift_gains(params, cfg, np.float32(-1.0))
     state = {HF_GLOBAL_NAMES[k]: np.asarray(params[k]) for k in (EMBED_TABLE, FINAL_NORM)}
     for key, hf in layer_tensor_names(cfg):
         stacked = np.asarray(params["layers"][key])

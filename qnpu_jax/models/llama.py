@@ -1,4 +1,4 @@
-"""Pure-JAX float forward of LLaMA-family decoders (GQA, RoPE, SwiGLU, RMSNorm).
+"""Pure-JAX float forward of LLaMA-family decoders (GQA, RoPE, SwiGLU, RMSNorm) and Gemma 3.
 
 Params pytree (float32, weights stored [out, in] as in Hugging Face checkpoints; decoder layers
 stacked along a leading axis so the depth is one `jax.lax.scan`):
@@ -11,6 +11,11 @@ stacked along a leading axis so the depth is one `jax.lax.scan`):
             gate_proj, up_proj [L, F, D]   down_proj [L, D, F]
     norm [D]
     lm_head [V, D]                      (only when embeddings are not tied)
+
+Gemma 3 (`GEMMA3_GRAPH`): q_norm/k_norm, post_attention_layernorm (the attention output's
+norm), pre_feedforward_layernorm (the MLP input's), post_feedforward_layernorm (the MLP
+output's); every gain is the gain itself (HF's 1 + w). Its sliding-window layers use the
+window and the local RoPE base, passed through the scan per layer.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qnpu_jax.errors import QnpuError
 from qnpu_jax.ir.graph import (
+    ARCHITECTURE_GRAPHS,
     EMBED_TABLE,
     FINAL_NORM,
     GRAPH,
@@ -46,6 +53,20 @@ from qnpu_jax.models.config import ModelConfig, RopeConfig
 
 Params = dict[str, Any]
 KVCache = dict[str, jax.Array]  # {"k": [L, B, Hkv, S, hd], "v": same}
+# a full-attention layer's window: no key is that far behind a query
+_NO_WINDOW = np.iinfo(np.int32).max
+
+
+def graph_of(cfg: ModelConfig) -> Graph:
+    """The layer graph of `cfg`'s architecture: GRAPH, or Gemma 3's."""
+    return ARCHITECTURE_GRAPHS.get(cfg.architecture, GRAPH)
+
+
+def check_llama_graph(cfg: ModelConfig, what: str) -> None:
+    """Refuse a path that reads GRAPH's LLaMA semantics (norm folding, rotations, smoothing,
+    quantization plans, the integer graph) for an architecture with a graph of its own."""
+    if graph_of(cfg) is not GRAPH:
+        raise QnpuError(f"{what} is not supported for {cfg.architecture} yet (float only)")
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
@@ -206,19 +227,27 @@ def _attention(
     scores_name: str = SCORES,
     probs_name: str = PROBS,
     device: bool = False,
+    *,
+    window: jax.Array | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
     """Causal GQA attention over a cache.
 
     q [B, T, Hq, hd]; k, v [B, Hkv, S, hd]; query_pos [B, T]; keys at index >= valid_len or
-    after the query's position are masked. `device`: the integer softmax's probabilities.
+    after the query's position are masked, and with `window` (sliding attention) keys at
+    `window` or more positions before the query: q − window < key ≤ q. `device`: the integer
+    softmax's probabilities. Scores are q·k / √hd, or q·k · `scale` when one is given.
     """
     b, t, hq, hd = q.shape
     hkv, s = k.shape[1], k.shape[2]
     q = q.reshape(b, t, hkv, hq // hkv, hd)
     key_pos = jnp.arange(s)
     allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos < valid_len)
+    if window is not None:
+        allowed &= key_pos[None, None, :] > query_pos[:, :, None] - window
     allowed = allowed[:, None, None, :, :]
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k) / math.sqrt(hd)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k)
+    scores = scores / math.sqrt(hd) if scale is None else scores * scale
     # Masked entries are no data: calibration statistics skip them.
     scores = jnp.where(allowed, tap(scores_name, scores, where=allowed), -jnp.inf)
     probs = device_softmax(scores, allowed) if device else jax.nn.softmax(scores, axis=-1)
@@ -261,7 +290,10 @@ def no_aux() -> dict[str, Any]:
 
 
 # The float function of each LUT op of the graph.
-LUT_FUNCTIONS: dict[str, Callable[[jax.Array], jax.Array]] = {"silu": jax.nn.silu}
+LUT_FUNCTIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": partial(jax.nn.gelu, approximate=True),  # Gemma's gelu_pytorch_tanh
+}
 
 
 @dataclasses.dataclass
@@ -282,6 +314,7 @@ class _LayerRun:
     attention: Callable[..., jax.Array] | None
     b: int
     t: int
+    window: jax.Array | None = None  # keys a query sees (sliding layers); None: all before it
 
 
 def _float_rmsnorm(r: _LayerRun, op: Op, ins: list[jax.Array]) -> jax.Array:
@@ -315,7 +348,20 @@ def _float_attention(r: _LayerRun, op: Op, ins: list[jax.Array]) -> jax.Array:
     scores, probs = (i.name for i in op.inner)
     if r.attention is not None:
         return r.attention(q, r.k_cache, r.v_cache, query_pos, start + t)
-    return _attention(q, r.k_cache, r.v_cache, query_pos, start + t, r.tap, scores, probs, r.device)
+    scale = r.cfg.attn_scale if r.cfg.query_pre_attn_scalar is not None else None
+    return _attention(
+        q,
+        r.k_cache,
+        r.v_cache,
+        query_pos,
+        start + t,
+        r.tap,
+        scores,
+        probs,
+        r.device,
+        window=r.window,
+        scale=scale,
+    )
 
 
 def _float_add(r: _LayerRun, op: Op, ins: list[jax.Array]) -> jax.Array:
@@ -353,17 +399,20 @@ def _decoder_layer(
     cos: jax.Array,
     sin: jax.Array,
     tap: Tap = no_tap,
-    graph: Graph = GRAPH,
+    graph: Graph | None = None,
     device: bool = False,
     dtype: str = "float32",
     attention: Callable[..., jax.Array] | None = None,
+    window: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One decoder layer: the float reading of `graph`'s layer ops, in order; `tap` marks
-    every quantized tensor (weights and op outputs) by its name in the graph; `attention`
-    replaces the float attention (`attention_kernel`), untapped."""
+    """One decoder layer: the float reading of `graph`'s layer ops (default `graph_of(cfg)`),
+    in order; `tap` marks every quantized tensor (weights and op outputs) by its name in the
+    graph; `attention` replaces the float attention (`attention_kernel`), untapped; `window`:
+    this layer's sliding window (None: causal over the whole cache)."""
+    graph = graph_of(cfg) if graph is None else graph
     b, t, _ = x.shape
     r = _LayerRun(
-        cfg, layer, k_cache, v_cache, start, cos, sin, tap, device, dtype, attention, b, t
+        cfg, layer, k_cache, v_cache, start, cos, sin, tap, device, dtype, attention, b, t, window
     )
     env = {graph.layer_input: x}
     for op in graph.layer:
@@ -391,7 +440,7 @@ def forward_tapped(
     taps: Taps | None = None,
     remat: bool = False,
     residual_rotation: jax.Array | None = None,
-    graph: Graph = GRAPH,
+    graph: Graph | None = None,
     teacher: Params | None = None,
 ) -> tuple[jax.Array, KVCache, Any]:
     """Run `tokens` [B, T] at positions start..start+T-1, writing K/V into `cache`.
@@ -413,6 +462,10 @@ def forward_tapped(
     ({"layers": stacked per-layer aux, **outer aux}). Prefill, decode, full-sequence forward,
     fake quantization and calibration statistics are all this one function.
     """
+    if graph is None:
+        graph = graph_of(cfg)
+    elif graph is not graph_of(cfg):
+        check_llama_graph(cfg, "a forward over another graph (quantization plans, taps)")
     b, t = tokens.shape
     embed_op, _, norm_op, head_op = graph.model  # embed → layers → final norm → lm_head
     start = jnp.asarray(start, jnp.int32)
@@ -422,6 +475,8 @@ def forward_tapped(
         x = taps.embed(state["outer"], params[EMBED_TABLE], tokens)
     else:
         x = embed_rows(params[EMBED_TABLE], tokens)
+    if cfg.embed_scale != 1.0:  # Gemma: rows · √hidden (float32), lm_head unscaled
+        x = x * jnp.float32(cfg.embed_scale)
     if residual_rotation is not None:
         x = x @ residual_rotation
     x = outer_tap(embed_op.out_name, x)
@@ -429,18 +484,51 @@ def forward_tapped(
     dtype = matmul_dtype(taps)
     attention = attention_kernel(taps)
     positions = start + jnp.broadcast_to(jnp.arange(t), (b, t))
+    sliding = cfg.sliding_layers
+    if any(sliding) and (device or attention is not None):
+        raise QnpuError(
+            f"sliding-window attention ({cfg.architecture}) is not supported with the device "
+            "simulation or an attention kernel yet"
+        )
     cos, sin = rope_cos_sin(positions, cfg, cache["k"].shape[3] if device else None)
+    # Sliding layers (Gemma 3): their RoPE tables and window, selected per layer in the scan
+    local = (
+        rope_cos_sin(positions, dataclasses.replace(cfg, rope=cfg.local_rope))
+        if any(sliding)
+        else None
+    )
+    flags = jnp.asarray(sliding) if any(sliding) else None
 
     def body(x: jax.Array, xs: tuple[Any, ...]) -> tuple[jax.Array, Any]:
-        layer, k_cache, v_cache, layer_state, taught = xs
+        layer, k_cache, v_cache, layer_state, taught, is_sliding = xs
         tap, aux = taps.layer(layer_state) if taps else (no_tap, no_aux)
+        cos_l, sin_l, window = cos, sin, None
+        if local is not None:
+            cos_l = jnp.where(is_sliding, local[0], cos)
+            sin_l = jnp.where(is_sliding, local[1], sin)
+            window = jnp.where(is_sliding, jnp.int32(cfg.sliding_window), jnp.int32(_NO_WINDOW))
         y, k_cache, v_cache = _decoder_layer(
-            cfg, x, layer, k_cache, v_cache, start, cos, sin, tap, graph, device, dtype, attention
+            cfg,
+            x,
+            layer,
+            k_cache,
+            v_cache,
+            start,
+            cos_l,
+            sin_l,
+            tap,
+            graph,
+            device,
+            dtype,
+            attention,
+            window,
         )
         if taught is None:
             return y, (k_cache, v_cache, aux(), None)
         t_layer, t_k, t_v = taught
-        y_t, t_k, t_v = _decoder_layer(cfg, x, t_layer, t_k, t_v, start, cos, sin, graph=graph)
+        y_t, t_k, t_v = _decoder_layer(
+            cfg, x, t_layer, t_k, t_v, start, cos_l, sin_l, graph=graph, window=window
+        )
         y_t = jax.lax.stop_gradient(y_t)
         out = {**aux(), "block_error": jnp.mean(jnp.square(y - y_t))}
         return y_t, (k_cache, v_cache, out, (t_k, t_v))
@@ -448,7 +536,7 @@ def forward_tapped(
     taught = (
         None if teacher is None else (teacher["layers"], cache["teacher_k"], cache["teacher_v"])
     )
-    xs = (params["layers"], cache["k"], cache["v"], state["layers"], taught)
+    xs = (params["layers"], cache["k"], cache["v"], state["layers"], taught, flags)
     x, (k_new, v_new, layer_aux, t_new) = jax.lax.scan(
         jax.checkpoint(body) if remat else body, x, xs
     )
@@ -551,9 +639,11 @@ def generate(
     return out
 
 
-def layer_param_shapes(cfg: ModelConfig, graph: Graph = GRAPH) -> dict[str, tuple[int, ...]]:
+def layer_param_shapes(cfg: ModelConfig, graph: Graph | None = None) -> dict[str, tuple[int, ...]]:
     """Shape of each per-layer param, without the leading layer axis: the norms' gains, the
-    linears' weights [width(out), width(in)] and, with attention_bias, their biases."""
+    linears' weights [width(out), width(in)] and, with attention_bias, their biases (`graph`:
+    default `graph_of(cfg)`)."""
+    graph = graph_of(cfg) if graph is None else graph
     widths = layer_widths(cfg.dims, graph)
     shapes: dict[str, tuple[int, ...]] = {}
     for op in graph.layer:
@@ -573,7 +663,7 @@ def layer_param_shapes(cfg: ModelConfig, graph: Graph = GRAPH) -> dict[str, tupl
 def init_random_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
     """Random float32 params of the layout above (for tests and experiments on tiny models)."""
     shapes = layer_param_shapes(cfg)
-    gains = {op.gain for op in GRAPH.layer if op.gain} | set(HEAD_NORMS)
+    gains = {op.gain for op in graph_of(cfg).layer if op.gain} | set(HEAD_NORMS)
     layer_key, embed_key, head_key = jax.random.split(key, 3)
     layers = {}
     for (name, shape), k in zip(

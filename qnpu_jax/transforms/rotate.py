@@ -31,7 +31,7 @@ from qnpu_jax.ir.graph import (
     V_LINEAR,
 )
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import lm_head_weight
+from qnpu_jax.models.llama import check_llama_graph, lm_head_weight
 from qnpu_jax.rotation import random_hadamard
 
 Params = dict[str, Any]
@@ -44,6 +44,8 @@ def fuse_norms(params: Params, cfg: ModelConfig) -> Params:
 
     The final norm folds into lm_head, so tied embeddings are untied (lm_head = E·diag(g)).
     """
+    # Gemma's post-norms feed no linear: nothing to fold them into
+    check_llama_graph(cfg, "fuse_norms")
     layers = dict(params["layers"])
     for gain, readers in NORM_READERS.items():
         g = layers[gain][:, None, :]  # [L, 1, D]: scales the `in` axis
@@ -85,6 +87,7 @@ def apply_rotations(
     `tables=False` leaves embed_tokens and lm_head unrotated, for a forward that rotates the
     gathered rows and the final hidden state instead (`residual_rotation` of the forward).
     """
+    check_llama_graph(cfg, "rotations (R1/R2)")
     if LM_HEAD not in params:
         raise QnpuError("apply_rotations needs fused params with an explicit lm_head: fuse_norms")
     if not isinstance(params[FINAL_NORM], jax.core.Tracer) and not norms_are_fused(params):

