@@ -5,6 +5,7 @@ traceback from deep inside a run."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any
@@ -41,8 +42,10 @@ def conforms(value: Any, hint: Any) -> bool:
         return isinstance(value, bool)
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is float:  # a config's numbers are finite (`.inf` in YAML is a float)
+        return (
+            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        )
     if typing.get_origin(hint) is tuple:
         args = typing.get_args(hint)
         if not isinstance(value, tuple):
@@ -85,6 +88,8 @@ def describe(hint: Any) -> str:
 def check_type(value: Any, hint: Any, name: str) -> None:
     """A QnpuError "{name} must be ..., got ..." unless `value` is of type `hint`."""
     if not conforms(value, hint):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise QnpuError(f"{name} must be a finite number, got {value}")
         raise QnpuError(f"{name} must be {describe(hint)}, got {shown(value)}")
 
 

@@ -112,3 +112,43 @@ def test_field_types_and_seeds() -> None:
     assert check_at_most(4, 4, "n") == 4
     with pytest.raises(QnpuError, match=r"n must be at most 4, got 5 \(why\)"):
         check_at_most(5, 4, "n", "why")
+
+
+def test_every_python_float_literal_is_a_number_and_non_finite_ones_are_refused(
+    tmp_path: Path,
+) -> None:
+    """YAML 1.1 reads 1e-3 as a string: `--set stage1.lr_scale=1e-3` was refused (issue 55)."""
+    from qnpu_jax.pipeline.config import load_config
+
+    for text, value in (("1e-3", 1e-3), ("5E-4", 5e-4), ("1e6", 1e6), (".5", 0.5), ("-.5", -0.5),
+                        ("1.5e3", 1500.0), ("3", 3), ("1_000", 1000)):  # fmt: skip
+        assert load_yaml(f"a: {text}", "f") == {"a": value}, text
+        assert type(load_yaml(f"a: {text}", "f")["a"]) is type(value), text
+    assert load_config("quick", ["stage1.lr_scale=1e-3"]).stage1.lr_scale == 1e-3
+    (tmp_path / "c.yaml").write_text("method: quantnpu\nstage1:\n  lr_scale: 5E-4\n")
+    assert load_config(tmp_path / "c.yaml").stage1.lr_scale == 5e-4
+    for word in ("inf", "nan"):  # words, not numbers
+        with pytest.raises(QnpuError, match=f"lr_scale must be a number, got '{word}'"):
+            load_config("quick", [f"stage1.lr_scale={word}"])
+    for yaml_word in (".inf", "-.inf", ".nan"):  # YAML's own non-finite floats
+        with pytest.raises(QnpuError, match="lr_scale must be a finite number, got"):
+            load_config("quick", [f"stage1.lr_scale={yaml_word}"])
+    with pytest.raises(QnpuError, match="shadow_keep must be a finite number, got inf"):
+        load_config("quick", ["shadow_keep=.inf"])
+
+
+def test_a_key_twice_in_a_mapping_is_refused_with_both_lines(tmp_path: Path) -> None:
+    """A config with `w_bits: 4` and later `w_bits: 8` ran with one of them (issue 55)."""
+    from qnpu_jax.pipeline.config import load_config
+
+    (tmp_path / "c.yaml").write_text("method: rtn\nw_bits: 4\na_bits: 8\nw_bits: 8\n")
+    with pytest.raises(QnpuError, match=r"c\.yaml: key 'w_bits' appears twice, on lines 2 and 4"):
+        load_config(tmp_path / "c.yaml")
+    rules = "rules:\n  - pattern: layers/q_proj\n    bits: 8\n    pattern: layers/k_proj\n"
+    with pytest.raises(QnpuError, match=r"key 'pattern' appears twice, on lines 2 and 4"):
+        load_yaml(rules, "f")
+    with pytest.raises(QnpuError, match=r"key 'steps' appears twice, on lines 2 and 3"):
+        load_yaml("stage1:\n  steps: 1\n  steps: 2\n", "f")
+    # a YAML merge key may be overridden: that is what it is for
+    merged = load_yaml("b: &b {x: 1, y: 2}\nc:\n  <<: *b\n  x: 3\n", "f")
+    assert merged["c"] == {"x": 3, "y": 2}

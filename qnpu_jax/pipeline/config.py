@@ -613,11 +613,46 @@ def _expanded_size(data: Any, limit: int) -> int:
     return size
 
 
+class _DuplicateKey(Exception):
+    """A mapping of a config names one key twice (the message names it and both lines)."""
+
+
+# a float as Python writes it, with an exponent or a point: YAML 1.1 reads 1e-3, 5E-4, 1e6 and
+# -.5 as strings (its floats need a point, and a sign in the exponent)
+_PYTHON_FLOAT = re.compile(
+    r"^[-+]?(?=[0-9]*\.?[0-9])(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?$"
+)
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML's safe loader less two surprises: every float literal Python accepts is a float
+    (inf and nan stay words, which the config's types refuse), and a mapping that names a
+    key twice is refused instead of keeping the last."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue  # `<<` merges may be overridden, as YAML says
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                raise _DuplicateKey(f"key {key!r} appears twice, on lines {lines[key]} and {line}")
+            lines[key] = line
+        return super().construct_mapping(node, deep)
+
+
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _PYTHON_FLOAT, list("-+.0123456789"))
+
+
 def load_yaml(text: str, where: str) -> Any:
-    """`yaml.safe_load(text)` (YAML or JSON); a document that its aliases expand past
-    MAX_CONFIG_BYTES (`qnpu_jax.limits`: an alias bomb) is a QnpuError naming `where`."""
+    """The YAML (or JSON) document `text` (`_ConfigLoader`: Python's float literals, no key
+    twice); a document that its aliases expand past MAX_CONFIG_BYTES (`qnpu_jax.limits`: an
+    alias bomb) is a QnpuError naming `where`."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader
+    except _DuplicateKey as e:
+        raise QnpuError(f"{where}: {e}") from None
     except yaml.YAMLError as e:
         raise QnpuError(f"{where}: not YAML ({e})") from e
     if _expanded_size(data, MAX_CONFIG_BYTES) > MAX_CONFIG_BYTES:
