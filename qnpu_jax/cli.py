@@ -249,7 +249,8 @@ def add_eval_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=positive_int,
         default=None,
         metavar="K",
-        help="perplexity on the first K windows only (default: every window)",
+        help="perplexity on the first K windows only (default: every window; with --run: "
+        "the run's eval_windows, so that its report's perplexity comes out again)",
     )
     ev.add_argument(
         "--batch-size", type=positive_int, default=None, help="default: 1 (ppl), 8 (tasks)"
@@ -275,11 +276,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.batch_size is not None:
         check_at_most(args.batch_size, MAX_EVAL_BATCH, "--batch-size", "qnpu_jax.limits")
     check_seed(args.seed, "--seed")
-    if want_ppl and args.run is not None and (args.data is None or args.seq_len is None):
-        run_config = _run_config(args.run)  # the run's own evaluation text and window length
-        args.data = args.data or run_config.eval.data[0]
-        args.seq_len = args.seq_len or run_config.data.seq_len
-        print(f"--data {args.data} --seq-len {args.seq_len} (the run's)", file=sys.stderr)
+    if want_ppl and args.run is not None and None in (args.data, args.seq_len, args.max_windows):
+        # the run's own evaluation text, window length and window count: its report again
+        run_config = _run_config(args.run)
+        taken = {
+            "--data": run_config.eval.data[0] if args.data is None else None,
+            "--seq-len": run_config.data.seq_len if args.seq_len is None else None,
+            "--max-windows": run_config.eval.windows if args.max_windows is None else None,
+        }
+        args.data = args.data or taken["--data"]
+        args.seq_len = args.seq_len or taken["--seq-len"]
+        args.max_windows = args.max_windows or taken["--max-windows"]
+        shown_taken = " ".join(f"{k} {v}" for k, v in taken.items() if v is not None)
+        if shown_taken:
+            print(f"{shown_taken} (the run's)", file=sys.stderr)
     if want_ppl and (args.data is None or args.seq_len is None):
         raise QnpuError("perplexity (task ppl) needs --data and --seq-len")
     if zero_shot:  # missing task data fails now, not after the model loads
@@ -801,7 +811,6 @@ def cmd_cost(args: argparse.Namespace) -> int:
         for k, v in lat.items():
             print(f"  modelled latency ({k}): {v['total_s'] * 1e3:.1f} ms")
     if args.json is not None:
-
         write_study_json(args.json, report, command="qnpu " + shlex.join(args.argv))
         print(f"-> {args.json}")
     return 0
@@ -844,7 +853,6 @@ def _plan_summary(plan: Any, num_layers: int) -> str:
 def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, str, str]:
     """(plan, model config, what it came from, the model's name) for `qnpu cost`."""
     if args.run is not None:
-
         if args.overrides:
             raise QnpuError("--set changes a config; a run's plan is fixed")
         run = RunDir(args.run)
@@ -914,7 +922,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"AIMET encodings (schema {args.aimet_version}) written to {path}")
         return 0
     if args.format == "onnx":
-
         require_export_extra("onnx")  # before the run is read, not after minutes of export
         out = export_run_onnx(
             args.run,

@@ -399,11 +399,13 @@ def test_eval_zero_shot_tasks_on_a_run_and_float(two_layer_dir, tmp_path, capsys
     err = capsys.readouterr().err
     assert err.startswith("qnpu: error: zero-shot tasks piqa need their data")
     assert "--task-data DIR" in err and "QNPU_DATA_DIR" in err and "--task-data hf" in err
-    # --run: --data and --seq-len default to the run's own, which reproduces its perplexity
+    # --run: --data, --seq-len and --max-windows default to the run's own (eval_windows: 2),
+    # which reproduces its perplexity (without the last, every window: issue 55)
     path = tmp_path / "ppl.json"
-    assert main(["eval", "--run", str(out), "--max-windows", "2", "--json", str(path)]) == 0
-    assert "--data wiki --seq-len 32 (the run's)" in capsys.readouterr().err
+    assert main(["eval", "--run", str(out), "--json", str(path)]) == 0
+    assert "--data wiki --seq-len 32 --max-windows 2 (the run's)" in capsys.readouterr().err
     ppl = json.loads(path.read_text())
     run_report = json.loads((out / "report.json").read_text())["perplexity"]["wiki"]
     assert (ppl["data"], ppl["split"], ppl["seq_len"]) == ("wiki", "eval", 32)
+    assert (ppl["windows"], ppl["max_windows"]) == (2, 2)
     assert ppl["ppl"] == pytest.approx(run_report["quantized_ppl"], rel=1e-4)
