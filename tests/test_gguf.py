@@ -1,6 +1,7 @@
 """GGUF files the tests write with gguf.GGUFWriter (F32, so the round trip must be exact)."""
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(path, cfg: ModelConfig, params, extra_tensors=()):
+def _write_gguf(path, cfg: ModelConfig, params, extra_tensors=(), raw_norm=None):
     arch = cfg.architecture
     writer = GGUFWriter(str(path), arch)
     for key, value in {
@@ -63,7 +64,10 @@ def _write_gguf(path, cfg: ModelConfig, params, extra_tensors=()):
     writer.add_uint32("tokenizer.ggml.bos_token_id", 0)
     writer.add_uint32("tokenizer.ggml.eos_token_id", 1)
     writer.add_tensor("token_embd.weight", np.asarray(params["embed_tokens"]))
-    writer.add_tensor("output_norm.weight", np.asarray(params["norm"]))
+    if raw_norm is None:
+        writer.add_tensor("output_norm.weight", np.asarray(params["norm"]))
+    else:  # (bytes as uint8, GGMLQuantizationType)
+        writer.add_tensor("output_norm.weight", raw_norm[0], raw_dtype=raw_norm[1])
     if "lm_head" in params:
         writer.add_tensor("output.weight", np.asarray(params["lm_head"]))
     for key in layer_param_shapes(cfg):
@@ -120,3 +124,29 @@ def test_rope_frequency_tensor_is_refused_clearly(tmp_path, tiny_cfg, tiny_param
     path = _write_gguf(tmp_path / "llama31.gguf", cfg, params, extra)
     with pytest.raises(QnpuError, match="rope frequency factors"):
         load_model(str(path))
+
+
+def test_a_corrupt_block_scale_is_one_error_line_and_no_numpy_warning(tmp_path, capsys):
+    """A Q4_1 block whose float16 scale is Inf dequantizes to NaN: the CLI prints its one
+    `qnpu: error:` line naming the tensor, not numpy's RuntimeWarning first (issue 55)."""
+    from gguf import GGMLQuantizationType
+
+    from qnpu_jax.cli import main
+
+    cfg = ModelConfig(
+        vocab_size=259, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=8, max_position_embeddings=128, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    params = init_random_params(cfg, jax.random.key(6))
+    block = np.zeros(20, np.uint8)  # Q4_1: float16 d, float16 m, 16 bytes of 4-bit codes
+    block[:2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)  # d = Inf: Inf * 0 = NaN
+    path = _write_gguf(
+        tmp_path / "bad.gguf", cfg, params, raw_norm=(block, GGMLQuantizationType.Q4_1)
+    )
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:  # pytest would hide them from stderr
+        warnings.simplefilter("always")
+        code = main(["eval", "--model", str(path), "--data", "wiki", "--seq-len", "8"])
+    err = capsys.readouterr().err
+    assert code == 2 and not [str(w.message) for w in caught]
+    assert err.splitlines() == ["qnpu: error: checkpoint tensor norm contains NaN or Inf"], err

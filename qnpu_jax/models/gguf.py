@@ -230,7 +230,10 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
     for t in reader.tensors:
         hf_name = _hf_name(t.name, cfg.architecture)
         try:
-            w = dequantize(t.data, t.tensor_type).astype(np.float32)
+            # a corrupt block scale (NaN, Inf) makes NaN here, which the checkpoint's finiteness
+            # check names; numpy's RuntimeWarning would print before that one error line
+            with np.errstate(all="ignore"):
+                w = dequantize(t.data, t.tensor_type).astype(np.float32)
         except (NotImplementedError, ValueError) as e:
             raise QnpuError(
                 f"{path}: cannot dequantize {t.name} ({t.tensor_type.name}): {e}"
