@@ -26,7 +26,7 @@ from qnpu_jax.eval import TASKS, perplexity
 from qnpu_jax.eval.zeroshot import task_source
 from qnpu_jax.export.exporter import export_run, export_run_aimet
 from qnpu_jax.export.int_model import artifact_tokenizer, load_int_model
-from qnpu_jax.export.onnx_export import export_run_onnx, require_export_extra
+from qnpu_jax.export.onnx_export import FLOAT_WEIGHTS, export_run_onnx, require_export_extra
 from qnpu_jax.files import check_outside, check_writable, storage_full_is_an_error
 from qnpu_jax.ir.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
 from qnpu_jax.limits import (
@@ -134,7 +134,7 @@ def _scored_onnx(args: argparse.Namespace) -> Scored:
     if args.prefix is not None:
         raise QnpuError("--prefix does not apply to an ONNX export: its sink prefix is built in")
     model = OnnxModel(args.onnx, qdq=args.qdq)
-    kind = "QDQ" if args.qdq else "float"
+    kind = "QDQ" if args.qdq else f"float graph: {FLOAT_WEIGHTS[model.float_weights]}"
     tokenizer = model.tokenizer()
     return Scored(
         label=f"ONNX {args.onnx} ({kind}, onnxruntime CPU)",

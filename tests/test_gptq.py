@@ -188,6 +188,27 @@ def test_gptq_run_stores_codes_that_eval_and_export_use(gptq_run, tmp_path):
     assert main([*export, "--prefill-chunk", "16"]) == 0
     for name, q in codes.items():  # the artifact holds GPTQ's codes, not re-rounded ones
         np.testing.assert_array_equal(read_artifact(art).tensor(f"layers.{name}.weight"), q)
+    # ONNX: the float graphs hold the rounded weights (what AIMET must quantize), and the
+    # manifest and `qnpu eval --onnx` say so (they were called the float model: issue 55)
+    onnx_dir = tmp_path / "onnx"
+    export = ["export", "--run", str(out), "--format", "onnx", "--out", str(onnx_dir)]
+    assert main([*export, "--prefill-chunk", "16", "--max-context", "64"]) == 0
+    manifest = json.loads((onnx_dir / "manifest.json").read_text())
+    assert manifest["onnx"]["float_weights"] == "gptq_codes"
+    ev = [
+        "eval",
+        "--onnx",
+        str(onnx_dir),
+        "--data",
+        "wiki",
+        "--seq-len",
+        "16",
+        "--max-windows",
+        "1",
+    ]
+    assert main([*ev, "--no-progress", "--json", str(tmp_path / "float.json")]) == 0
+    path = json.loads((tmp_path / "float.json").read_text())["path"]
+    assert path == "onnxruntime (float graph: GPTQ-rounded weights, float activations)"
 
 
 def _rtn_coded(model):

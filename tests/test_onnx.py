@@ -312,6 +312,7 @@ def test_cli_exports_a_run_and_evaluates_it_in_onnxruntime(rtn_run, tmp_path, ca
         results[name] = json.loads((tmp_path / f"{name}.json").read_text())
     qdq = results["qdq"]
     assert qdq["path"] == "onnxruntime (QDQ)" and qdq["source"]["run"] == "run"
+    assert results["float"]["path"] == "onnxruntime (float graph: float weights)"  # no GPTQ
     assert qdq["windows"] == results["run"]["windows"] == 2
     assert abs(qdq["nll_mean"] / results["run"]["nll_mean"] - 1) < 0.01
     assert results["float"]["ppl"] != qdq["ppl"]

@@ -91,6 +91,13 @@ GRAPH_FILES = {
     ("qdq", "decode"): "model_qdq_decode.onnx",
 }
 DATA_FILES = {"float": "model.data", "qdq": "model_qdq.data"}
+# the manifest's "float_weights": what the float graphs' weights are (eval --onnx says it).
+# After GPTQ they are its rounded codes times their scales, the weights AIMET must quantize
+# (it finds the same codes), so the float graphs are neither the float nor the quantized model.
+FLOAT_WEIGHTS = {
+    "transformed": "float weights",
+    "gptq_codes": "GPTQ-rounded weights, float activations",
+}
 # what installs onnx and onnxruntime (pyproject.toml's optional dependencies)
 EXPORT_EXTRA = "pip install 'qnpu_jax[export]'"
 ENCODINGS_FILE = "model.encodings"
@@ -1114,6 +1121,7 @@ def export_onnx(
             "input": aimet_name(embed_output()),
             "embedding": {**EMBED_FILES, "table": aimet_name(embed_table())},
             "activation_matmuls": pairs,
+            "float_weights": "gptq_codes" if model.weight_codes else "transformed",
         },
         "tokenizer": tokenizer_info(tokenizer),
         "source": dict(source or {"model": model.source}),

@@ -29,6 +29,7 @@ from qnpu_jax.export.onnx_export import (
     DATA_FILES,
     EMBED_FILES,
     ENCODINGS_FILE,
+    FLOAT_WEIGHTS,
     FORMAT,
     GRAPH_FILES,
     PREFIX_FILE,
@@ -66,6 +67,13 @@ class OnnxModel:
             )
         self.info = info
         self.qdq = qdq
+        # exports before the key had it "transformed" or no GPTQ codes to tell apart
+        self.float_weights = str(info.get("float_weights", "transformed"))
+        if self.float_weights not in FLOAT_WEIGHTS:
+            raise QnpuError(
+                f"{self.path}: unknown float_weights {self.float_weights!r} in the manifest; "
+                f"known: {', '.join(FLOAT_WEIGHTS)}"
+            )
         self.chunk = int(info["chunk"])
         self.max_context = int(info["max_context"])
         self.prefix = tuple(int(t) for t in info["prefix_tokens"])
