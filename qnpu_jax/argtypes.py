@@ -32,12 +32,13 @@ def comma_choices(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """`--help` with each flag's default, where there is one to show: not None, not a switch's
-    False, not one the help text already states."""
+    (store_true's False, store_false's True), not one the help text already states."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         default = action.default
-        if default is None or default is False or default == [] or "default" in text:
+        switch = action.nargs == 0
+        if default is None or default is False or switch or default == [] or "default" in text:
             return text
         return super()._get_help_string(action)
 

@@ -68,10 +68,12 @@ def study_parser(
     run: bool = False,
     eval_windows: int | None = None,
     json: bool = False,
+    md: bool = False,
 ) -> argparse.ArgumentParser:
     """The argument parser of a study module (`__name__`, `__doc__`): `qnpu study NAME`, with
     the options studies share: `--run RUN` (a finished run directory, required),
-    `--eval-windows N` (default `eval_windows`) and `--json` (default reports/NAME.json)."""
+    `--eval-windows N` (default `eval_windows`), `--json` (default reports/NAME.json) and `--md`
+    (default reports/NAME.md)."""
     name = module.rsplit(".", 1)[-1]
     parser = argparse.ArgumentParser(
         prog=f"qnpu study {name}",
@@ -86,4 +88,6 @@ def study_parser(
         )
     if json:
         parser.add_argument("--json", default=f"reports/{name}.json", help="the JSON report")
+    if md:
+        parser.add_argument("--md", default=f"reports/{name}.md", help="the markdown report")
     return parser

@@ -24,12 +24,18 @@ import numpy as np
 from qnpu_jax.data import eval_windows, load_documents, sample_windows, tokenize_documents
 from qnpu_jax.environment import study_command
 from qnpu_jax.models.load import load_model
-from qnpu_jax.models.taps import SINK_PREFIXES, FakeQuantTaps, sink_prefix, tapped_token_nll
+from qnpu_jax.models.taps import FakeQuantTaps, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.quant import QuantPlan, uniform_plan
 from qnpu_jax.quant.state import get_entry
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import write_study_json
+from qnpu_jax.studies.harness import (
+    add_model_arg,
+    add_prefix_arg,
+    add_seed_arg,
+    add_window_args,
+    write_study_json,
+)
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
 
@@ -39,13 +45,23 @@ def _mean_nll(values: list[Any]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = study_parser(__name__, __doc__, eval_windows=8, json=True)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--calib-windows", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prefix", choices=SINK_PREFIXES, default="none")
-    parser.add_argument("--bits", type=int, default=16)
-    parser.add_argument("--rotations", choices=("both", "none", "hadamard"), default="both")
+    add_model_arg(parser)
+    add_window_args(parser, seq_len=256, calib_windows=8)
+    add_seed_arg(parser)
+    add_prefix_arg(parser, "none")
+    parser.add_argument(
+        "--bits",
+        type=int,
+        default=16,
+        help="bits of the one tensor quantized at a time (weights, embedding and lm_head too)",
+    )
+    parser.add_argument(
+        "--rotations",
+        choices=("both", "none", "hadamard"),
+        default="both",
+        help="the model(s) measured: none (the original), hadamard (randomized Hadamard R1+R2 "
+        "fused) or both",
+    )
     args = parser.parse_args(argv)
     model = load_model(args.model)
     cfg = model.config

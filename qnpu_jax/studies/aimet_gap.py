@@ -31,7 +31,7 @@ from qnpu_jax.export.artifact import read_artifact
 from qnpu_jax.export.onnx_export import DATA_FILES, GRAPH_FILES
 from qnpu_jax.runtime.onnx_run import OnnxModel, _session, aimet_quantsim, encoding_entries
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import say, write_study_json
+from qnpu_jax.studies.harness import add_eval_args, say, write_study_json
 from qnpu_jax.studies.simulation_gap import paired_gap
 
 
@@ -230,11 +230,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = study_parser(__name__, __doc__, json=True)
     parser.add_argument("--onnx", type=Path, required=True, help="an ONNX export directory")
-    parser.add_argument("--windows", type=int, default=2, help="wiki eval windows scored")
+    add_eval_args(parser, windows=2)
     parser.add_argument(
         "--tensor-windows", type=int, default=2, help="of those, compared tensor by tensor"
     )
-    parser.add_argument("--seq-len", type=int, default=512)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     say(f"AIMET QuantSim over {args.onnx}/model.onnx with its encodings")

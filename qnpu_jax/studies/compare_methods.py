@@ -70,8 +70,9 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.eval import TASKS
 from qnpu_jax.eval.zeroshot import task_source
 from qnpu_jax.models.load import load_model
-from qnpu_jax.models.taps import SINK_PREFIXES, sink_prefix
+from qnpu_jax.models.taps import sink_prefix
 from qnpu_jax.pipeline.config import Method, QuantizeConfig, read_run_config
+from qnpu_jax.pipeline.config_doc import CONFIG_KEYS, STAGE1_KEYS
 from qnpu_jax.pipeline.recipes import describe, for_config
 from qnpu_jax.pipeline.run import evaluate, quantize
 from qnpu_jax.pipeline.run_dir import RunDir
@@ -93,7 +94,15 @@ from qnpu_jax.report.table import (
 )
 from qnpu_jax.scoring import finish_eval_report, scored_model, zero_shot_report
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import provenance, w_a_bits, write_study_json
+from qnpu_jax.studies.harness import (
+    add_model_arg,
+    add_prefix_arg,
+    add_seed_arg,
+    add_window_args,
+    provenance,
+    w_a_bits,
+    write_study_json,
+)
 
 if TYPE_CHECKING:
     from qnpu_jax.scoring import Scored
@@ -752,10 +761,9 @@ def add_protocol_args(parser: argparse.ArgumentParser, *, eval_windows: int, pre
     studies that add rows to it."""
 
     s1 = Stage1Config()
-    parser.add_argument("--kv-bits", type=int, default=8)
+    parser.add_argument("--kv-bits", type=int, default=8, help=CONFIG_KEYS["kv_bits"])
     parser.add_argument("--mixed-fraction", type=float, default=0.1, help="setting (b)")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--calib-windows", type=int, default=16)
+    add_window_args(parser)
     parser.add_argument(
         "--eval-windows", type=int, default=eval_windows, help="cap per evaluation set"
     )
@@ -765,15 +773,48 @@ def add_protocol_args(parser: argparse.ArgumentParser, *, eval_windows: int, pre
         help="WikiText-2 raw test file (default: $QNPU_DATA_DIR/wikitext-2-raw/wiki.test.raw, "
         "the `wikitext2` data spec)",
     )
-    parser.add_argument("--prefix", choices=SINK_PREFIXES, default=prefix)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=s1.steps, help="stage 1 steps")
-    parser.add_argument("--stage1-batch-size", type=int, default=s1.batch_size)
-    parser.add_argument("--grad-accum", type=int, default=s1.grad_accum)
-    parser.add_argument("--lr-rotation", type=float, default=s1.lr_rotation)
-    parser.add_argument("--lr-scale", type=float, default=s1.lr_scale)
-    parser.add_argument("--local-loss-fraction", type=float, default=s1.local_loss_fraction)
-    parser.add_argument("--checkpoint-every", type=int, default=s1.checkpoint_every)
+    add_prefix_arg(parser, prefix)
+    add_seed_arg(parser)
+
+    def stage1(key: str) -> str:
+        return f"stage 1 (runs that train): {STAGE1_KEYS[key]}"
+
+    parser.add_argument("--steps", type=int, default=s1.steps, help=stage1("steps"))
+    parser.add_argument(
+        "--stage1-batch-size", type=int, default=s1.batch_size, help=stage1("batch_size")
+    )
+    parser.add_argument("--grad-accum", type=int, default=s1.grad_accum, help=stage1("grad_accum"))
+    parser.add_argument(
+        "--lr-rotation", type=float, default=s1.lr_rotation, help=stage1("lr_rotation")
+    )
+    parser.add_argument("--lr-scale", type=float, default=s1.lr_scale, help=stage1("lr_scale"))
+    parser.add_argument(
+        "--local-loss-fraction",
+        type=float,
+        default=s1.local_loss_fraction,
+        help=stage1("local_loss_fraction"),
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=s1.checkpoint_every,
+        help="stage 1 (runs that train): steps between checkpoints (a killed run resumes from "
+        "its last)",
+    )
+
+
+def add_run_args(parser: argparse.ArgumentParser, *, runs_dir: str) -> None:
+    """Where the grid's runs go and whether they show progress, shared by the studies that add
+    rows to it."""
+    parser.add_argument(
+        "--runs-dir",
+        default=runs_dir,
+        help="one run directory per row under it: a finished one is read back, a killed one "
+        "resumes",
+    )
+    parser.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bars"
+    )
 
 
 def add_task_args(parser: argparse.ArgumentParser) -> None:
@@ -798,7 +839,12 @@ def add_task_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="zero-shot task data, as `qnpu eval --task-data` (default: $QNPU_DATA_DIR)",
     )
-    parser.add_argument("--task-batch-size", type=positive_int, default=8)
+    parser.add_argument(
+        "--task-batch-size",
+        type=positive_int,
+        default=8,
+        help="zero-shot: sequences scored per batch",
+    )
 
 
 def check_tasks(args: argparse.Namespace) -> str | None:
@@ -816,13 +862,35 @@ def check_tasks(args: argparse.Namespace) -> str | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = study_parser(__name__, __doc__)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--methods", type=comma_choices(ROWS), default=ROWS)
-    parser.add_argument("--bits", type=comma_choices(BITS), default=BITS)
-    parser.add_argument("--settings", type=comma_choices(SETTINGS), default=SETTINGS)
-    parser.add_argument("--only-ablation", action="store_true")
-    parser.add_argument("--skip-ablation", action="store_true")
-    parser.add_argument("--ablation-bits", type=w_a_bits, default=(4, 4), help="e.g. W4A4")
+    add_model_arg(parser)
+    parser.add_argument(
+        "--methods",
+        type=comma_choices(ROWS),
+        default=",".join(ROWS),
+        help=f"Table 1 rows to run: comma list of {', '.join(ROWS)} (float: the FP32 row)",
+    )
+    parser.add_argument(
+        "--bits",
+        type=comma_choices(BITS),
+        default=",".join(BITS),
+        help=f"Table 1 bit-widths to run: comma list of {', '.join(BITS)}",
+    )
+    parser.add_argument(
+        "--settings",
+        type=comma_choices(SETTINGS),
+        default=",".join(SETTINGS),
+        help="Table 1 settings to run: comma list of table1 (all down_proj inputs at 16 bits), "
+        "ours (at 8 bits; Quant.npu promotes --mixed-fraction of them to 16)",
+    )
+    parser.add_argument(
+        "--only-ablation", action="store_true", help="run only the Table 2 ablation rows"
+    )
+    parser.add_argument(
+        "--skip-ablation", action="store_true", help="run none of the ablation rows"
+    )
+    parser.add_argument(
+        "--ablation-bits", type=w_a_bits, default="W4A4", help="the ablation's bits, as W4A4"
+    )
     parser.add_argument(
         "--variants",
         type=comma_choices(ABLATION_KEYS),
@@ -831,16 +899,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_protocol_args(parser, eval_windows=64, prefix="none")
     add_task_args(parser)
-    parser.add_argument("--runs-dir", default="runs/compare")
+    add_run_args(parser, runs_dir="runs/compare")
     parser.add_argument(
-        "--out",
-        default="reports/compare",
-        help="the report: OUT.md, OUT.html and OUT.json (default reports/compare)",
+        "--out", default="reports/compare", help="the report: OUT.md, OUT.html and OUT.json"
     )
     parser.add_argument(
         "--report-only", action="store_true", help="run nothing; tables from finished runs"
     )
-    parser.add_argument("--no-progress", dest="progress", action="store_false")
     args = parser.parse_args(argv)
     if args.only_ablation and args.skip_ablation:
         parser.error("--only-ablation and --skip-ablation exclude each other")

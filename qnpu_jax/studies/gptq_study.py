@@ -24,6 +24,7 @@ from typing import Any
 from qnpu_jax.argtypes import comma_choices
 from qnpu_jax.environment import study_command
 from qnpu_jax.pipeline.calibrate import reencode_weight
+from qnpu_jax.pipeline.config_doc import CONFIG_KEYS
 from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
 from qnpu_jax.pipeline.weight_rounding import (
     collect_hessians,
@@ -42,8 +43,14 @@ GRIDS = ("learned", "mse", "max_min")
 def main(argv: list[str] | None = None) -> int:
 
     parser = study_parser(__name__, __doc__, run=True, eval_windows=32, json=True)
-    parser.add_argument("--grids", type=comma_choices(GRIDS), default=GRIDS)
-    parser.add_argument("--damp", type=float, default=0.01)
+    parser.add_argument(
+        "--grids",
+        type=comma_choices(GRIDS),
+        default=",".join(GRIDS),
+        help="weight grids: comma list of learned (the run's own scales), mse, max_min "
+        "(per-channel scales recomputed by the MSE search or Max-Min)",
+    )
+    parser.add_argument("--damp", type=float, default=0.01, help=CONFIG_KEYS["gptq_damp"])
     parser.add_argument(
         "--weights-only",
         action="store_true",

@@ -1,5 +1,6 @@
 """What every study shares: the provenance its JSON report records (command, environment,
-seconds), the atomic write, and the summary of the run a study reads."""
+seconds), the atomic write, the summary of the run a study reads, and the options several
+studies take (each defined once here, with its help line)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from typing import Any
 from qnpu_jax.environment import environment_info
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_json_atomic
+from qnpu_jax.models.taps import SINK_PREFIXES
 from qnpu_jax.pipeline.config import parse_bits
+from qnpu_jax.pipeline.config_doc import CONFIG_KEYS
 
 
 def provenance(command: str, started: float | None = None) -> dict[str, Any]:
@@ -44,6 +47,59 @@ def w_a_bits(text: str) -> tuple[int, int]:
     except QnpuError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
     return bits["w_bits"], bits["a_bits"]
+
+
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
+    """`--model`: the base model, as the config's `model` key names it."""
+    parser.add_argument("--model", default="smollm2-135m", help=CONFIG_KEYS["model"])
+
+
+def add_window_args(
+    parser: argparse.ArgumentParser, *, seq_len: int = 512, calib_windows: int = 16
+) -> None:
+    """`--seq-len` and `--calib-windows`: the windows a study calibrates (and trains) on."""
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=seq_len,
+        help="tokens per window: calibration, evaluation and (in studies that train) stage 1",
+    )
+    parser.add_argument(
+        "--calib-windows",
+        type=int,
+        default=calib_windows,
+        help="calibration windows, at random starts in the `wiki` calib split",
+    )
+
+
+def add_seed_arg(parser: argparse.ArgumentParser) -> None:
+    """`--seed`: the calibration windows, the rotations and stage 1's batches."""
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds the calibration windows, the randomized Hadamard rotations and (in studies "
+        "that train) stage 1's batches",
+    )
+
+
+def add_prefix_arg(parser: argparse.ArgumentParser, default: str) -> None:
+    """`--prefix`: the sink prefix, as the config's `prefix` key."""
+    parser.add_argument(
+        "--prefix", choices=SINK_PREFIXES, default=default, help=CONFIG_KEYS["prefix"]
+    )
+
+
+def add_eval_args(parser: argparse.ArgumentParser, *, windows: int) -> None:
+    """`--seq-len` and `--windows` of the studies that only score: the first `windows`
+    non-overlapping windows of the `wiki` eval split."""
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per evaluation window")
+    parser.add_argument(
+        "--windows",
+        type=int,
+        default=windows,
+        help="wiki eval windows scored (the first N, non-overlapping)",
+    )
 
 
 def run_summary(run_path: Path | str, config: Any, windows: Sized) -> dict[str, Any]:

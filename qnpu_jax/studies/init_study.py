@@ -42,14 +42,20 @@ from qnpu_jax.environment import study_command
 from qnpu_jax.files import write_bytes_atomic
 from qnpu_jax.ir.graph import LINEARS, ROTATED_INPUTS
 from qnpu_jax.models.load import load_model
-from qnpu_jax.models.taps import SINK_PREFIXES, ObserveTaps, sink_prefix, tapped_forward
+from qnpu_jax.models.taps import ObserveTaps, sink_prefix, tapped_forward
 from qnpu_jax.pipeline.calibrate import build_state
 from qnpu_jax.pipeline.recipes import run_keys
 from qnpu_jax.pipeline.run import evaluate
 from qnpu_jax.quant import init_range_stats, scale_from_stats, update_range_stats
 from qnpu_jax.quant.plan import QuantPlan, TensorQuant
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import write_study_json
+from qnpu_jax.studies.harness import (
+    add_model_arg,
+    add_prefix_arg,
+    add_seed_arg,
+    add_window_args,
+    write_study_json,
+)
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
 ACTIVATIONS = ROTATED_INPUTS  # the rotated linear inputs
@@ -294,20 +300,41 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = study_parser(__name__, __doc__, eval_windows=32, json=True)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--calib-windows", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prefix", choices=SINK_PREFIXES, default="none")
-    parser.add_argument("--bits", type=parse_bit_widths, default=BITS, help="e.g. 4,8")
-    parser.add_argument("--inits", type=comma_choices(tuple(INITS)), default=tuple(INITS))
-    parser.add_argument("--targets", type=comma_choices(tuple(TARGETS)), default=tuple(TARGETS))
-    parser.add_argument("--rotations", type=comma_choices(ROTATIONS), default=ROTATIONS)
+    parser = study_parser(__name__, __doc__, eval_windows=32, json=True, md=True)
+    add_model_arg(parser)
+    add_window_args(parser)
+    add_seed_arg(parser)
+    add_prefix_arg(parser, "none")
+    parser.add_argument(
+        "--bits",
+        type=parse_bit_widths,
+        default=",".join(map(str, BITS)),
+        help="bit-widths: comma list, each in 2..16",
+    )
+    parser.add_argument(
+        "--inits",
+        type=comma_choices(tuple(INITS)),
+        default=",".join(INITS),
+        help=f"initializations: comma list of {', '.join(INITS)} (Max-Min, μ ± 3σ, |x| clipped "
+        "at that percentile)",
+    )
+    parser.add_argument(
+        "--targets",
+        type=comma_choices(tuple(TARGETS)),
+        default=",".join(TARGETS),
+        help="tensor groups: comma list of activations (the rotated linear inputs, per tensor), "
+        "weights (the linear weights, per output channel)",
+    )
+    parser.add_argument(
+        "--rotations",
+        type=comma_choices(ROTATIONS),
+        default=",".join(ROTATIONS),
+        help="comma list of none (the original params), hadamard (randomized Hadamard R1/R2 "
+        "fused after the norms)",
+    )
     parser.add_argument(
         "--num-bins", type=int, default=2**15, help="activation histogram bins per sign"
     )
-    parser.add_argument("--md", default="reports/init_study.md")
     parser.add_argument("--fresh", action="store_true", help="ignore rows of an existing --json")
     args = parser.parse_args(argv)
 

@@ -33,7 +33,12 @@ from qnpu_jax.studies.harness import run_summary, say, write_study_json
 
 def main(argv: list[str] | None = None) -> int:
     parser = study_parser(__name__, __doc__, run=True, eval_windows=32, json=True)
-    parser.add_argument("--steps", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0")
+    parser.add_argument(
+        "--steps",
+        default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0",
+        help="comma list of shares p in [0, 1] of layers whose down_proj input is promoted to "
+        "16 bits",
+    )
     args = parser.parse_args(argv)
 
     say(f"reading and verifying the run {args.run}")

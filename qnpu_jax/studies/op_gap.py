@@ -36,11 +36,12 @@ from qnpu_jax.export.exporter import export_run
 from qnpu_jax.export.int_model import load_int_model
 from qnpu_jax.ir.graph import SIMULATIONS
 from qnpu_jax.models.taps import FakeQuantTaps, effective_state, tapped_forward
+from qnpu_jax.pipeline.config_doc import CONFIG_KEYS
 from qnpu_jax.pipeline.run import load_run
 from qnpu_jax.quant.fake_quant import dequantize, positive_scale, quantize
 from qnpu_jax.runtime import emulator as E
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import run_summary, say, write_study_json
+from qnpu_jax.studies.harness import add_eval_args, run_summary, say, write_study_json
 
 # per tensor: [codes that differ, Σ (fake − device), max |fake − device|, codes compared]
 STAT_FIELDS = ("differ", "signed_sum", "max_abs", "count")
@@ -178,10 +179,20 @@ def summarize(per_window: list[dict[str, np.ndarray]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
 
     parser = study_parser(__name__, __doc__, run=True, json=True)
-    parser.add_argument("--artifact", type=Path, help="default: artifacts/<run name>")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--windows", type=int, default=2)
-    parser.add_argument("--simulations", nargs="+", choices=SIMULATIONS, default=list(SIMULATIONS))
+    parser.add_argument(
+        "--artifact",
+        type=Path,
+        help="the run's integer artifact, exported when missing (default: artifacts/<run name>)",
+    )
+    add_eval_args(parser, windows=2)
+    parser.add_argument(
+        "--simulations",
+        nargs="+",
+        choices=SIMULATIONS,
+        default=list(SIMULATIONS),
+        help="the run's plan's `simulation` replaced by each in turn; "
+        + CONFIG_KEYS["simulation"],
+    )
     args = parser.parse_args(argv)
     say(f"reading and verifying the run {args.run}")
     loaded = load_run(args.run)

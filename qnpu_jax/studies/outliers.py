@@ -82,8 +82,14 @@ from qnpu_jax.report.table import TASK_LABELS, average, pct, ppl_text, significa
 from qnpu_jax.scoring import scored_quantized
 from qnpu_jax.studies import compare_methods as cm
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.compare_methods import BITS, _task_state, add_protocol_args, add_task_args
-from qnpu_jax.studies.harness import w_a_bits, write_study_json
+from qnpu_jax.studies.compare_methods import (
+    BITS,
+    _task_state,
+    add_protocol_args,
+    add_run_args,
+    add_task_args,
+)
+from qnpu_jax.studies.harness import add_model_arg, w_a_bits, write_study_json
 
 PROMPT, CHUNK, GENERATED = 512, 64, 128
 LATENCY_READING = "quantnpu-table3"  # the plot's x axis: the reading Table 12 supports
@@ -122,9 +128,14 @@ RECIPE_ROWS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
-    parser = study_parser(__name__, __doc__)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--bits", type=comma_choices(BITS), default=("W4A8",))
+    parser = study_parser(__name__, __doc__, json=True)
+    add_model_arg(parser)
+    parser.add_argument(
+        "--bits",
+        type=comma_choices(BITS),
+        default="W4A8",
+        help=f"bit-widths of the rows: comma list of {', '.join(BITS)}",
+    )
     parser.add_argument(
         "--shadow-clip", type=float, nargs="+", default=[99.99], help="clip percentiles"
     )
@@ -158,9 +169,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rows scored on --tasks: per bit-width Quant.npu's and the lowest wiki perplexity "
         "(best), or every row with a perplexity (all)",
     )
-    parser.add_argument("--runs-dir", default="runs/outliers")
-    parser.add_argument("--json", default="reports/outliers.json")
-    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    add_run_args(parser, runs_dir="runs/outliers")
     return parser.parse_args(argv)
 
 

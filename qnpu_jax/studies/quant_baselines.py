@@ -31,17 +31,23 @@ from qnpu_jax.models.taps import FakeQuantTaps, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.quant import QuantPlan, default_plan, uniform_plan
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import write_study_json
+from qnpu_jax.studies.harness import (
+    add_model_arg,
+    add_seed_arg,
+    add_window_args,
+    write_study_json,
+)
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = study_parser(__name__, __doc__, eval_windows=32, json=True)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--calib-windows", type=int, default=16)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
+    add_model_arg(parser)
+    add_window_args(parser)
+    parser.add_argument(
+        "--batch-size", type=int, default=1, help="windows per batch, calibrating and scoring"
+    )
+    add_seed_arg(parser)
     parser.add_argument("--prefixes", default="none,bos", help="comma list of none | bos")
     args = parser.parse_args(argv)
 

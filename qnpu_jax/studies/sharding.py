@@ -128,15 +128,33 @@ def first_step_sensitivity(run_dir: Path, eps: float, seed: int = 0) -> dict[str
 def main(argv: list[str]) -> int:
     parser = study_parser(__name__, __doc__, json=True)
     parser.add_argument("--config", default="quick", help="a shipped config name or YAML file")
-    parser.add_argument("--meshes", nargs="+", default=["1x1", "8x1", "2x4", "1x8"])
+    parser.add_argument(
+        "--meshes",
+        nargs="+",
+        default=["1x1", "8x1", "2x4", "1x8"],
+        help="device meshes DATAxFSDP, one `qnpu quantize --mesh` run each; the first is the "
+        "reference",
+    )
     parser.add_argument(
         "--platform-devices",
         type=int,
         default=8,
         help="CPU devices per process (XLA host platform); 0: the real devices",
     )
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--out-dir", type=Path, default=Path("runs/sharding"))
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key in every run (as `qnpu quantize --set`), repeatable",
+    )
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path("runs/sharding"),
+        help="one run directory per mesh under it, deleted first if it exists",
+    )
     parser.add_argument(
         "--floor",
         action="store_true",

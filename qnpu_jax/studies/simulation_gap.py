@@ -61,7 +61,7 @@ from qnpu_jax.pipeline.run import load_run
 from qnpu_jax.runtime.engines import open_engine
 from qnpu_jax.runtime.onnx_run import OnnxModel, aimet_quantsim
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import say, write_study_json
+from qnpu_jax.studies.harness import add_eval_args, say, write_study_json
 
 
 def _ppl(nll_fn: Any, windows: np.ndarray) -> dict[str, Any]:
@@ -137,11 +137,17 @@ def paired_gap(fake: list[float], integer: list[float]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = study_parser(__name__, __doc__)
-    parser.add_argument("--runs", nargs="+", type=Path, required=True)
-    parser.add_argument("--artifacts", type=Path, default=Path("artifacts"))
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--windows", type=int, default=32)
+    parser = study_parser(__name__, __doc__, json=True)
+    parser.add_argument(
+        "--runs", nargs="+", type=Path, required=True, help="finished `qnpu quantize` runs"
+    )
+    parser.add_argument(
+        "--artifacts",
+        type=Path,
+        default=Path("artifacts"),
+        help="integer artifacts, one per run (ARTIFACTS/<run name>), exported when missing",
+    )
+    add_eval_args(parser, windows=32)
     parser.add_argument(
         "--engines", nargs="+", choices=("emulator", "jax"), default=["emulator"],
         help="integer engines that score the artifact (default: emulator)",
@@ -156,7 +162,6 @@ def main(argv: list[str] | None = None) -> int:
         "--aimet", action="store_true", help="also AIMET's QuantSim on the export (needs --onnx)"
     )
     parser.add_argument("--exports", type=Path, default=Path("exports"), help="ONNX exports")
-    parser.add_argument("--json", type=Path, default=Path("reports/simulation_gap.json"))
     args = parser.parse_args(argv)
     if args.aimet and not args.onnx:
         parser.error("--aimet scores the ONNX export: add --onnx")

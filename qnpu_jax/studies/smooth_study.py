@@ -27,7 +27,7 @@ from qnpu_jax.pipeline.recipes import for_config
 from qnpu_jax.pipeline.run import calibration_data, wiki_eval_windows
 from qnpu_jax.pipeline.steps import Calibration
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import w_a_bits, write_study_json
+from qnpu_jax.studies.harness import add_model_arg, add_window_args, w_a_bits, write_study_json
 
 
 def _alphas(text: str) -> tuple[float | None, ...]:
@@ -48,12 +48,23 @@ def _alphas(text: str) -> tuple[float | None, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = study_parser(__name__, __doc__, eval_windows=16, json=True)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--method", choices=("rtn", "quarot"), default="quarot")
-    parser.add_argument("--bits", type=w_a_bits, default=(4, 8))
-    parser.add_argument("--alphas", type=_alphas, default=(None, 0.2, 0.3, 0.5, 0.7))
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--calib-windows", type=int, default=16)
+    add_model_arg(parser)
+    parser.add_argument(
+        "--method",
+        choices=("rtn", "quarot"),
+        default="quarot",
+        help="the training-free recipe smoothed",
+    )
+    parser.add_argument(
+        "--bits", type=w_a_bits, default="W4A8", help="weight and activation bits, as W4A8"
+    )
+    parser.add_argument(
+        "--alphas",
+        type=_alphas,
+        default="none,0.2,0.3,0.5,0.7",
+        help="comma list of smoothing α in (0, 1), or none (no smoothing)",
+    )
+    add_window_args(parser)
     args = parser.parse_args(argv)
 
     command = study_command("smooth_study", argv)

@@ -110,8 +110,7 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = study_parser(__name__, __doc__, run=True, eval_windows=32, json=True)
-    parser.add_argument("--md", default="reports/table_cost.md")
+    parser = study_parser(__name__, __doc__, run=True, eval_windows=32, json=True, md=True)
     args = parser.parse_args(argv)
 
     command = study_command("table_cost", argv)

@@ -38,8 +38,8 @@ from qnpu_jax.pipeline.recipes import for_config
 from qnpu_jax.pipeline.stage1 import Stage1Config
 from qnpu_jax.studies import compare_methods as cm
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.compare_methods import add_protocol_args
-from qnpu_jax.studies.harness import write_study_json
+from qnpu_jax.studies.compare_methods import add_protocol_args, add_run_args
+from qnpu_jax.studies.harness import add_model_arg, write_study_json
 
 # (row, label, QuantizeConfig overrides); block fields filled from the arguments
 ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -178,8 +178,8 @@ def _weights_text(config: QuantizeConfig) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
-    parser = study_parser(__name__, __doc__)
-    parser.add_argument("--model", default="smollm2-135m")
+    parser = study_parser(__name__, __doc__, json=True)
+    add_model_arg(parser)
     parser.add_argument("--block", type=int, default=64, help="inputs per weight block")
     parser.add_argument("--block-scale-bits", type=int, default=4, help="LPBQ integer scales")
     parser.add_argument("--with-quantnpu", action="store_true", help="add the stage-1 rows")
@@ -187,7 +187,5 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rows", type=lambda t: t.split(","), default=None, help="only these rows (keys)"
     )
     add_protocol_args(parser, eval_windows=32, prefix="bos")
-    parser.add_argument("--runs-dir", default="runs/weight_granularity")
-    parser.add_argument("--json", default="reports/weight_granularity.json")
-    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    add_run_args(parser, runs_dir="runs/weight_granularity")
     return parser.parse_args(argv)
