@@ -26,38 +26,27 @@ from qnpu_jax.ir.graph import MUXQ_MAX_EXP, SIMULATIONS, UNROTATED_INPUT
 from qnpu_jax.limits import MAX_CALIB_WINDOWS, MAX_CONFIG_BYTES, MAX_SEED, check_at_most
 from qnpu_jax.mesh import MeshConfig
 from qnpu_jax.models.taps import SINK_PREFIXES
+from qnpu_jax.pipeline.methods import (
+    METHOD_NAMES,
+    METHOD_OFF,
+    ROTATING_METHODS,
+    SCALE_LEARNING_METHODS,
+    Method,
+    method_spec,
+)
 from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.pipeline.stage1 import Stage1Config
 from qnpu_jax.quant.plan import QuantRule, check_block_fields
 
-# the quantization methods (`recipes.RECIPES`)
-Method = Literal["rtn", "quarot", "spinquant", "quantnpu", "mobilequant"]
-METHODS: tuple[Method, ...] = typing.get_args(Method)
-# methods whose stage 1 learns static scales (and with them weight clipping)
-SCALE_LEARNING_METHODS: tuple[Method, ...] = ("quantnpu", "mobilequant")
-# their recipes start from Hadamard R1/R2
-ROTATING_METHODS: tuple[Method, ...] = ("quarot", "spinquant", "quantnpu")
+# the quantization methods' names (`methods.METHODS` holds their specs); `Method`,
+# `ROTATING_METHODS` and `SCALE_LEARNING_METHODS` come from there too
+METHODS: tuple[Method, ...] = METHOD_NAMES
 InitScheme = Literal["aware", "max_min"]
 INIT_SCHEMES: tuple[InitScheme, ...] = typing.get_args(InitScheme)
 Scope = Literal["full", "linears"]
 SCOPES: tuple[Scope, ...] = typing.get_args(Scope)
 WeightRounding = Literal["rtn", "gptq"]
 WEIGHT_ROUNDINGS: tuple[WeightRounding, ...] = typing.get_args(WeightRounding)
-# mobilequant's defaults of the options left null (other methods: off)
-MOBILEQUANT_DEFAULTS: dict[str, Any] = {
-    "equalize": 0.5,
-    "weight_clipping": True,
-    "asymmetric_activations": True,
-    "asymmetric_weights": True,
-    "selective": False,
-}
-METHOD_OFF: dict[str, Any] = {
-    "equalize": None,
-    "weight_clipping": False,
-    "asymmetric_activations": False,
-    "asymmetric_weights": False,
-    "selective": True,
-}
 # The random sources a run draws from, each seeded by `seed` unless its own key is set.
 SOURCE_SEEDS = ("rotation_seed", "calib_seed", "data_seed")
 
@@ -113,8 +102,8 @@ class Outliers:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MobileQuantOptions:
-    """MobileQuant's options, open to every method; null takes the method's default
-    (`MOBILEQUANT_DEFAULTS`, else `METHOD_OFF`), resolved on the config's construction."""
+    """MobileQuant's options, open to every method; null takes the method's default (its
+    spec's `defaults`, `methods.METHODS`), resolved on the config's construction."""
 
     equalize: float | None = None  # SmoothQuant α initializing every pair's equivalent scales
     weight_clipping: bool | None = None  # learnable weight clipping in stage 1 (OmniQuant LWC)
@@ -139,6 +128,9 @@ class EvalConfig:
     data: tuple[str, ...] = ("wiki",)
     windows: int | None = 64  # cap per evaluation set (None: every window)
 
+
+if set(METHOD_OFF) != {f.name for f in dataclasses.fields(MobileQuantOptions)}:
+    raise ValueError("methods.METHOD_OFF: name exactly MobileQuantOptions' fields")
 
 GROUPS: dict[str, type] = {
     "bits": Bits,
@@ -370,7 +362,7 @@ class QuantizeConfig:
                 raise QnpuError(
                     f"unknown {key} {shown(self.value(key))}; known: {', '.join(known)}"
                 )
-        defaults = MOBILEQUANT_DEFAULTS if self.method == "mobilequant" else METHOD_OFF
+        defaults = method_spec(self.method).defaults
         unset = {k: v for k, v in defaults.items() if getattr(self.mobilequant, k) is None}
         object.__setattr__(self, "mobilequant", dataclasses.replace(self.mobilequant, **unset))
         for key, allowed in RANGES.items():

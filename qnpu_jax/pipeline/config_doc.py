@@ -20,19 +20,41 @@ from qnpu_jax.pipeline.config import (
     INIT_SCHEMES,
     KEYS,
     MAX_CALIB_WINDOWS,
-    METHODS,
-    MOBILEQUANT_DEFAULTS,
-    SCALE_LEARNING_METHODS,
     SCOPES,
     SOURCE_SEEDS,
     WEIGHT_ROUNDINGS,
     QuantizeConfig,
     key_defaults,
 )
+from qnpu_jax.pipeline.methods import (
+    METHOD_OFF,
+    METHODS,
+    SCALE_LEARNING_METHODS,
+    STAGE1_METHODS,
+)
 from qnpu_jax.pipeline.stage1 import ACTIVATION_MODES, OBJECTIVES, SCALE_PARAMS, Stage1Config
 from qnpu_jax.quant.plan import BLOCK_SIZES, INIT_METHODS, QuantRule
 
 _OR = " | "
+
+
+def _word(value: Any) -> str:
+    """An option's value as a config reads: true, false, off (null), 0.5."""
+    if value is None:
+        return "off"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _by_method(option: str) -> str:
+    """ "mobilequant 0.5, others off": each method whose spec turns `option` on, with its
+    value, then what the others take (`methods.METHOD_OFF`)."""
+    own = [
+        f"{name} {_word(spec.defaults[option])}"
+        for name, spec in METHODS.items()
+        if spec.defaults[option] != METHOD_OFF[option]
+    ]
+    return ", ".join([*own, f"others {_word(METHOD_OFF[option])}"])
+
 
 # QuantizeConfig's keys, in `KEYS` order
 CONFIG_KEYS: dict[str, str] = {
@@ -55,7 +77,7 @@ CONFIG_KEYS: dict[str, str] = {
     "init_scheme": f"quantnpu's initialization: {_OR.join(INIT_SCHEMES)} (aware: mean ± 3σ "
     "for rotated 4-bit tensors, Max-Min elsewhere; max_min: Max-Min everywhere)",
     "selective": "stage 1 learns only the linears' inputs and weights (false: the linear "
-    "outputs and K/V too); null: the method's default (mobilequant false, others true)",
+    f"outputs and K/V too); null: the method's default ({_by_method('selective')})",
     "scope": f"what is quantized: {_OR.join(SCOPES)} (linears: only the linears' weights, "
     "inputs and outputs, Table 2)",
     "weight_rounding": f"how weights are rounded after stage 2: {_OR.join(WEIGHT_ROUNDINGS)} "
@@ -74,13 +96,13 @@ CONFIG_KEYS: dict[str, str] = {
     f"(1..{MUXQ_MAX_EXP}); null: off",
     "muxq_threshold": "MUXQ: |x| above which a channel is an outlier",
     "equalize": "SmoothQuant α initializing every linear pair's equivalent scales, in (0, 1); "
-    f"null: the method's default (mobilequant {MOBILEQUANT_DEFAULTS['equalize']}, others off)",
+    f"null: the method's default ({_by_method('equalize')})",
     "weight_clipping": "learnable weight clipping in stage 1 (OmniQuant's LWC; methods "
     f"{', '.join(SCALE_LEARNING_METHODS)}); null: the method's default",
     "asymmetric_activations": "a zero point on every activation but the softmax output; null: "
-    "the method's default (mobilequant true, others false)",
+    f"the method's default ({_by_method('asymmetric_activations')})",
     "asymmetric_weights": "a zero point per linear weight row; null: the method's default "
-    "(mobilequant true, others false)",
+    f"({_by_method('asymmetric_weights')})",
     "prefix": f"sink prefix computed offline before every sequence: {_OR.join(SINK_PREFIXES)} "
     "(none: the paper's setting; bos_newline: BOS then a newline, so that no first token "
     "after BOS becomes a second sink)",
@@ -99,8 +121,7 @@ CONFIG_KEYS: dict[str, str] = {
     "eval_data": "evaluation sets, a list of data specs (wiki: its eval split; wikitext2: "
     "$QNPU_DATA_DIR's WikiText-2 test)",
     "eval_windows": "at most this many windows per evaluation set; null: every window",
-    "stage1": "stage 1's schedule (the stage1.* keys); used by "
-    f"{', '.join(m for m in METHODS if m not in ('rtn', 'quarot'))}",
+    "stage1": f"stage 1's schedule (the stage1.* keys); used by {', '.join(STAGE1_METHODS)}",
     "rules": "plan rules applied after the method's defaults, in order (the rules.* keys)",
     "mesh": "the device mesh {data, fsdp}, DATAxFSDP or auto (the mesh.* keys)",
 }

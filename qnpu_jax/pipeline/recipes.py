@@ -4,8 +4,9 @@
                    calibrate(), gptq())
     model = recipe(QuantizedModel.from_float(...), calibration)
 
-`rtn`, `quarot`, `spinquant` and `quantnpu` build the shipped methods from a `QuantizeConfig`
-(`for_config` picks by `config.method`); `qnpu quantize` runs them, timed and resumable.
+`rtn`, `quarot`, `spinquant`, `quantnpu` and `mobilequant` build the shipped methods from a
+`QuantizeConfig` (`for_config` picks by `config.method`); `qnpu quantize` runs them, timed and
+resumable. `RECIPES` holds one per method spec (`pipeline.methods.METHODS`), checked at import.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from qnpu_jax.ir.graph import (
     UNROTATED_INPUT,
     UNROTATED_OUTPUT,
 )
-from qnpu_jax.pipeline.config import SCALE_LEARNING_METHODS, Method, QuantizeConfig
+from qnpu_jax.pipeline.config import QuantizeConfig
+from qnpu_jax.pipeline.methods import SCALE_LEARNING_METHODS, check_recipes, method_spec
 from qnpu_jax.pipeline.quantized_model import QuantizedModel
 from qnpu_jax.pipeline.steps import (
     STAGE1_TENSORS,
@@ -140,10 +142,11 @@ def plan_rules(config: QuantizeConfig) -> list[QuantRule]:
     if config.scope == "linears":  # Table 2: the linears' weights, inputs and outputs only
         keep = "|".join((*STAGE1_TENSORS, *LINEAR_OUTPUTS))
         rules.append(QuantRule(pattern=f"(?!layers/({keep})$).*", quantize=False))
-    if config.method == "quantnpu" and config.init_scheme == "aware":
+    spec = method_spec(config.method)
+    if spec.aware_init and config.init_scheme == "aware":
         rules += init_rules(config.bits.w, config.bits.a)
-    if config.method == "mobilequant":  # learned clipping starts from the MSE-best clip
-        rules.append(QuantRule(pattern=f"layers/({'|'.join(WEIGHTS)})", init="mse"))
+    if spec.weight_init is not None:  # mobilequant: learned clipping starts from the MSE clip
+        rules.append(QuantRule(pattern=f"layers/({'|'.join(WEIGHTS)})", init=spec.weight_init))
     if config.mobilequant.asymmetric_weights:  # MobileQuant's main setting (Table 7: symmetric)
         rules.append(QuantRule(pattern=f"layers/({'|'.join(WEIGHTS)})", symmetric=False))
     if config.mobilequant.asymmetric_activations:  # MobileQuant's ARL: a learned offset
@@ -277,13 +280,11 @@ def mobilequant(config: QuantizeConfig) -> Recipe:
     )
 
 
-RECIPES: dict[Method, Callable[[QuantizeConfig], Recipe]] = {
-    "rtn": rtn,
-    "quarot": quarot,
-    "spinquant": spinquant,
-    "quantnpu": quantnpu,
-    "mobilequant": mobilequant,
+# {method: its recipe}: the function named as the method, one per spec (`methods.METHODS`)
+RECIPES: dict[str, Callable[[QuantizeConfig], Recipe]] = {
+    recipe.__name__: recipe for recipe in (rtn, quarot, spinquant, quantnpu, mobilequant)
 }
+check_recipes(RECIPES)
 
 
 def for_config(config: QuantizeConfig) -> Recipe:

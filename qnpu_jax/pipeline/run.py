@@ -61,6 +61,7 @@ from qnpu_jax.models.llama import Params, check_llama_graph
 from qnpu_jax.models.load import load_model
 from qnpu_jax.models.taps import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline.config import QuantizeConfig, read_run_config
+from qnpu_jax.pipeline.methods import method_spec
 from qnpu_jax.pipeline.quantized_model import QuantizedModel, StepRecord, assemble, nll_perplexity
 from qnpu_jax.pipeline.recipes import Recipe, config_keys, for_config
 from qnpu_jax.pipeline.run_dir import RunDir
@@ -530,7 +531,7 @@ def load_run(run_dir: Path) -> Run:
                 )
             )
     else:
-        rotated = config.method != "rtn"
+        rotated = method_spec(config.method).rotates  # every method of that version but rtn
         model = assemble(
             run_dir,
             loaded,

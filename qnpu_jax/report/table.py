@@ -25,6 +25,7 @@ from typing import Any
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.ir.graph import LINEAR_INPUTS, UNROTATED_INPUT
 from qnpu_jax.pipeline.config import QuantizeConfig, read_run_config
+from qnpu_jax.pipeline.methods import METHOD_LABELS, METHOD_OFF, METHODS
 from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.pipeline.run_manifest import verify_run
 from qnpu_jax.quant.plan import WEIGHTS
@@ -45,13 +46,6 @@ TASK_LABELS = {
     "arc_easy": "ARC-E",
     "arc_challenge": "ARC-C",
     "lambada": "LAMBADA",
-}
-METHOD_LABELS = {
-    "rtn": "RTN",
-    "quarot": "QuaRot",
-    "spinquant": "SpinQuant",
-    "quantnpu": "Quant.npu",
-    "mobilequant": "MobileQuant",
 }
 HIGHER, LOWER, FLAG = "▲", "▼", "†"
 LAMBADA_PPL = "lambada_ppl"
@@ -237,11 +231,13 @@ def _down_in_text(plan: Any) -> str:
 def run_label(method: str, config: QuantizeConfig) -> str:
     """The method's label plus the options beyond the paper that the run used."""
     label = METHOD_LABELS.get(method, method)
+    spec = METHODS.get(method)  # None: a method this version does not know
+    own = spec.defaults if spec is not None else METHOD_OFF  # the method's own options
     if config.smooth_mlp is not None:
         label += f" + smoothing α={config.smooth_mlp:g}"
-    if config.mobilequant.equalize is not None and method != "mobilequant":
+    if config.mobilequant.equalize is not None and own["equalize"] is None:
         label += f" + equalization α={config.mobilequant.equalize:g}"
-    if config.mobilequant.weight_clipping and method != "mobilequant":
+    if config.mobilequant.weight_clipping and not own["weight_clipping"]:
         label += " + LWC"
     if config.stage1.objective != "end_to_end":
         label += f" ({config.stage1.objective}-wise)"

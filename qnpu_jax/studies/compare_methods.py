@@ -73,6 +73,7 @@ from qnpu_jax.models.load import load_model
 from qnpu_jax.models.taps import sink_prefix
 from qnpu_jax.pipeline.config import Method, QuantizeConfig, read_run_config
 from qnpu_jax.pipeline.config_doc import CONFIG_KEYS, STAGE1_KEYS
+from qnpu_jax.pipeline.methods import STAGE1_METHODS
 from qnpu_jax.pipeline.recipes import describe, for_config
 from qnpu_jax.pipeline.run import evaluate, quantize
 from qnpu_jax.pipeline.run_dir import RunDir
@@ -111,7 +112,6 @@ if TYPE_CHECKING:
 GRID_METHODS: tuple[Method, ...] = ("rtn", "quarot", "spinquant", "quantnpu")
 ROWS = ("float", *GRID_METHODS)
 BASELINES: tuple[Method, ...] = ("rtn", "quarot", "spinquant")
-STAGE1_METHODS: tuple[Method, ...] = ("spinquant", "quantnpu")
 BITS = ("W8A8", "W4A8", "W4A4")
 SETTINGS = ("table1", "ours")
 SETTING_TITLES = {

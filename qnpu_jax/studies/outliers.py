@@ -73,6 +73,7 @@ from qnpu_jax.memory_plan import model_architecture
 from qnpu_jax.models.load import load_model
 from qnpu_jax.pipeline import Calibration, QuantizedModel
 from qnpu_jax.pipeline.config import QuantizeConfig
+from qnpu_jax.pipeline.methods import MOBILEQUANT
 from qnpu_jax.pipeline.recipes import after_stage1, chain, outlier_steps
 from qnpu_jax.pipeline.run import calibration_data, evaluation_sets
 from qnpu_jax.pipeline.run_dir import RunDir
@@ -93,16 +94,10 @@ from qnpu_jax.studies.harness import add_model_arg, w_a_bits, write_study_json
 
 PROMPT, CHUNK, GENERATED = 512, 64, 128
 LATENCY_READING = "quantnpu-table3"  # the plot's x axis: the reading Table 12 supports
+MOBILEQUANT_PIECES = MOBILEQUANT.defaults  # its options, written out in its runs' configs
 # --recipes: (method, run-dir setting, label, config options over the grid's)
-MOBILEQUANT_PIECES = {
-    "equalize": 0.5,
-    "weight_clipping": True,
-    "asymmetric_activations": True,
-    "asymmetric_weights": True,
-    "selective": False,
-}
 RECIPE_ROWS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
-    "mobilequant": ("mobilequant", "ours", "MobileQuant", MOBILEQUANT_PIECES),
+    MOBILEQUANT.name: (MOBILEQUANT.name, "ours", MOBILEQUANT.label, MOBILEQUANT_PIECES),
     "quantnpu-mq": (
         "quantnpu",
         "mq",
