@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import re
@@ -28,7 +27,6 @@ from qnpu_jax.export.exporter import export_run, export_run_aimet
 from qnpu_jax.export.int_model import artifact_tokenizer, load_int_model
 from qnpu_jax.export.onnx_export import FLOAT_WEIGHTS, export_run_onnx, require_export_extra
 from qnpu_jax.files import check_outside, check_writable, storage_full_is_an_error
-from qnpu_jax.ir.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
 from qnpu_jax.limits import (
     MAX_EVAL_BATCH,
     MAX_PLAN_DEVICES,
@@ -37,24 +35,21 @@ from qnpu_jax.limits import (
     check_seed,
 )
 from qnpu_jax.memory_plan import (
-    MemorySetting,
+    memory_rows,
+    memory_settings,
     model_architecture,
+    planning_devices,
     shipped_architectures,
-    stage1_memory,
 )
-from qnpu_jax.mesh import MeshConfig, initialize_distributed, make_mesh
-from qnpu_jax.mesh import describe as describe_mesh
-from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.mesh import initialize_distributed
 from qnpu_jax.models.llama import generate
 from qnpu_jax.models.load import load_model
 from qnpu_jax.models.taps import SINK_PREFIXES, prefix_name
 from qnpu_jax.pipeline.config import load_config, parse_bits, read_run_config, shipped_configs
 from qnpu_jax.pipeline.config_doc import settings_summary, show_config
-from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits
-from qnpu_jax.pipeline.recipes import build_plan, for_config
+from qnpu_jax.pipeline.recipes import for_config
 from qnpu_jax.pipeline.run import quantize
 from qnpu_jax.pipeline.run_dir import RunDir
-from qnpu_jax.quant.plan import is_weight
 from qnpu_jax.report import build_report, write_report
 from qnpu_jax.runtime.decode import (
     SELECTIONS,
@@ -671,28 +666,18 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
         raise QnpuError("give --model NAME... (or --list)")
     # every input checked before the first compile
     models = {spec: model_architecture(spec) for spec in args.model}
-    settings = [
-        MemorySetting(
-            seq_len=args.seq_len,
-            batch_size=args.batch_size,
-            grad_accum=args.grad_accum,
-            base_dtype=dtype,
-            compute_dtype=compute,
-            remat=not args.no_remat,
-        )
-        for dtype in args.base_dtype
-        for compute in args.compute_dtype
-    ]
+    settings = memory_settings(
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        base_dtypes=args.base_dtype,
+        compute_dtypes=args.compute_dtype,
+        remat=not args.no_remat,
+    )
     if not args.budget_gib > 0:
         raise QnpuError(f"--budget-gib must be positive, got {args.budget_gib}")
     most = check_at_most(max(args.devices), MAX_PLAN_DEVICES, "--devices", "qnpu_jax.limits")
-    if most > 1:  # stand-in CPU devices where the accelerators are fewer than asked
-        # RuntimeError: a backend already started (a program embedding the CLI): as it is
-        with contextlib.suppress(RuntimeError):
-            jax.config.update("jax_num_cpu_devices", most)
-    devices = jax.devices() if jax.device_count() >= most else jax.devices("cpu")
-    if len(devices) < most:
-        raise QnpuError(f"{most} devices asked, {len(devices)} present")
+    devices = planning_devices(most)
     started = time.perf_counter()
     first = settings[0]
     print(
@@ -703,27 +688,17 @@ def cmd_plan_memory(args: argparse.Namespace) -> int:
         f"outputs - aliased + temporaries (GiB), against a budget of {args.budget_gib:g} GiB"
     )
     rows = []
-    for spec, cfg in models.items():
-        for setting in settings:
-            dtype, compute = setting.base_dtype, setting.compute_dtype
-            for n in args.devices:
-                mesh = make_mesh(MeshConfig(data=1, fsdp=n), devices)
-                row = {
-                    "model": spec,
-                    "mesh": describe_mesh(mesh),
-                    **dataclasses.asdict(setting),
-                    **stage1_memory(cfg, mesh, setting),
-                }
-                row["fits_budget"] = row["total_gib_per_device"] <= args.budget_gib
-                rows.append(row)
-                parts = {k: v / 2**30 for k, v in row["bytes_per_device"].items()}
-                print(
-                    f"{spec:14s} base {dtype:8s} compute {compute:8s} {n} device(s): "
-                    f"{row['total_gib_per_device']:7.2f} GiB per device = arguments "
-                    f"{parts['arguments']:.2f} + outputs {parts['outputs']:.2f} - aliased "
-                    f"{parts['aliased']:.2f} + temporaries {parts['temporaries']:.2f}"
-                    f"{'' if row['fits_budget'] else f'  (over {args.budget_gib:g} GiB)'}"
-                )
+    for row in memory_rows(models, settings, args.devices, devices, args.budget_gib):
+        rows.append(row)
+        parts = {k: v / 2**30 for k, v in row["bytes_per_device"].items()}
+        print(
+            f"{row['model']:14s} base {row['base_dtype']:8s} compute {row['compute_dtype']:8s} "
+            f"{row['mesh']['devices']} device(s): "
+            f"{row['total_gib_per_device']:7.2f} GiB per device = arguments "
+            f"{parts['arguments']:.2f} + outputs {parts['outputs']:.2f} - aliased "
+            f"{parts['aliased']:.2f} + temporaries {parts['temporaries']:.2f}"
+            f"{'' if row['fits_budget'] else f'  (over {args.budget_gib:g} GiB)'}"
+        )
     if args.json is not None:
         write_study_json(
             args.json,
@@ -761,15 +736,21 @@ def add_cost_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def cmd_cost(args: argparse.Namespace) -> int:
 
-    plan, cfg, source, model_name = _cost_plan(args, model_architecture)
+    if args.run is not None:
+        if args.overrides:
+            raise QnpuError("--set changes a config; a run's plan is fixed")
+        priced = cost.run_plan(args.run, model_architecture, args.model)
+    else:
+        priced = cost.config_plan(args.config, args.overrides, model_architecture, args.model)
+    plan, cfg, source = priced.plan, priced.cfg, priced.source
     phases = [cost.prefill(args.prefill, args.chunk), cost.decode(args.prefill, args.decode)]
     anchor = model_architecture(cost.ANCHOR_MODEL)
     readings = cost.devices(anchor)
     print(
-        f"model {model_name}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"model {priced.model_name}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}"
     )
-    print(f"plan of {source}: {_plan_summary(plan, cfg.num_layers)}")
+    print(f"plan of {source}: {cost.plan_summary(plan, cfg.num_layers)}")
     print(
         "counts are exact (GMACs per operand pair: A16W4 is a 16-bit activation times a 4-bit "
         "weight; bytes of weights, activations and KV cache moved); latencies are modelled, not "
@@ -787,10 +768,8 @@ def cmd_cost(args: argparse.Namespace) -> int:
         "phases": {},
     }
     for phase in phases:
-        costs = cost.plan_costs(plan, cfg, phase)
-        sums = cost.totals(costs)
-        lat = {k: cost.latency(costs, d, cost.num_linears(cfg)) for k, d in readings.items()}
-        report["phases"][phase.name] = {"phase": dataclasses.asdict(phase), **sums, "latency": lat}
+        sums = report["phases"][phase.name] = cost.phase_report(plan, cfg, phase, readings)
+        lat = sums["latency"]
         pairs = ", ".join(f"{p} {n / 1e9:.2f}" for p, n in sums["macs"].items())
         moved = sums["weight_bytes"] + sums["act_bytes"] + sums["kv_bytes"]
         print(f"{phase.name} ({phase.tokens} tokens): GMACs {pairs}")
@@ -823,71 +802,6 @@ READINGS = {
     "quantnpu-table3": "a MAC with one 16-bit operand takes {a16:.2f} 8-bit MACs (Quant.npu "
     "Table 3, A16 against A8 per-channel W4); per-block weights {block:g}x",
 }
-
-
-def _plan_summary(plan: Any, num_layers: int) -> str:
-    """A plan in a line: its size, its weights' bits and its 16-bit down_proj tensors."""
-
-    weights = sorted({tq.bits for p, tq in plan.entries if is_weight(p)})
-    parts = [
-        f"{len(plan.entries)} quantized tensors",
-        f"weights {'/'.join(map(str, weights)) or 'float'}-bit",
-    ]
-    for name, what in ((UNROTATED_INPUT, "inputs"), (UNROTATED_OUTPUT, "outputs")):
-        tq = plan.get(f"layers/{name}")
-        if tq is not None:
-            sixteen = sum(tq.bits_for_layer(i) == 16 for i in range(num_layers))
-            parts.append(f"down_proj {what} 16-bit in {sixteen} of {num_layers} layers")
-    down = {f"layers/{UNROTATED_INPUT}", f"layers/{UNROTATED_OUTPUT}"}
-    by_count: dict[int, list[str]] = {}  # the other 16-bit layer activations, by layer count
-    for path, tq in plan.entries:
-        if path.startswith("layers/") and not is_weight(path) and path not in down:
-            sixteen = sum(tq.bits_for_layer(i) == 16 for i in range(num_layers))
-            if sixteen:
-                by_count.setdefault(sixteen, []).append(path.removeprefix("layers/"))
-    for sixteen, names in sorted(by_count.items(), reverse=True):
-        parts.append(f"{', '.join(names)} 16-bit in {sixteen} of {num_layers} layers")
-    return ", ".join(parts)
-
-
-def _cost_plan(args: argparse.Namespace, architecture: Any) -> tuple[Any, Any, str, str]:
-    """(plan, model config, what it came from, the model's name) for `qnpu cost`."""
-    if args.run is not None:
-        if args.overrides:
-            raise QnpuError("--set changes a config; a run's plan is fixed")
-        run = RunDir(args.run)
-        plan = run.read_plan()
-        if args.model is not None:
-            return plan, architecture(args.model), f"run {args.run}", args.model
-        meta = run.read_model_json()
-        try:
-            data = dict(meta["config"])
-            cfg = ModelConfig.from_json(data)
-        except (TypeError, KeyError) as e:
-            raise QnpuError(f"{run.model_json_path}: its model config is unreadable ({e})") from e
-        return plan, cfg, f"run {args.run}", str(meta["source"])
-
-    config = load_config(args.config, args.overrides)
-    cfg = architecture(args.model or config.model)
-    n = cfg.num_layers
-    ranked = [float(n - i) for i in range(n)]  # which layers is the scan's: only counts matter
-
-    def base_bits(tensor: str) -> int:  # the down_proj input and output are 8-bit tensors
-        return 8 if tensor in (UNROTATED_INPUT, UNROTATED_OUTPUT) else config.bits.a
-
-    promoted = {
-        tensor: mixed_layer_bits(ranked, share, base_bits(tensor))
-        for tensor, share in config.promoted().items()
-    }
-    plan = build_plan(config, n, promoted)
-    where = f"config {args.config}" if args.config else "the default config"
-    what = f"{where} ({config.method} {config.bits.name})"
-    if config.outliers.shadow_clip is not None or config.outliers.muxq_exp is not None:
-        what += (
-            "; its shadow or MUXQ channels are chosen in calibration and are not counted here "
-            "(`qnpu cost --run` of a run counts them)"
-        )
-    return plan, cfg, what, args.model or config.model
 
 
 def add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

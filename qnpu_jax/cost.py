@@ -22,13 +22,27 @@ outliers in every layer). Every constant is in `DeviceModel` with its source.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.ir.graph import GRAPH, MODEL_ONLY_KINDS, Op, OpKind, check_handlers, layer_widths
+from qnpu_jax.ir.graph import (
+    GRAPH,
+    MODEL_ONLY_KINDS,
+    UNROTATED_INPUT,
+    UNROTATED_OUTPUT,
+    Op,
+    OpKind,
+    check_handlers,
+    layer_widths,
+)
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import check_llama_graph
+from qnpu_jax.pipeline.config import load_config
+from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits
+from qnpu_jax.pipeline.recipes import build_plan
+from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.quant.plan import QuantPlan, TensorQuant, is_weight, uniform_plan
 
 FLOAT = "F"  # a tensor the plan keeps in float (fp16 on the device: 2 bytes)
@@ -506,3 +520,107 @@ def devices(anchor: ModelConfig) -> dict[str, DeviceModel]:
         "mobilequant-table6": fitted,
         "quantnpu-table3": dataclasses.replace(fitted, a16=2.0 / 1.67, per_block=1.0),
     }
+
+
+def phase_report(
+    plan: QuantPlan, cfg: ModelConfig, phase: Phase, readings: Mapping[str, DeviceModel]
+) -> dict[str, Any]:
+    """The costs of `plan` on `cfg` in one `phase` as `qnpu cost` reports them: the phase's
+    fields under "phase", the `totals` of its counts, and under "latency" the modelled
+    latency (`latency`) with each device model of `readings` (`devices`), by its name."""
+    costs = plan_costs(plan, cfg, phase)
+    sums = totals(costs)
+    lat = {k: latency(costs, d, num_linears(cfg)) for k, d in readings.items()}
+    return {"phase": dataclasses.asdict(phase), **sums, "latency": lat}
+
+
+# the plan `qnpu cost` prices: a finished run's, or the one a config's recipe ends with
+
+
+@dataclasses.dataclass(frozen=True)
+class PricedPlan:
+    """A plan to price with its model: `source` says where the plan came from (a run, or a
+    config with its method and bits) and `model_name` names the model."""
+
+    plan: QuantPlan
+    cfg: ModelConfig
+    source: str
+    model_name: str
+
+
+def run_plan(
+    run_dir: Path, architecture: Callable[[str], ModelConfig], model: str | None = None
+) -> PricedPlan:
+    """The plan of the finished run in `run_dir`, on the model its model.json records, or on
+    `architecture(model)` when `model` is given (`architecture`: a name or config.json to a
+    ModelConfig, `memory_plan.model_architecture`)."""
+    run = RunDir(run_dir)
+    plan = run.read_plan()
+    if model is not None:
+        return PricedPlan(plan, architecture(model), f"run {run_dir}", model)
+    meta = run.read_model_json()
+    try:
+        data = dict(meta["config"])
+        cfg = ModelConfig.from_json(data)
+    except (TypeError, KeyError) as e:
+        raise QnpuError(f"{run.model_json_path}: its model config is unreadable ({e})") from e
+    return PricedPlan(plan, cfg, f"run {run_dir}", str(meta["source"]))
+
+
+def config_plan(
+    config: str | None,
+    overrides: Sequence[str],
+    architecture: Callable[[str], ModelConfig],
+    model: str | None = None,
+) -> PricedPlan:
+    """The plan the recipe of `config` (a shipped name, a YAML file or None: the defaults,
+    with `overrides` as KEY=VALUE) ends with, on `architecture(model or config.model)`. Its
+    promotions take the right number of layers (which ones is the scan's: only the counts
+    matter here); shadow or MUXQ channels, chosen in calibration, are not in it."""
+    loaded = load_config(config, overrides)
+    cfg = architecture(model or loaded.model)
+    n = cfg.num_layers
+    ranked = [float(n - i) for i in range(n)]  # which layers is the scan's: only counts matter
+
+    def base_bits(tensor: str) -> int:  # the down_proj input and output are 8-bit tensors
+        return 8 if tensor in (UNROTATED_INPUT, UNROTATED_OUTPUT) else loaded.bits.a
+
+    promoted = {
+        tensor: mixed_layer_bits(ranked, share, base_bits(tensor))
+        for tensor, share in loaded.promoted().items()
+    }
+    plan = build_plan(loaded, n, promoted)
+    where = f"config {config}" if config else "the default config"
+    what = f"{where} ({loaded.method} {loaded.bits.name})"
+    if loaded.outliers.shadow_clip is not None or loaded.outliers.muxq_exp is not None:
+        what += (
+            "; its shadow or MUXQ channels are chosen in calibration and are not counted here "
+            "(`qnpu cost --run` of a run counts them)"
+        )
+    return PricedPlan(plan, cfg, what, model or loaded.model)
+
+
+def plan_summary(plan: QuantPlan, num_layers: int) -> str:
+    """A plan in a line: its size, its weights' bits and its 16-bit activations (the down_proj
+    input and output, then the others by how many of the `num_layers` layers hold them)."""
+
+    weights = sorted({tq.bits for p, tq in plan.entries if is_weight(p)})
+    parts = [
+        f"{len(plan.entries)} quantized tensors",
+        f"weights {'/'.join(map(str, weights)) or 'float'}-bit",
+    ]
+    for name, what in ((UNROTATED_INPUT, "inputs"), (UNROTATED_OUTPUT, "outputs")):
+        tq = plan.get(f"layers/{name}")
+        if tq is not None:
+            sixteen = sum(tq.bits_for_layer(i) == 16 for i in range(num_layers))
+            parts.append(f"down_proj {what} 16-bit in {sixteen} of {num_layers} layers")
+    down = {f"layers/{UNROTATED_INPUT}", f"layers/{UNROTATED_OUTPUT}"}
+    by_count: dict[int, list[str]] = {}  # the other 16-bit layer activations, by layer count
+    for path, tq in plan.entries:
+        if path.startswith("layers/") and not is_weight(path) and path not in down:
+            sixteen = sum(tq.bits_for_layer(i) == 16 for i in range(num_layers))
+            if sixteen:
+                by_count.setdefault(sixteen, []).append(path.removeprefix("layers/"))
+    for sixteen, names in sorted(by_count.items(), reverse=True):
+        parts.append(f"{', '.join(names)} 16-bit in {sixteen} of {num_layers} layers")
+    return ", ".join(parts)

@@ -11,8 +11,10 @@ CPU backend's, so figures for a GPU or TPU are an estimate of the same program's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+from collections.abc import Iterator, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import read_text
 from qnpu_jax.ir.graph import EMBED_TABLE, LM_HEAD, layer_widths
 from qnpu_jax.limits import MAX_CONFIG_BYTES
-from qnpu_jax.mesh import check_batch
+from qnpu_jax.mesh import MeshConfig, check_batch, describe, make_mesh
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import (
     MATMUL_DTYPES,
@@ -202,3 +204,67 @@ def stage1_memory(cfg: ModelConfig, mesh: Any, setting: MemorySetting) -> dict[s
         "parameters": sum(int(np.prod(s.shape)) for s in jax.tree.leaves(params))
         - (cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0),
     }
+
+
+def memory_settings(
+    *,
+    seq_len: int,
+    batch_size: int,
+    grad_accum: int,
+    base_dtypes: Sequence[str],
+    compute_dtypes: Sequence[str],
+    remat: bool = True,
+) -> list[MemorySetting]:
+    """One MemorySetting of this batch shape per base dtype and compute dtype, the base
+    dtypes outermost; each checked as it is made (a bad dtype fails before any compile)."""
+    return [
+        MemorySetting(
+            seq_len=seq_len,
+            batch_size=batch_size,
+            grad_accum=grad_accum,
+            base_dtype=dtype,
+            compute_dtype=compute,
+            remat=remat,
+        )
+        for dtype in base_dtypes
+        for compute in compute_dtypes
+    ]
+
+
+def planning_devices(count: int) -> list[Any]:
+    """`count` devices to plan on: the default backend's when it has that many, else CPU
+    platform devices standing in for accelerators (their number is set here while JAX's
+    backend has not started; in a program that started it, the ones it has)."""
+    if count > 1:
+        # RuntimeError: a backend already started (a program embedding the CLI): as it is
+        with contextlib.suppress(RuntimeError):
+            jax.config.update("jax_num_cpu_devices", count)
+    devices = jax.devices() if jax.device_count() >= count else jax.devices("cpu")
+    if len(devices) < count:
+        raise QnpuError(f"{count} devices asked, {len(devices)} present")
+    return devices
+
+
+def memory_rows(
+    models: Mapping[str, ModelConfig],
+    settings: Sequence[MemorySetting],
+    device_counts: Sequence[int],
+    devices: Sequence[Any],
+    budget_gib: float,
+) -> Iterator[dict[str, Any]]:
+    """The rows of a memory plan, model by model, setting by setting, then device count by
+    device count, each on an automatic (1, n) mesh of `devices` and compiled when it is
+    asked for: the model's name (a key of `models`), the mesh (`mesh.describe`), the setting,
+    `stage1_memory`'s figures and whether the total fits `budget_gib` per device."""
+    for spec, cfg in models.items():
+        for setting in settings:
+            for n in device_counts:
+                mesh = make_mesh(MeshConfig(data=1, fsdp=n), devices)
+                row = {
+                    "model": spec,
+                    "mesh": describe(mesh),
+                    **dataclasses.asdict(setting),
+                    **stage1_memory(cfg, mesh, setting),
+                }
+                row["fits_budget"] = row["total_gib_per_device"] <= budget_gib
+                yield row

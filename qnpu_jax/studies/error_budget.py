@@ -17,10 +17,10 @@ from typing import Any
 
 from qnpu_jax.environment import study_command
 from qnpu_jax.ir.graph import KV_TENSORS, LINEAR_OUTPUTS, ROTATED_INPUTS, UNROTATED_INPUT
-from qnpu_jax.pipeline.run import evaluate, load_run, wiki_eval_windows
+from qnpu_jax.pipeline.run import evaluate
 from qnpu_jax.quant.plan import is_weight
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import run_summary, say, write_study_json
+from qnpu_jax.studies.harness import open_run, write_study_json
 
 
 def _name(path: str) -> str:
@@ -79,18 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     command = study_command("error_budget", argv)
-
-
-    say(f"reading and verifying the run {args.run}")
-    run = load_run(args.run)
-    config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
-    params, model = run.model.params(), run.loaded
-    unrounded = run.model.prefix_params()  # the sink prefix's float weights (GPTQ runs)
-    cfg = model.config
-    prefix = run.model.prefix  # the sink prefix the run was made with
-    windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
-    float_ppl = evaluate(model.params, None, None, cfg, windows, prefix)["ppl"]
-    run_ppl = evaluate(params, state, plan, cfg, windows, prefix, prefix_params=unrounded)["ppl"]
+    run = open_run(args.run)
+    plan, state, cfg, prefix = run.plan, run.state, run.cfg, run.prefix
+    windows = run.eval_windows(args.eval_windows)
+    float_ppl = run.float_ppl(windows)
+    run_ppl = evaluate(
+        run.params, state, plan, cfg, windows, prefix, prefix_params=run.prefix_params
+    )["ppl"]
     print(f"float {float_ppl:.3f}, run {run_ppl:.3f}", flush=True)
     rows = []
     for key in GROUP_SETS[args.rows]:
@@ -113,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     write_study_json(
         args.json,
         {
-            **run_summary(args.run, config, windows),
+            **run.summary(windows),
             "float_ppl": float_ppl,
             "run_ppl": run_ppl,
             "rows": rows,

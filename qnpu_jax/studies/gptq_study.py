@@ -25,7 +25,7 @@ from qnpu_jax.argtypes import comma_choices
 from qnpu_jax.environment import study_command
 from qnpu_jax.pipeline.calibrate import reencode_weight
 from qnpu_jax.pipeline.config_doc import CONFIG_KEYS
-from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
+from qnpu_jax.pipeline.run import evaluate
 from qnpu_jax.pipeline.weight_rounding import (
     collect_hessians,
     gptq_weight_codes,
@@ -35,7 +35,7 @@ from qnpu_jax.pipeline.weight_rounding import (
 from qnpu_jax.quant.plan import is_weight
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.error_budget import without
-from qnpu_jax.studies.harness import run_summary, say, write_study_json
+from qnpu_jax.studies.harness import open_run, write_study_json
 
 GRIDS = ("learned", "mse", "max_min")
 
@@ -59,19 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     command = study_command("gptq_study", argv)
-
-
-    say(f"reading and verifying the run {args.run}")
-    run = load_run(args.run)
-    config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
     # the weights before rounding: both columns round them (a GPTQ run's codes are dropped),
     # and the sink prefix runs on them
-    params, model = run.model.unrounded_params(), run.loaded
-    unrounded = params
-    cfg = model.config
-    prefix = run.model.prefix  # the sink prefix the run was made with
-    _, calib = calibration_data(config, model.tokenizer)
-    windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
+    run = open_run(args.run, rounded=False)
+    plan, state, params, cfg, prefix = run.plan, run.state, run.params, run.cfg, run.prefix
+    unrounded = run.prefix_params
+    calib = run.calib_windows()
+    windows = run.eval_windows(args.eval_windows)
     t0 = time.perf_counter()
     hessians = collect_hessians(params, state, plan, cfg, calib, prefix=prefix)
     hessian_s = time.perf_counter() - t0
@@ -114,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     write_study_json(
         args.json,
         {
-            **run_summary(args.run, config, windows),
-            "float_ppl": evaluate(model.params, None, None, cfg, windows, prefix)["ppl"],
+            **run.summary(windows),
+            "float_ppl": run.float_ppl(windows),
             "damp": args.damp,
             "hessian_seconds": hessian_s,
             "rows": rows,

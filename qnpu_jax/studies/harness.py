@@ -1,22 +1,37 @@
 """What every study shares: the provenance its JSON report records (command, environment,
-seconds), the atomic write, the summary of the run a study reads, and the options several
-studies take (each defined once here, with its help line)."""
+seconds), the atomic write, the finished run a study opens (`open_run`) and the summary of it
+a report repeats, and the options several studies take (each defined once here, with its help
+line)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Mapping, Sized
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from qnpu_jax.environment import environment_info
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_json_atomic
+from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import Params
 from qnpu_jax.models.taps import SINK_PREFIXES
 from qnpu_jax.pipeline.config import parse_bits
 from qnpu_jax.pipeline.config_doc import CONFIG_KEYS
+from qnpu_jax.pipeline.run import (
+    Run,
+    calibration_data,
+    evaluate,
+    load_run,
+    wiki_eval_windows,
+)
+from qnpu_jax.quant.plan import QuantPlan
+from qnpu_jax.quant.state import QuantState
 
 
 def provenance(command: str, started: float | None = None) -> dict[str, Any]:
@@ -110,6 +125,73 @@ def run_summary(run_path: Path | str, config: Any, windows: Sized) -> dict[str, 
         **config.summary(),
         "eval": {"data": "wiki (eval split)", "windows": len(windows)},
     }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StudyRun(Run):
+    """A finished run as a study reads it (`open_run`): the `Run` (its config, its
+    QuantizedModel `model` and the float model `loaded` it was made from) with its plan, its
+    encodings, the float weights a study measures on (`params`) and those the sink prefix runs
+    on (`prefix_params`, None: `params`), and the directory it was read from (`path`)."""
+
+    path: Path
+    plan: QuantPlan
+    state: QuantState
+    params: Params
+    prefix_params: Params | None
+
+    @property
+    def cfg(self) -> ModelConfig:
+        """The model's config."""
+        return self.loaded.config
+
+    @property
+    def prefix(self) -> tuple[int, ...]:
+        """The sink prefix the run was made with (token ids)."""
+        return self.model.prefix
+
+    def eval_windows(self, cap: int | None) -> np.ndarray:
+        """The first `cap` windows of the `wiki` eval split at the run's seq_len."""
+        return wiki_eval_windows(self.config, self.tokenizer, cap)
+
+    def calib_windows(self) -> np.ndarray:
+        """The run's own calibration windows [N, T] (its calib data, seed and count)."""
+        return calibration_data(self.config, self.tokenizer)[1]
+
+    def float_ppl(self, windows: np.ndarray) -> float:
+        """The perplexity of the float model the run was made from on `windows`, with the
+        run's sink prefix."""
+        return evaluate(self.loaded.params, None, None, self.cfg, windows, self.prefix)["ppl"]
+
+    def summary(self, windows: Sized) -> dict[str, Any]:
+        """`run_summary` of this run measured on `windows`."""
+        return run_summary(self.path, self.config, windows)
+
+
+def open_run(path: Path, *, rounded: bool = True) -> StudyRun:
+    """The finished run in `path`, verified and loaded (`load_run`), announced with `say`.
+    `params`: the run's weights with GPTQ's codes in place (`rounded`, as the run evaluates
+    them), else the weights before rounding (a reference to recalibrate or re-round from,
+    which the sink prefix then runs on too). Raises QnpuError for a run that is not finished
+    or holds no plan or encodings."""
+    say(f"reading and verifying the run {path}")
+    run = load_run(path)
+    plan, state = run.model.require_plan(), run.model.require_state()
+    if rounded:
+        params, prefix_params = run.model.params(), run.model.prefix_params()
+    else:
+        params = run.model.unrounded_params()
+        prefix_params = params
+    return StudyRun(
+        config=run.config,
+        model=run.model,
+        loaded=run.loaded,
+        path=path,
+        plan=plan,
+        state=state,
+        params=params,
+        prefix_params=prefix_params,
+    )
 
 
 _STARTED = time.perf_counter()

@@ -24,11 +24,11 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.ir.graph import UNROTATED_INPUT as DOWN_IN
 from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.pipeline.mixed_precision import down_proj_sensitivity, mixed_layer_bits
-from qnpu_jax.pipeline.run import calibration_data, evaluate, load_run, wiki_eval_windows
+from qnpu_jax.pipeline.run import evaluate
 from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.quant.plan import QuantPlan, TensorQuant
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import run_summary, say, write_study_json
+from qnpu_jax.studies.harness import open_run, write_study_json
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,14 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    say(f"reading and verifying the run {args.run}")
-    run = load_run(args.run)
-    config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
-    params, model = run.model.params(), run.loaded
-    unrounded = run.model.prefix_params()  # the sink prefix's float weights (GPTQ runs)
-    cfg = model.config
-    prefix = run.model.prefix  # the sink prefix the run was made with
-    _, calib = calibration_data(config, model.tokenizer)
+    run = open_run(args.run)
+    plan, state, params, cfg, prefix = run.plan, run.state, run.params, run.cfg, run.prefix
+    calib = run.calib_windows()
     scan = RunDir(args.run).read_sensitivity(DOWN_IN)
     if scan is not None:
         ratios = scan["ratios"]
@@ -58,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     for bits in (8, 16):
         single = QuantPlan(((f"layers/{DOWN_IN}", TensorQuant(bits=bits)),), cfg.num_layers)
         encodings[bits] = calibrate(params, cfg, single, calib, prefix=prefix)["layers"][DOWN_IN]
-    windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
-    float_ppl = evaluate(model.params, None, None, cfg, windows, prefix)["ppl"]
+    windows = run.eval_windows(args.eval_windows)
+    float_ppl = run.float_ppl(windows)
     rows: list[dict[str, Any]] = []
     for p in (float(x) for x in args.steps.split(",")):
         layer_bits = mixed_layer_bits(ratios, p)
@@ -84,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             for path, t in plan.entries
         )
         ppl = evaluate(
-            params, swept_state, swept_plan, cfg, windows, prefix, prefix_params=unrounded
+            params, swept_state, swept_plan, cfg, windows, prefix, prefix_params=run.prefix_params
         )["ppl"]
         rows.append(
             {
@@ -98,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     write_study_json(
         args.json,
         {
-            **run_summary(args.run, config, windows),
+            **run.summary(windows),
             "sweep": "reuses the run; a down_proj input at the run's bit-width keeps its encoding, "
             "one that changes bit-width gets Max-Min at the new one",
             "sensitivity_ratios": ratios,

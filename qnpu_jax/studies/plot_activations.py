@@ -33,7 +33,6 @@ from qnpu_jax.files import write_bytes_atomic
 from qnpu_jax.ir.graph import LINEAR_INPUTS, LINEAR_IO, UNROTATED_INPUT
 from qnpu_jax.models.taps import effective_state
 from qnpu_jax.pipeline.calibrate import capture_activations
-from qnpu_jax.pipeline.run import calibration_data, load_run
 from qnpu_jax.pipeline.steps import STAGE1_TENSORS
 from qnpu_jax.quant.init import init_range_stats, mse_scale, scale_from_stats, update_range_stats
 from qnpu_jax.quant.plan import TensorQuant
@@ -46,7 +45,7 @@ from qnpu_jax.report.plots import (
     share_inside,
 )
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import say, write_study_json
+from qnpu_jax.studies.harness import open_run, write_study_json
 
 # (the first linear reading it, a distinct linear input activation) in graph order: the
 # figures' four panels (attention input, o_proj input, MLP input, down_proj input)
@@ -96,21 +95,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, command: str) -> int:
-    say(f"reading and verifying the run {args.run}")
-    run = load_run(args.run)
-    config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
     # the run's rotated float model: the weights before GPTQ's rounding, as the prefix's
-    params, model = run.model.unrounded_params(), run.loaded
-    cfg = model.config
+    run = open_run(args.run, rounded=False)
+    config, plan, state, params = run.config, run.plan, run.state, run.params
+    cfg, prefix = run.cfg, run.prefix
     if not 0 <= args.layer < cfg.num_layers:
         raise QnpuError(f"--layer {args.layer}: the model has layers 0..{cfg.num_layers - 1}")
-    prefix = run.model.prefix  # the sink prefix the run was made with
-    _, calib = calibration_data(config, model.tokenizer)
+    calib = run.calib_windows()
     windows = calib[: args.windows, : args.seq_len or calib.shape[1]]
     names = LINEAR_INPUTS
     captured = {
         "float (no rotation)": capture_activations(
-            model.params, cfg, windows, names, layer=args.layer, prefix=prefix
+            run.loaded.params, cfg, windows, names, layer=args.layer, prefix=prefix
         ),
         "rotated (the run)" if config.method != "rtn" else "the run (rtn: no rotation)": (
             capture_activations(params, cfg, windows, names, layer=args.layer, prefix=prefix)

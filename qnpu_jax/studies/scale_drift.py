@@ -24,10 +24,9 @@ from qnpu_jax.environment import study_command
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.pipeline.calibrate import calibrate
 from qnpu_jax.pipeline.recipes import config_stage1_plan as stage1_plan
-from qnpu_jax.pipeline.run import calibration_data, load_run
 from qnpu_jax.quant.state import get_entry
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import say, write_study_json
+from qnpu_jax.studies.harness import open_run, write_study_json
 
 # stage 1 keeps learned scales at max(raw, 1e-8) (`positive_scale`); below this is that floor
 FLOOR = 1e-7
@@ -77,22 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     command = study_command("scale_drift", argv)
-
-
     try:
-        say(f"reading and verifying the run {args.run}")
-        run = load_run(args.run)
-        config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
         # the reference calibrates the rotated float model: the weights before GPTQ's rounding
-        params, model = run.model.unrounded_params(), run.loaded
-        sub = learnable_plan(plan, config)
+        run = open_run(args.run, rounded=False)
+        config = run.config
+        sub = learnable_plan(run.plan, config)
     except QnpuError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    prefix = run.model.prefix  # the sink prefix the run was made with
-    _, calib = calibration_data(config, model.tokenizer)
-    reference = calibrate(params, model.config, sub, calib, prefix=prefix)
-    rows = drift_rows(state, reference, [p for p, _ in sub.entries])
+    reference = calibrate(run.params, run.cfg, sub, run.calib_windows(), prefix=run.prefix)
+    rows = drift_rows(run.state, reference, [p for p, _ in sub.entries])
     for r in rows:
         med = r["median_abs_log_ratio"]
         print(

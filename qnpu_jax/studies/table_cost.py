@@ -25,9 +25,9 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_bytes_atomic
 from qnpu_jax.ir.graph import EMBED_TABLE, GRAPH, LM_HEAD
 from qnpu_jax.pipeline.calibrate import reencode_weight
-from qnpu_jax.pipeline.run import evaluate, load_run, wiki_eval_windows
+from qnpu_jax.pipeline.run import evaluate
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import run_summary, say, write_study_json
+from qnpu_jax.studies.harness import open_run, write_study_json
 
 TABLES = (EMBED_TABLE, LM_HEAD)
 # the tensors around the tables whose precision docs/design.md §3 fixes
@@ -114,35 +114,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     command = study_command("table_cost", argv)
-
-
     try:
-        say(f"reading and verifying the run {args.run}")
-        run = load_run(args.run)
-        config, plan, state = run.config, run.model.require_plan(), run.model.require_state()
-        params, model = run.model.params(), run.loaded
-        unrounded = run.model.prefix_params()  # the sink prefix's float weights (GPTQ runs)
-        cfg = model.config
-        variants = table_variants(plan, state, params, cfg)
+        run = open_run(args.run)
+        variants = table_variants(run.plan, run.state, run.params, run.cfg)
     except QnpuError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    prefix = run.model.prefix  # the sink prefix the run was made with
-    windows = wiki_eval_windows(config, model.tokenizer, args.eval_windows)
-    float_ppl = evaluate(model.params, None, None, cfg, windows, prefix)["ppl"]
+    params, cfg, prefix = run.params, run.cfg, run.prefix
+    windows = run.eval_windows(args.eval_windows)
+    float_ppl = run.float_ppl(windows)
     print(f"float: {float_ppl:.3f}", flush=True)
     rows = []
     for v in variants:
-        ppl = evaluate(params, v.state, v.plan, cfg, windows, prefix, prefix_params=unrounded)[
-            "ppl"
-        ]
+        ppl = evaluate(
+            params, v.state, v.plan, cfg, windows, prefix, prefix_params=run.prefix_params
+        )["ppl"]
         sizes = {}
         for t in TABLES:
             tq = v.plan.get(t)
             sizes[t] = table_bytes(cfg.vocab_size, cfg.hidden_size, tq.bits if tq else None)
         rows.append({"key": v.key, "label": v.label, "ppl": ppl, "table_bytes": sizes})
         print(f"{v.label}: {ppl:.3f}", flush=True)
-    doc = {**run_summary(args.run, config, windows), "float_ppl": float_ppl, "rows": rows}
+    doc = {**run.summary(windows), "float_ppl": float_ppl, "rows": rows}
     report = write_study_json(args.json, doc, command=command)
     write_bytes_atomic(Path(args.md), render_markdown(report).encode())
     return 0
