@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import os
-from collections.abc import Iterator
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
-# first: it sets the environment before JAX is imported
-import suite_environment  # noqa: F401
+# One XLA compilation cache for the session and every process it starts (before JAX is
+# imported, so the CLI subprocesses inherit it). The suite is bound by compiling the same
+# programs again: after each module's `jax.clear_caches`, in each `qnpu` subprocess, for each
+# new jit of the same function. The cache keys on the program and the compiler, so a hit runs
+# the very executable a miss would have built.
+# Under pytest-xdist the controller runs this first and its workers inherit the directory,
+# so they share it too. A size cap turns on JAX's file lock around the cache's reads and
+# writes: without it a worker can read an entry another is still writing.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _XLA_CACHE = tempfile.mkdtemp(prefix="qnpu-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+    # Only programs that took 0.5 s or more to compile: with the size cap, every write lists,
+    # stats and reads the access time of every entry under the lock (JAX's LRUCache), 0.4 s
+    # a write at 3,000 entries (`python3 scripts/cache_put_cost.py`); caching each of the
+    # thousands of sub-second programs made every compile pay for all the others.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
+# The same for the data layer's cache (the parsed Wikipedia dump, token ids): the session's
+# own, shared by its workers and subprocesses, and not the user's ~/.cache.
+if "QNPU_CACHE_DIR" not in os.environ:
+    _DATA_CACHE = tempfile.mkdtemp(prefix="qnpu-tests-data-cache-")
+    atexit.register(shutil.rmtree, _DATA_CACHE, ignore_errors=True)
+    os.environ["QNPU_CACHE_DIR"] = _DATA_CACHE
 
-# isort: split
 import jax
 import numpy as np
 import pytest
@@ -25,8 +47,6 @@ jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE
 if "JAX_COMPILATION_CACHE_MAX_SIZE" in os.environ:
     _max_size = int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"])
     jax.config.update("jax_compilation_cache_max_size", _max_size)
-_off = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"].lower() in ("1", "true")
-jax.config.update("jax_disable_most_optimizations", _off)
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -109,50 +129,6 @@ def _drop_compiled_programs() -> Any:
     the programs' code mappings are the suspect."""
     yield
     jax.clear_caches()
-
-
-def user_environment() -> dict[str, str]:
-    """The environment of a subprocess that runs as a user would: XLA's default
-    optimizations (README's examples print recorded numbers)."""
-    return {k: v for k, v in os.environ.items() if k != "JAX_DISABLE_MOST_OPTIMIZATIONS"}
-
-
-def _optimized(marked: bool) -> Any:
-    """XLA's default optimization level while the generator is suspended, when `marked`."""
-    if not marked or not jax.config.read("jax_disable_most_optimizations"):
-        yield
-        return
-    # a global flag, not a context; dropping the compiled programs on both sides keeps an
-    # executable built at one level from serving a call at the other
-    jax.clear_caches()
-    jax.config.update("jax_disable_most_optimizations", False)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", True)
-        jax.clear_caches()
-
-
-@contextlib.contextmanager
-def xla_default_level() -> Iterator[None]:
-    """XLA's default optimization level inside: for a fixture whose values a test marked
-    `xla_optimized` compares at a bound near last-bit noise."""
-    yield from _optimized(True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _xla_optimized_module(request: pytest.FixtureRequest) -> Any:
-    """A module marked `xla_optimized` (pytestmark) compiles at XLA's default level, its
-    module fixtures included (autouse fixtures are set up before the others of a scope)."""
-    marks = getattr(request.module, "pytestmark", [])
-    marks = marks if isinstance(marks, list) else [marks]
-    yield from _optimized(any(m.name == "xla_optimized" for m in marks))
-
-
-@pytest.fixture(autouse=True)
-def _xla_optimized(request: pytest.FixtureRequest) -> Any:
-    """A test marked `xla_optimized` compiles at XLA's default optimization level."""
-    yield from _optimized(request.node.get_closest_marker("xla_optimized") is not None)
 
 
 def load_script(name: str) -> Any:

@@ -73,8 +73,6 @@ def _decode_both(model, engine, emu_cache, our_cache, last_logits, steps=3) -> N
         last_logits = emu_logits
 
 
-# the engines' bit-exact claims at the XLA optimization level users run (the suite's is off)
-@pytest.mark.xla_optimized
 @pytest.mark.parametrize("name", ["w8a8", "w4a8"])
 def test_logits_and_caches_are_bit_exact(models, text_ids, name):
     model, engine = models[name]
@@ -272,7 +270,6 @@ def test_refusals(models):
         engine.generate([], 3)
 
 
-@pytest.mark.xla_optimized
 def test_every_matmul_mode_is_bit_exact(models, text_ids):
     """float32 with split operands (the default), float64 and int64 dots: the same codes."""
     model, engine = models["w4a8"]

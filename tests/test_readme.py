@@ -12,13 +12,14 @@ the package installed non-editable into a fresh venv (`scripts/check_install.sh`
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS, user_environment  # tests/ is on sys.path (rootdir conftest)
+from conftest import SCRIPTS  # tests/ is on sys.path (rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -104,9 +105,8 @@ def test_readme_example_prints_what_readme_says(name: str, tmp_path: Path) -> No
     code, _ = EXAMPLES[name]
     (tmp_path / "example.py").write_text(code)
     done = subprocess.run(
-        [sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True,
-        timeout=1500, env=user_environment(),
-    )  # fmt: skip
+        [sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=1500
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     _assert_prints_what_readme_says(name, done.stdout)
 
@@ -119,7 +119,7 @@ def test_installed_package_runs_the_quick_start_as_readme_says(tmp_path: Path) -
     printed = tmp_path / "quick_start.out"
     done = subprocess.run(
         ["bash", str(SCRIPTS / "check_install.sh"), str(printed)],
-        env=dict(user_environment(), PYTHON=sys.executable), capture_output=True, text=True,
+        env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True,
         timeout=2400,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
