@@ -21,11 +21,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _XLA_CACHE = tempfile.mkdtemp(prefix="qnpu-tests-xla-cache-")
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
-    # Only programs that took 0.5 s or more to compile: with the size cap, every write lists,
-    # stats and reads the access time of every entry under the lock (JAX's LRUCache), 0.4 s
-    # a write at 3,000 entries (`python3 scripts/cache_put_cost.py`); caching each of the
-    # thousands of sub-second programs made every compile pay for all the others.
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    # Every program. With the size cap a write costs O(entries) (JAX's LRUCache lists and
+    # stats them all: `python3 scripts/cache_put_cost.py`), but caching only programs of 0.5 s
+    # or more made the suite slower (docs/results.md, session 38): subprocesses recompiled.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
 # The same for the data layer's cache (the parsed Wikipedia dump, token ids): the session's
 # own, shared by its workers and subprocesses, and not the user's ~/.cache.
