@@ -274,17 +274,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if want_ppl and args.run is not None and None in (args.data, args.seq_len, args.max_windows):
         # the run's own evaluation text, window length and window count: its report again
         run_config = _run_config(args.run)
-        taken = {
-            "--data": run_config.eval.data[0] if args.data is None else None,
-            "--seq-len": run_config.data.seq_len if args.seq_len is None else None,
-            "--max-windows": run_config.eval.windows if args.max_windows is None else None,
+        run_values = {
+            "data": run_config.eval.data[0],
+            "seq_len": run_config.data.seq_len,
+            "max_windows": run_config.eval.windows,
         }
-        args.data = args.data or taken["--data"]
-        args.seq_len = args.seq_len or taken["--seq-len"]
-        args.max_windows = args.max_windows or taken["--max-windows"]
-        shown_taken = " ".join(f"{k} {v}" for k, v in taken.items() if v is not None)
-        if shown_taken:
-            print(f"{shown_taken} (the run's)", file=sys.stderr)
+        taken = {k: v for k, v in run_values.items() if getattr(args, k) is None}
+        for name, value in taken.items():
+            setattr(args, name, value)
+        said = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in taken.items() if v is not None)
+        if said:
+            print(f"{said} (the run's)", file=sys.stderr)
     if want_ppl and (args.data is None or args.seq_len is None):
         raise QnpuError("perplexity (task ppl) needs --data and --seq-len")
     if zero_shot:  # missing task data fails now, not after the model loads
