@@ -15,17 +15,17 @@ from typing import Any
 # new jit of the same function. The cache keys on the program and the compiler, so a hit runs
 # the very executable a miss would have built.
 # Under pytest-xdist the controller runs this first and its workers inherit the directory,
-# so they share it too. A size cap turns on JAX's file lock around the cache's reads and
-# writes: without it a worker can read an entry another is still writing.
+# so they share it too. Uncapped: a size cap makes JAX's LRUCache list, stat and read the
+# access time of every entry under a file lock on each write, O(entries): 409 ms a write at
+# 3,000 entries (`python3 scripts/cache_put_cost.py`), and the suite writes thousands. Without
+# the lock a process may read an entry another is still writing: its decompression fails, JAX
+# warns ("Error reading persistent compilation cache entry") and compiles the program itself.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _XLA_CACHE = tempfile.mkdtemp(prefix="qnpu-tests-xla-cache-")
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
-    # Every program. With the size cap a write costs O(entries) (JAX's LRUCache lists and
-    # stats them all: `python3 scripts/cache_put_cost.py`), but caching only programs of 0.5 s
-    # or more made the suite slower (docs/results.md, session 38): subprocesses recompiled.
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # every program
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = "-1"
 # The same for the data layer's cache (the parsed Wikipedia dump, token ids): the session's
 # own, shared by its workers and subprocesses, and not the user's ~/.cache.
 if "QNPU_CACHE_DIR" not in os.environ:

@@ -124,6 +124,21 @@ def test_calibration_counts_visible_scores_and_is_batch_size_invariant(
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_calibration_on_a_mesh_compiles_its_step_once(tiny_cfg, tiny_params, tiny_windows):
+    from qnpu_jax.mesh import make_mesh, place_params
+    from qnpu_jax.pipeline.calibrate import _observe_step, collect_activation_stats
+
+    # the statistics start where the step's outputs live, so the second batch reuses the first
+    # batch's program (it compiled again when they started unplaced: every calibration twice)
+    mesh = make_mesh()
+    params = place_params(mesh, tiny_params)
+    plan = default_plan(tiny_cfg.num_layers)
+    collect_activation_stats(params, tiny_cfg, plan, tiny_windows[:1], mesh=mesh)
+    compiled = _observe_step._cache_size()
+    collect_activation_stats(params, tiny_cfg, plan, tiny_windows[:3], mesh=mesh)
+    assert _observe_step._cache_size() == compiled
+
+
 def test_dynamic_sixteen_bit_is_close_to_float(tiny_cfg, tiny_params, tiny_windows):
     plan = uniform_plan(tiny_cfg.num_layers, 16)
     state = calibrate(tiny_params, tiny_cfg, plan, tiny_windows[:2], batch_size=2)

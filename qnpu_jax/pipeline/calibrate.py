@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.ir.graph import ATTENTION_TENSORS, EMBED_TABLE, GRAPH, Graph, layer_widths
-from qnpu_jax.mesh import data_size, host_array, host_tree, local_value, put_batch
+from qnpu_jax.mesh import data_size, host_array, host_tree, local_value, put_batch, replicated
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, lm_head_weight
 from qnpu_jax.models.taps import (
@@ -117,6 +117,8 @@ def collect_activation_stats(
     paths = _observed_paths(plan)
     taps = ObserveTaps(paths)
     stats = _empty_stats(plan, paths, cfg.num_layers)
+    if mesh is not None:  # where the step's outputs live: else its second call compiles again
+        stats = jax.device_put(stats, replicated(mesh))
     if len(windows) == 0:
         raise QnpuError("no calibration windows")
     # The last batch may be smaller (one more compilation): every window counts once.
