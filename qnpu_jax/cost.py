@@ -557,7 +557,14 @@ def run_plan(
     run = RunDir(run_dir)
     plan = run.read_plan()
     if model is not None:
-        return PricedPlan(plan, architecture(model), f"run {run_dir}", model)
+        cfg = architecture(model)
+        if plan.num_layers != cfg.num_layers:  # a per-layer plan prices only its own depth
+            raise QnpuError(
+                f"run {run_dir}: its plan covers {plan.num_layers} layers and {model} has "
+                f"{cfg.num_layers}; price it on its own model (without --model) or on a model "
+                f"of {plan.num_layers} layers"
+            )
+        return PricedPlan(plan, cfg, f"run {run_dir}", model)
     meta = run.read_model_json()
     try:
         data = dict(meta["config"])

@@ -11,6 +11,7 @@ from qnpu_jax import cost
 from qnpu_jax.cli import main
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.memory_plan import model_architecture
+from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.quant.plan import QuantRule, default_plan
 
 SMOL = model_architecture("smollm2-135m")
@@ -172,3 +173,10 @@ def test_cli_cost_of_a_config_writes_its_report(tmp_path, capsys):
     assert "unknown config key" in capsys.readouterr().err
     assert main(["cost", "--run", str(tmp_path / "none")]) == 2
     assert "plan.json is missing" in capsys.readouterr().err
+    # a run's plan of 2 layers priced on a model of 30: refused, not an IndexError
+    run = tmp_path / "two-layer-run"
+    run.mkdir()
+    (run / RunDir.PLAN).write_text(json.dumps(default_plan(2, w_bits=4).to_dict()))
+    assert main(["cost", "--run", str(run), "--model", "smollm2-135m"]) == 2
+    err = capsys.readouterr().err
+    assert "its plan covers 2 layers and smollm2-135m has 30" in err and "Traceback" not in err

@@ -4,6 +4,7 @@ and the activation-histogram helpers (synthetic arrays; the capture on the tiny 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -534,3 +535,36 @@ def test_plot_activations_script_ranges():
     )
     r = script.run_range(entry, 1, "run")
     assert (r.lo, r.hi) == (-8192.0, 8191.75)
+    # shadow outliers: the hot channels' integer range is unbounded (they run on the CPU);
+    # the run's range is the ordinary channels', and says how many it leaves out
+    big = float(2**23)
+    shadowed = Encoding(
+        scale=jnp.array([0.5]),
+        zero_point=jnp.zeros(1),
+        qmin=jnp.array([[-128.0, -big, -128.0, -big]]),
+        qmax=jnp.array([[127.0, big - 1, 127.0, big - 1]]),
+    )
+    r = script.run_range(shadowed, 0, "run")
+    assert (r.lo, r.hi) == (-64.0, 63.5) and r.label == "run, 2 shadow channels unclipped"
+
+
+def test_mixed_precision_sweep_refuses_a_run_with_outlier_channels(monkeypatch, capsys):
+    """A run whose down_proj inputs have shadow (or MUXQ) channels: the sweep re-encodes those
+    inputs per layer, so it refuses in its first second with what to do instead."""
+    import types
+
+    from conftest import load_script
+
+    from qnpu_jax.cli import main
+    from qnpu_jax.quant.plan import default_plan
+
+    plan = default_plan(2, w_bits=8)
+    plan = plan.with_entries(
+        (p, dataclasses.replace(t, shadow_channels=((3,), ())) if p == "layers/down_in" else t)
+        for p, t in plan.entries
+    )
+    sweep = load_script("mixed_precision_sweep")
+    run = types.SimpleNamespace(plan=plan, state=None, params=None, cfg=None, prefix=())
+    monkeypatch.setattr(sweep, "open_run", lambda path: run)
+    assert main(["study", "mixed_precision_sweep", "--run", "r", "--json", "s.json"]) == 2
+    assert "outlier channels of the down_proj inputs (shadow outliers)" in capsys.readouterr().err

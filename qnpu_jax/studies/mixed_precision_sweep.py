@@ -43,6 +43,16 @@ def main(argv: list[str] | None = None) -> int:
 
     run = open_run(args.run)
     plan, state, params, cfg, prefix = run.plan, run.state, run.params, run.cfg, run.prefix
+    # before anything runs
+    tq = plan.get(f"layers/{DOWN_IN}")
+    if tq is None:
+        raise QnpuError(f"{args.run}: the run does not quantize the down_proj inputs")
+    if tq.shadow_channels or tq.muxq_channels:
+        raise QnpuError(
+            f"{args.run}: the run moves outlier channels of the down_proj inputs "
+            f"({'shadow outliers' if tq.shadow_channels else 'MUXQ'}), which the sweep's "
+            "re-encoding would drop; sweep the run they were added to"
+        )
     calib = run.calib_windows()
     scan = RunDir(args.run).read_sensitivity(DOWN_IN)
     if scan is not None:
@@ -59,9 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     for p in (float(x) for x in args.steps.split(",")):
         layer_bits = mixed_layer_bits(ratios, p)
         promoted = np.array([b == 16 for b in layer_bits])
-        tq = plan.get(f"layers/{DOWN_IN}")
-        if tq is None:
-            raise QnpuError(f"{args.run}: the run does not quantize the down_proj inputs")
         # a layer at the run's own bit-width keeps the run's (possibly learned) encoding
         keep = np.array([tq.bits_for_layer(i) == b for i, b in enumerate(layer_bits)])
         run_entry = state["layers"][DOWN_IN]

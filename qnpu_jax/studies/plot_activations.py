@@ -69,12 +69,20 @@ def init_range(values: np.ndarray, tq: TensorQuant, layer: int, method: str) -> 
 
 
 def run_range(entry: Encoding, layer: int, label: str) -> ClipRange:
+    """The run's clipping range of `layer`. Where the integer range is per channel (shadow
+    outliers: the hot channels' is unbounded, they run on the CPU), the ordinary channels'
+    range, and the label says how many channels it leaves out."""
+    qmin, qmax = np.ravel(entry.qmin[layer]), np.ravel(entry.qmax[layer])
+    lo, hi = float(qmin.max()), float(qmax.min())  # the ordinary channels' (the narrowest)
+    wider = int(np.sum((qmin < lo) | (qmax > hi)))
+    if wider:
+        label = f"{label}, {wider} shadow channel{'s' if wider > 1 else ''} unclipped"
     return clip_range(
         label,
         float(np.ravel(entry.scale[layer])[0]),
         float(np.ravel(entry.zero_point[layer])[0]),
-        float(entry.qmin[layer]),
-        float(entry.qmax[layer]),
+        lo,
+        hi,
     )
 
 
