@@ -17,7 +17,8 @@ from typing import Any
 # Under pytest-xdist the controller runs this first and its workers inherit the directory,
 # so they share it too. Uncapped: a size cap makes JAX's LRUCache list, stat and read the
 # access time of every entry under a file lock on each write, O(entries): 409 ms a write at
-# 3,000 entries (`python3 scripts/cache_put_cost.py`), and the suite writes thousands. Without
+# 3,000 entries (`python3 scripts/cache_put_cost.py`; the suite held about 950 half-way, so
+# it gained little: docs/results.md, session 39). Without
 # the lock a process may read an entry another is still writing: its decompression fails, JAX
 # warns ("Error reading persistent compilation cache entry") and compiles the program itself.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
