@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_script
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.kernels import (
@@ -372,8 +371,8 @@ def test_fp16_attention_masks_like_float32():
 def test_attention_hook_swaps_only_the_attention(tiny_cfg, tiny_params):
     from qnpu_jax.models.llama import token_nll
     from qnpu_jax.models.taps import tapped_token_nll
+    from qnpu_jax.studies import kernel_accuracy as ka
 
-    ka = load_script("kernel_accuracy")
     tokens = jax.random.randint(jax.random.key(3), (2, 40), 0, tiny_cfg.vocab_size, jnp.int32)
     ref = np.asarray(token_nll(tiny_params, tokens, cfg=tiny_cfg))
     taps = ka.KernelAttention(_attention)
@@ -381,3 +380,28 @@ def test_attention_hook_swaps_only_the_attention(tiny_cfg, tiny_params):
     assert np.array_equal(ours, ref)
     fp16 = np.asarray(ka.nll_fn(tiny_params, tiny_cfg, "fp16_lut", 16)(tokens))
     assert np.isfinite(fp16).all() and 0 < np.abs(fp16 - ref).max() < 0.05
+
+
+def test_kernel_accuracy_study_measures_the_kernels_on_a_real_model(two_layer_dir, tmp_path):
+    """`qnpu study kernel_accuracy`: every row paired with float32 on both texts; the tile-group
+    4-bit weights move the weights (and the NLL), the FP16 LUT-exp attention only the NLL."""
+    import json
+
+    from conftest import SHARED_DATA
+
+    from qnpu_jax.cli import main
+
+    report = tmp_path / "ka.json"
+    wikitext = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
+    args = ["study", "kernel_accuracy", "--model", str(two_layer_dir), "--windows", "1"]
+    args += ["--seq-len", "32", "--variants", "w4_tile,attn_fp16_lut", "--wikitext", str(wikitext)]
+    assert main([*args, "--json", str(report), "--no-progress"]) == 0
+    doc = json.loads(report.read_text())
+    assert doc["command"].startswith("qnpu study kernel_accuracy --model")
+    assert list(doc["variants"]) == ["float32", "w4_tile", "attn_fp16_lut"]
+    assert doc["forward_check"]["max_abs_nll_diff"] < 1e-4
+    tile, attn = doc["variants"]["w4_tile"], doc["variants"]["attn_fp16_lut"]
+    assert tile["weight_rel_sq_err"] > 0 and attn["weight_rel_sq_err"] is None
+    for row in (tile, attn):
+        assert set(row["delta_nll_vs_float32"]) == {"wiki", "wikitext2"}
+        assert row["ppl"]["wiki"] != doc["variants"]["float32"]["ppl"]["wiki"]

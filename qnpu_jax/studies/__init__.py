@@ -24,6 +24,7 @@ STUDIES = (
     "error_budget",
     "gptq_study",
     "init_study",
+    "kernel_accuracy",
     "mixed_precision_sweep",
     "op_gap",
     "outliers",

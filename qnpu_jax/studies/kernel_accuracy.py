@@ -20,7 +20,7 @@ Caveat: `smollm2-135m` is the dequantized Q4_1 GGUF, so its decoder weights alre
 than any other grouping; the shifted common groups (each straddles two Q4_1 groups) are the
 layout-neutral control for the tile-vs-common comparison.
 
-    python scripts/kernel_accuracy.py --json reports/kernel_accuracy.json
+    qnpu study kernel_accuracy --json reports/kernel_accuracy.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -41,8 +40,7 @@ import numpy as np
 
 from qnpu_jax.argtypes import comma_choices, positive_int
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
-from qnpu_jax.environment import environment_info, script_command
-from qnpu_jax.errors import QnpuError
+from qnpu_jax.environment import environment_info, study_command
 from qnpu_jax.eval import perplexity
 from qnpu_jax.files import check_writable, write_json_atomic
 from qnpu_jax.ir.graph import EMBED_TABLE, GRAPH, LM_HEAD, OpKind
@@ -63,8 +61,9 @@ from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, _attention, embed_rows, no_aux, no_tap, token_nll
 from qnpu_jax.models.load import load_model
 from qnpu_jax.models.taps import tapped_token_nll
+from qnpu_jax.studies import study_parser
+from qnpu_jax.studies.compare_methods import eval_specs
 
-WIKITEXT = Path(__file__).resolve().parents[1].parent / "shared/data/wikitext-2-raw/wiki.test.raw"
 SHIFT = 16  # the control's offset: half a group, so each group straddles two Q4_1 groups
 
 # name -> (weights, attention, description)
@@ -184,15 +183,26 @@ def paired(base: tuple[float, ...], other: tuple[float, ...]) -> dict[str, float
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser = study_parser(__name__, __doc__, json=True)
+    parser.add_argument("--model", default="smollm2-135m", help="the float model (a model spec)")
     parser.add_argument("--windows", type=positive_int, default=24, help="windows per set")
-    parser.add_argument("--seq-len", type=positive_int, default=512)
-    parser.add_argument("--wikitext", default=str(WIKITEXT), help="WikiText-2 raw test file")
-    parser.add_argument("--variants", type=comma_choices(tuple(VARIANTS)), default=tuple(VARIANTS))
-    parser.add_argument("--kv-block", type=positive_int, default=64, help="FP16 attention")
-    parser.add_argument("--json", type=Path, default=Path("reports/kernel_accuracy.json"))
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--seq-len", type=positive_int, default=512, help="tokens per window")
+    parser.add_argument(
+        "--wikitext",
+        default=None,
+        help="WikiText-2 raw test file (default: $QNPU_DATA_DIR/wikitext-2-raw/wiki.test.raw, "
+        "the `wikitext2` data spec)",
+    )
+    parser.add_argument(
+        "--variants",
+        type=comma_choices(tuple(VARIANTS)),
+        default=tuple(VARIANTS),
+        help="the rows to measure (comma-separated); float32 always runs",
+    )
+    parser.add_argument(
+        "--kv-block", type=positive_int, default=64, help="keys per block of the FP16 attention"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser.parse_args(argv)
 
 
@@ -220,21 +230,17 @@ def table(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
-    try:
-        check_writable(args.json)
-        model = load_model(args.model)
-        cfg, tok = model.config, model.tokenizer
-        texts = {
-            "wiki": load_documents("wiki", "eval"),
-            "wikitext2": load_documents(f"wikitext:{args.wikitext}"),
-        }
-        windows = {
-            k: eval_windows(tokenize_documents(d, tok), args.seq_len, args.windows)
-            for k, d in texts.items()
-        }
-    except QnpuError as e:
-        print(f"kernel_accuracy: error: {e}", file=sys.stderr)
-        return 2
+    check_writable(args.json)
+    model = load_model(args.model)
+    cfg, tok = model.config, model.tokenizer
+    texts = {
+        "wiki": load_documents("wiki", "eval"),
+        "wikitext2": load_documents(eval_specs(args)["wikitext2"]),
+    }
+    windows = {
+        k: eval_windows(tokenize_documents(d, tok), args.seq_len, args.windows)
+        for k, d in texts.items()
+    }
     report: dict[str, Any] = {
         "model": args.model,
         "seq_len": args.seq_len,
@@ -289,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     report["seconds"] = time.perf_counter() - started
     report["environment"] = environment_info()
-    report["command"] = script_command(__file__, argv)
+    report["command"] = study_command("kernel_accuracy", argv)
     write_json_atomic(args.json, report)
     print(table(report))
     return 0
