@@ -36,7 +36,7 @@ from qnpu_jax.ir.graph import (
     layer_widths,
 )
 from qnpu_jax.mesh import place_params
-from qnpu_jax.models.llama import Params
+from qnpu_jax.models.llama import Params, graph_of
 from qnpu_jax.models.taps import state_entry
 from qnpu_jax.pipeline.calibrate import calibrate as calibrate_state
 from qnpu_jax.pipeline.calibrate import channel_absmax, collect_activation_stats
@@ -343,6 +343,7 @@ def plan(
             down_in_bits=down_in_bits,
             rules=list(rules),
             simulation=simulation,
+            graph=graph_of(m.cfg),
         )
         return m.replace(plan=made, state=None, weight_codes=None), None
 
