@@ -360,6 +360,42 @@ def test_quantized_paths_refuse_gemma():
             step()
 
 
+def test_a_recipe_gemma_cannot_take_is_refused_before_the_load(
+    tiny_hf, tiny_cfg, tmp_path, capsys, monkeypatch
+):
+    """`qnpu quantize` reads the model's config alone first: a method whose steps fold or
+    rotate LLaMA's norms fails in seconds, before the weights load, and leaves no run."""
+    from qnpu_jax.cli import main
+    from qnpu_jax.pipeline import run as run_module
+    from qnpu_jax.pipeline.config import QuantizeConfig
+    from qnpu_jax.pipeline.recipes import for_config
+
+    directory = tiny_hf[0]
+    monkeypatch.setattr(run_module, "load_model", lambda spec: pytest.fail(f"loaded {spec}"))
+    for method, steps in (("quarot", "fuse_norms, hadamard_rotations"),
+                          ("mobilequant", "equalize, stage1")):  # fmt: skip
+        out = tmp_path / method
+        args = ["quantize", "--model", str(directory), "--method", method, "--out", str(out)]
+        args += ["--bits", "w4a8"]
+        assert main([*args, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert f"steps {steps} are not supported for gemma3 yet" in err, err
+        assert "--method rtn" in err and not out.exists()
+    rtn = QuantizeConfig.from_dict({"model": str(directory), "method": "rtn"})
+    for_config(rtn).check_graph(_gemma_cfg())  # plan, promote, calibrate: Gemma's graph
+    for_config(rtn.replace(method="quarot")).check_graph(tiny_cfg)  # LLaMA's graph
+    # what it may take runs through: the sensitivity scan's promotion, calibration, evaluation
+    monkeypatch.undo()
+    out = tmp_path / "rtn"
+    args = ["quantize", "--model", str(directory), "--method", "rtn", "--bits", "w4a8"]
+    sets = ["seq_len=32", "calib_windows=2", "eval_windows=2", "mixed_precision=0.5"]
+    assert main([*args, *(a for x in sets for a in ("--set", x)), "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["sensitivity"]["promoted_layers"]) == 3  # half of 6 layers
+    wiki = report["perplexity"]["wiki"]
+    assert np.isfinite(wiki["quantized_ppl"]) and wiki["quantized_ppl"] != wiki["float_ppl"]
+
+
 @pytest.mark.parametrize("simulation", ["fake", "device"])
 def test_sixteen_bit_fake_quant_equals_float_on_gemma3s_graph(simulation):
     """Plans, calibration and the tapped forward read Gemma 3's graph: its tensors (the GELU

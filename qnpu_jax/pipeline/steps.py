@@ -145,6 +145,11 @@ class Step:
         return new.record(self.name, self.args, info)
 
 
+# The steps that read only the model's own graph (its tensors and taps); the others fold,
+# rotate, smooth or train through LLaMA's norm -> linear pattern (`check_llama_graph`).
+ANY_GRAPH_STEPS = frozenset({"plan", "promote", "calibrate"})
+
+
 P = ParamSpec("P")
 
 
