@@ -441,8 +441,9 @@ def _gemma3_graph() -> Graph:
     return Graph(layer=layer, model=GRAPH.model)
 
 
-# Gemma 3 (text): the float forward, the params' layout and the HF names read it; nothing
-# quantized does yet (the module tables below are GRAPH's, LLaMA's semantics).
+# Gemma 3 (text): the float forward, the params' layout, the HF names, plans, calibration and
+# the fake-quant forward read it; the integer export, rotations and norm folding do not yet
+# (the module tables below are GRAPH's, LLaMA's semantics).
 GEMMA3_GRAPH = _gemma3_graph()
 # The graph of each architecture whose decoder layer is not GRAPH's (`models.llama.graph_of`).
 ARCHITECTURE_GRAPHS = {"gemma3": GEMMA3_GRAPH}

@@ -195,10 +195,8 @@ def _gemma3_fields(reader: Any, arch: str) -> dict[str, Any]:
     }
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
-    """Load a LLaMA/Qwen2/Qwen3 GGUF file as float32 params (quantized blocks dequantized)."""
-
-    path = Path(path)
+def _open_reader(path: Path) -> Any:
+    """The file's reader (metadata parsed, tensors memory-mapped, nothing dequantized)."""
     if not path.is_file():
         raise QnpuError(f"GGUF file {path} does not exist")
     size = path.stat().st_size
@@ -213,6 +211,19 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     if end > size:
         raise QnpuError(f"GGUF file {path} is truncated: {size} bytes, its tensors end at {end}")
+    return reader
+
+
+def gguf_config(path: Path) -> ModelConfig:
+    """The model's config from the file's metadata alone (no weight is read)."""
+    return gguf_model_config(_open_reader(Path(path)))
+
+
+def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
+    """Load a LLaMA/Qwen2/Qwen3 GGUF file as float32 params (quantized blocks dequantized)."""
+
+    path = Path(path)
+    reader = _open_reader(path)
     cfg = gguf_model_config(reader)
     # The tokenizer first: a file we cannot use fails before the slow dequantization.
     tokenizer = tokenizer_from_gguf_vocab(

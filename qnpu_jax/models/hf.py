@@ -215,13 +215,18 @@ def load_state_dict(directory: Path) -> dict[str, np.ndarray]:
     return state
 
 
-def load_hf_dir(directory: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
-    """Load a `save_pretrained` dir: config.json, safetensors (sharded too), tokenizer.json."""
+def hf_dir_config(directory: Path) -> ModelConfig:
+    """The model's config from the directory's config.json alone (no weight is read)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise QnpuError(f"model directory {directory} does not exist")
-    hf_config = _read_json(directory / "config.json")
-    cfg = ModelConfig.from_hf(hf_config)
+    return ModelConfig.from_hf(_read_json(directory / "config.json"))
+
+
+def load_hf_dir(directory: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
+    """Load a `save_pretrained` dir: config.json, safetensors (sharded too), tokenizer.json."""
+    directory = Path(directory)
+    cfg = hf_dir_config(directory)
     tokenizer = _load_tokenizer(directory, cfg)  # before the weights: fail fast
     return cfg, params_from_state_dict(load_state_dict(directory), cfg), tokenizer
 

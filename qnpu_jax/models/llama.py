@@ -485,15 +485,16 @@ def forward_tapped(
     attention = attention_kernel(taps)
     positions = start + jnp.broadcast_to(jnp.arange(t), (b, t))
     sliding = cfg.sliding_layers
-    if any(sliding) and (device or attention is not None):
+    if any(sliding) and attention is not None:
         raise QnpuError(
-            f"sliding-window attention ({cfg.architecture}) is not supported with the device "
-            "simulation or an attention kernel yet"
+            f"sliding-window attention ({cfg.architecture}) is not supported with an attention "
+            "kernel yet"
         )
-    cos, sin = rope_cos_sin(positions, cfg, cache["k"].shape[3] if device else None)
+    table_length = cache["k"].shape[3] if device else None
+    cos, sin = rope_cos_sin(positions, cfg, table_length)
     # Sliding layers (Gemma 3): their RoPE tables and window, selected per layer in the scan
     local = (
-        rope_cos_sin(positions, dataclasses.replace(cfg, rope=cfg.local_rope))
+        rope_cos_sin(positions, dataclasses.replace(cfg, rope=cfg.local_rope), table_length)
         if any(sliding)
         else None
     )

@@ -17,8 +17,14 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import current_umask
 from qnpu_jax.integrity import SHA256_HEX, file_sha256
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.gguf import load_gguf
-from qnpu_jax.models.hf import download_from_hub, is_hub_id, load_hf_dir, weight_files
+from qnpu_jax.models.gguf import gguf_config, load_gguf
+from qnpu_jax.models.hf import (
+    download_from_hub,
+    hf_dir_config,
+    is_hub_id,
+    load_hf_dir,
+    weight_files,
+)
 from qnpu_jax.models.tokenizer import Tokenizer
 
 # Built-in models: name -> (package that ships the file, file name inside it).
@@ -161,6 +167,18 @@ def resolve_model_spec(spec: str) -> tuple[str, Path | str]:
         f"unknown model {spec!r}: not a built-in name ({names}), "
         "an existing .gguf file or checkpoint directory, nor a hub id (org/name)"
     )
+
+
+def model_config(spec: str) -> ModelConfig | None:
+    """The config of the model `spec` names, read without its weights (a GGUF file's metadata,
+    a directory's config.json), so that a path it cannot take is refused before the load;
+    None for a hub id (its files are fetched by the load)."""
+    kind, where = resolve_model_spec(spec)
+    if kind == "gguf":
+        return gguf_config(Path(where))
+    if kind == "hf_dir":
+        return hf_dir_config(Path(where))
+    return None
 
 
 def load_model(spec: str) -> LoadedModel:

@@ -23,7 +23,6 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.ir.graph import (
     ATTENTION_TENSORS,
     EMBED_TABLE,
-    GRAPH,
     KV_TENSORS,
     PROBS,
     SHADOW_RANGE,
@@ -282,7 +281,7 @@ def tapped_forward(
     prefix: tuple[int, ...] = (),
     remat: bool = False,
     residual_rotation: jax.Array | None = None,
-    graph: Graph = GRAPH,
+    graph: Graph | None = None,
     teacher: Params | None = None,
     prefix_params: Params | None = None,
 ) -> tuple[jax.Array, Any]:
@@ -348,7 +347,7 @@ def tapped_token_nll(
     cfg: ModelConfig,
     taps: Any,
     prefix: tuple[int, ...] = (),
-    graph: Graph = GRAPH,
+    graph: Graph | None = None,
     prefix_params: Params | None = None,
 ) -> jax.Array:
     """Next-token NLL [B, T-1] of tokens[:, 1:] under `taps` (logits never leave the jit).
@@ -371,7 +370,7 @@ def tapped_nll_argmax(
     cfg: ModelConfig,
     taps: Any,
     prefix: tuple[int, ...] = (),
-    graph: Graph = GRAPH,
+    graph: Graph | None = None,
     prefix_params: Params | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """NLL of tokens[:, 1:] and the argmax prediction at each of those positions [B, T-1]."""

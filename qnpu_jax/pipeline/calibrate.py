@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.ir.graph import ATTENTION_TENSORS, EMBED_TABLE, GRAPH, Graph, layer_widths
+from qnpu_jax.ir.graph import ATTENTION_TENSORS, EMBED_TABLE, Graph, layer_widths
 from qnpu_jax.mesh import data_size, host_array, host_tree, local_value, put_batch, replicated
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params, lm_head_weight
@@ -105,7 +105,7 @@ def collect_activation_stats(
     batch_size: int = 1,
     progress: bool = False,
     prefix: tuple[int, ...] = (),
-    graph: Graph = GRAPH,
+    graph: Graph | None = None,
     mesh: Mesh | None = None,
     prefix_params: Params | None = None,
 ) -> dict[str, Any]:
@@ -398,7 +398,7 @@ def calibrate(
     batch_size: int | None = None,
     progress: bool = False,
     prefix: tuple[int, ...] = (),
-    graph: Graph = GRAPH,
+    graph: Graph | None = None,
     mesh: Mesh | None = None,
     prefix_params: Params | None = None,
 ) -> QuantState:

@@ -27,10 +27,13 @@ from qnpu_jax.ir.graph import (
     UNROTATED_INPUT,
     UNROTATED_OUTPUT,
 )
+from qnpu_jax.models.config import ModelConfig
+from qnpu_jax.models.llama import GRAPH, graph_of
 from qnpu_jax.pipeline.config import QuantizeConfig
 from qnpu_jax.pipeline.methods import SCALE_LEARNING_METHODS, check_recipes, method_spec
 from qnpu_jax.pipeline.quantized_model import QuantizedModel
 from qnpu_jax.pipeline.steps import (
+    ANY_GRAPH_STEPS,
     STAGE1_TENSORS,
     Calibration,
     Context,
@@ -63,6 +66,20 @@ class Recipe:
 
     def __len__(self) -> int:
         return len(self.steps)
+
+    def check_graph(self, cfg: ModelConfig) -> None:
+        """Refuse, before anything runs, a step that reads LLaMA's graph on a model of another
+        graph (each such step refuses too, but only once the model is loaded)."""
+        if graph_of(cfg) is GRAPH:
+            return
+        names = list(dict.fromkeys(s.name for s in self.steps if s.name not in ANY_GRAPH_STEPS))
+        if names:
+            steps = ", ".join(names)
+            generic = ", ".join(sorted(ANY_GRAPH_STEPS))
+            raise QnpuError(
+                f"steps {steps} are not supported for {cfg.architecture} yet: a recipe on its "
+                f"graph runs {generic} only (--method rtn)"
+            )
 
     def __call__(
         self,

@@ -57,8 +57,8 @@ from qnpu_jax.ir.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
 from qnpu_jax.mesh import check_batch, is_primary, make_mesh, place_params, sync
 from qnpu_jax.mesh import describe as describe_mesh
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import Params, check_llama_graph
-from qnpu_jax.models.load import load_model
+from qnpu_jax.models.llama import Params
+from qnpu_jax.models.load import load_model, model_config
 from qnpu_jax.models.taps import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline.config import QuantizeConfig, read_run_config
 from qnpu_jax.pipeline.methods import method_spec
@@ -313,9 +313,12 @@ def _read_inputs(config: QuantizeConfig, recipe: Recipe, say: Callable[[str], No
     mesh = make_mesh(config.mesh)
     if any(s.name == "stage1" for s in recipe):  # before anything expensive runs
         check_batch(mesh, config.stage1.batch_size, "stage1.batch_size")
+    peeked = model_config(config.model)  # the metadata only: a recipe it cannot take fails now
+    if peeked is not None:
+        recipe.check_graph(peeked)
     loaded = load_model(config.model)
     cfg = loaded.config
-    check_llama_graph(cfg, "quantization")
+    recipe.check_graph(cfg)
     prefix = sink_prefix(config.prefix, loaded.tokenizer)
     eval_sets = evaluation_sets(config, loaded.tokenizer, cfg.max_position_embeddings - len(prefix))
     try:

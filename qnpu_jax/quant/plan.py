@@ -22,6 +22,7 @@ import numpy as np
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.fieldtypes import check_field_types
 from qnpu_jax.ir.graph import (
+    ARCHITECTURE_GRAPHS,
     CHANNEL_INPUTS,
     EMBED_TABLE,
     GRAPH,
@@ -241,8 +242,9 @@ class QuantPlan:
         return dataclasses.replace(self, entries=tuple(entries))
 
     def to_dict(self) -> dict[str, object]:
-        """JSON-ready form; `QuantPlan.from_dict` reads it back to an equal plan."""
-        return {
+        """JSON-ready form; `QuantPlan.from_dict` reads it back to an equal plan. The graph is
+        named by its architecture where it is not GRAPH (plans of GRAPH read as before)."""
+        out: dict[str, object] = {
             "num_layers": self.num_layers,
             "simulation": self.simulation,
             "tensors": {
@@ -253,14 +255,30 @@ class QuantPlan:
                 for path, tq in self.entries
             },
         }
+        names = [a for a, g in ARCHITECTURE_GRAPHS.items() if g is self.graph]
+        if self.graph is not GRAPH:
+            if not names:
+                raise QnpuError("a plan over a graph of no architecture cannot be written")
+            out["graph"] = names[0]
+        return out
 
     @classmethod
     def from_dict(cls, data: object) -> QuantPlan:
-        # plans written before `simulation` existed have no such key: they were "fake"
-        if not isinstance(data, dict) or set(data) - {"simulation"} != {"num_layers", "tensors"}:
+        # plans written before `simulation` existed have no such key: they were "fake"; a
+        # plan of GRAPH has no "graph"
+        optional = {"simulation", "graph"}
+        if not isinstance(data, dict) or set(data) - optional != {"num_layers", "tensors"}:
             raise QnpuError(
-                "a plan is a mapping with keys 'num_layers', 'tensors' and 'simulation'"
+                "a plan is a mapping with keys 'num_layers', 'tensors', 'simulation' and "
+                "(another architecture's) 'graph'"
             )
+        graph = GRAPH
+        if "graph" in data:
+            if data["graph"] not in ARCHITECTURE_GRAPHS:
+                raise QnpuError(
+                    f"plan 'graph' {data['graph']!r} is not one of {sorted(ARCHITECTURE_GRAPHS)}"
+                )
+            graph = ARCHITECTURE_GRAPHS[data["graph"]]
         tensors = data["tensors"]
         if not isinstance(tensors, dict):
             raise QnpuError("plan 'tensors' must map tensor paths to their quantization")
@@ -270,7 +288,9 @@ class QuantPlan:
             if not isinstance(tq, dict) or set(tq) - fields:
                 raise QnpuError(f"plan entry {path!r}: keys must be among {sorted(fields)}")
             entries.append((path, TensorQuant(**tq)))
-        return cls(tuple(entries), data["num_layers"], simulation=data.get("simulation", "fake"))
+        return cls(
+            tuple(entries), data["num_layers"], graph, simulation=data.get("simulation", "fake")
+        )
 
     def apply(self, rules: Iterable[QuantRule]) -> QuantPlan:
         """A new plan with `rules` applied in order; a rule matching nothing is an error."""
