@@ -198,16 +198,15 @@ class QuantizedModel(struct.PyTreeNode):
         """tokens [B, T] -> next-token NLL [B, T-1] of the static fake-quant model (the float
         model while there is no state), with the params placed on `mesh` (if any). The sink
         prefix runs on `prefix_params()` where those differ."""
-        taps = FakeQuantTaps(self.require_plan()) if self.state is not None else None
-        prefix_params = self.prefix_params()
-        return partial(
-            tapped_token_nll,
-            place_params(mesh, self.params()),
+        plan = self.require_plan() if self.state is not None else None
+        return static_nll_fn(
+            self.params(),
             self.state,
-            cfg=self.cfg,
-            taps=taps,
-            prefix=self.prefix,
-            prefix_params=None if prefix_params is None else place_params(mesh, prefix_params),
+            plan,
+            self.cfg,
+            self.prefix,
+            mesh=mesh,
+            prefix_params=self.prefix_params(),
         )
 
     def perplexity(self, windows: np.ndarray, *, progress: bool = False) -> dict[str, Any]:
@@ -346,6 +345,30 @@ def base_fingerprint(params: Params, cfg: ModelConfig) -> str | None:
         crc = zlib.crc32(a.view(np.uint8).reshape(-1).data) if a.size else 0
         parts.append(f"{jax.tree_util.keystr(path)} {a.dtype} {a.shape} {crc:08x}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def static_nll_fn(
+    params: Params,
+    state: QuantState | None,
+    plan: QuantPlan | None,
+    cfg: ModelConfig,
+    prefix: tuple[int, ...],
+    *,
+    mesh: Mesh | None = None,
+    prefix_params: Params | None = None,
+) -> Any:
+    """tokens [B, T] -> next-token NLL [B, T-1] of the static fake-quant model of `plan` and
+    `state` (`plan` None: the float model), with the params placed on `mesh` (if any). The
+    sink prefix runs on `prefix_params` where not None (a model with GPTQ's codes)."""
+    return partial(
+        tapped_token_nll,
+        place_params(mesh, params),
+        state,
+        cfg=cfg,
+        taps=None if plan is None else FakeQuantTaps(plan),
+        prefix=prefix,
+        prefix_params=None if prefix_params is None else place_params(mesh, prefix_params),
+    )
 
 
 def nll_perplexity(

@@ -54,15 +54,21 @@ from qnpu_jax.files import (
     write_json_atomic,
 )
 from qnpu_jax.ir.graph import UNROTATED_INPUT, UNROTATED_OUTPUT
-from qnpu_jax.mesh import check_batch, is_primary, make_mesh, place_params, sync
+from qnpu_jax.mesh import check_batch, is_primary, make_mesh, sync
 from qnpu_jax.mesh import describe as describe_mesh
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
 from qnpu_jax.models.load import load_model, model_config
-from qnpu_jax.models.taps import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
+from qnpu_jax.models.taps import QuantState, sink_prefix
 from qnpu_jax.pipeline.config import QuantizeConfig, read_run_config
 from qnpu_jax.pipeline.methods import method_spec
-from qnpu_jax.pipeline.quantized_model import QuantizedModel, StepRecord, assemble, nll_perplexity
+from qnpu_jax.pipeline.quantized_model import (
+    QuantizedModel,
+    StepRecord,
+    assemble,
+    nll_perplexity,
+    static_nll_fn,
+)
 from qnpu_jax.pipeline.recipes import Recipe, config_keys, for_config
 from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.pipeline.run_manifest import seal_run, unseal_run, verify_run
@@ -107,15 +113,8 @@ def evaluate(
     `mesh` with the params sharded and the windows split along its data axis.
     `prefix_params`: what the sink prefix runs on where not `params`
     (`QuantizedModel.prefix_params`: a model with GPTQ's codes)."""
-    taps = FakeQuantTaps(plan) if plan is not None else None
-    nll = partial(
-        tapped_token_nll,
-        place_params(mesh, params),
-        state,
-        cfg=cfg,
-        taps=taps,
-        prefix=prefix,
-        prefix_params=None if prefix_params is None else place_params(mesh, prefix_params),
+    nll = static_nll_fn(
+        params, state, plan, cfg, prefix, mesh=mesh, prefix_params=prefix_params
     )
     return nll_perplexity(nll, windows, mesh=mesh)
 
