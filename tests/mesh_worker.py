@@ -18,7 +18,13 @@ from qnpu_jax.pipeline.config import QuantizeConfig
 from qnpu_jax.pipeline.mixed_precision import tensor_sensitivity
 from qnpu_jax.pipeline.quantized_model import nll_perplexity, save_learned
 from qnpu_jax.pipeline.recipes import config_stage1_plan
-from qnpu_jax.pipeline.stage1 import Stage1Config, init_train_state, run_stage1, step_batch
+from qnpu_jax.pipeline.stage1 import (
+    Stage1Config,
+    Stage1Problem,
+    init_train_state,
+    run_stage1,
+    step_batch,
+)
 from qnpu_jax.quant import default_plan
 from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
 
@@ -45,10 +51,12 @@ def main(workdir: Path) -> None:
 
     def stage1(mesh_shape, run_dir, stop_after=None):
         mesh = make_mesh(MeshConfig(data=mesh_shape[0], fsdp=mesh_shape[1]))
-        return run_stage1(
-            init_train_state(r1, r2, reference_state, plan, config),
+        problem = Stage1Problem(
             cfg=cfg, plan=plan, config=config, base_params=params,
             frozen_state=reference_state, calib_ids=ids, seq_len=32, key=jax.random.key(9),
+        )  # fmt: skip
+        return run_stage1(
+            init_train_state(r1, r2, reference_state, plan, config), problem,
             run_dir=run_dir, progress=False, mesh=mesh, stop_after=stop_after,
         )  # fmt: skip
 

@@ -15,6 +15,7 @@ from qnpu_jax.pipeline.config import QuantizeConfig
 from qnpu_jax.pipeline.recipes import config_stage1_plan as stage1_plan
 from qnpu_jax.pipeline.stage1 import (
     Stage1Config,
+    Stage1Problem,
     init_train_state,
     learnable_scales,
     learned_scales,
@@ -88,11 +89,12 @@ def test_train_step_lowers_the_loss_and_keeps_rotations_orthogonal(tiny_cfg, set
 def _run(tiny_cfg, setup, config, run_dir, seed=9, **kw):
     """run_stage1 from the setup's start, data order `seed`, writing `run_dir`."""
     ids, fused, r1, r2, plan, state = setup
-    return run_stage1(
-        init_train_state(r1, r2, state, plan, config), cfg=tiny_cfg, plan=plan, config=config,
-        base_params=fused, frozen_state=state, calib_ids=ids, seq_len=16,
-        key=jax.random.key(seed), progress=False, run_dir=run_dir, **kw,
+    problem = Stage1Problem(
+        cfg=tiny_cfg, plan=plan, config=config, base_params=fused, frozen_state=state,
+        calib_ids=ids, seq_len=16, key=jax.random.key(seed),
     )  # fmt: skip
+    start = init_train_state(r1, r2, state, plan, config)
+    return run_stage1(start, problem, progress=False, run_dir=run_dir, **kw)
 
 
 def _whole_killed_resumed(tiny_cfg, setup, config, tmp_path, seed=9, whole=None):

@@ -574,24 +574,71 @@ def _trim_metrics(path: Path, last_step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Stage1Problem:
+    """What stage 1 trains and on what: the model config, the stage-1 plan, the schedule, the
+    frozen base params and quantizer state the train state is applied to, the sink prefix,
+    and the calibration token ids that `step_batch` draws each step's windows of `seq_len`
+    from with `key`."""
+
+    cfg: ModelConfig
+    plan: QuantPlan
+    config: Stage1Config
+    base_params: Params
+    frozen_state: QuantState
+    calib_ids: np.ndarray
+    seq_len: int
+    key: jax.Array
+    prefix: tuple[int, ...] = ()
+
+
+def _on_mesh(
+    mesh: Mesh, train_state: dict[str, Any], problem: Stage1Problem
+) -> tuple[dict[str, Any], Stage1Problem]:
+    """The train state, base params and frozen state placed by `step_shardings`."""
+    check_batch(mesh, problem.config.batch_size, "stage 1 batch_size")
+    like = (train_state, problem.base_params, problem.frozen_state)
+    (state_sh, _, base_sh, frozen_sh), _ = step_shardings(mesh, *like)
+    placed = dataclasses.replace(
+        problem,
+        base_params=place(problem.base_params, base_sh),
+        frozen_state=place(problem.frozen_state, frozen_sh),
+    )
+    return place(train_state, state_sh), placed
+
+
+def _restored(manager: Any, train_state: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """The latest checkpoint in `run_dir` restored into `train_state`'s shardings (and the
+    metrics trimmed to it), or `train_state` with no metrics where there is none."""
+    metrics_path = run_dir / RunDir.STAGE1_METRICS
+    latest = manager.latest_step()
+    if latest is None:
+        if is_primary() and metrics_path.exists():
+            metrics_path.unlink()
+        return train_state
+    try:
+        restored = manager.restore(latest, args=ocp.args.StandardRestore(train_state))
+    except Exception as e:  # orbax/tensorstore raise many types; all mean "unreadable"
+        raise QnpuError(
+            f"{run_dir / RunDir.STAGE1_CHECKPOINTS / str(latest)}: cannot restore the "
+            f"stage-1 checkpoint ({first_line(e)}); delete that step's folder to resume from "
+            "the one before"
+        ) from e
+    if is_primary():
+        _trim_metrics(metrics_path, latest)
+    return restored
+
+
 def run_stage1(
     train_state: dict[str, Any],
+    problem: Stage1Problem,
     *,
-    cfg: ModelConfig,
-    plan: QuantPlan,
-    config: Stage1Config,
-    base_params: Params,
-    frozen_state: QuantState,
-    calib_ids: np.ndarray,
-    seq_len: int,
-    key: jax.Array,
     run_dir: Path,
-    prefix: tuple[int, ...] = (),
     progress: bool = True,
     stop_after: int | None = None,
     mesh: Mesh | None = None,
 ) -> dict[str, Any]:
-    """Train to `config.steps`, checkpointing every `checkpoint_every` steps in
+    """Train `problem` to its `config.steps`, checkpointing every `checkpoint_every` steps in
     run_dir/checkpoints and appending per-step metrics to run_dir/metrics.jsonl (the names
     `RunDir` gives stage 1's work directory, a run's stage1/).
 
@@ -607,17 +654,13 @@ def run_stage1(
     """
 
     if mesh is not None:
-        check_batch(mesh, config.batch_size, "stage 1 batch_size")
-        like = (train_state, base_params, frozen_state)
-        (state_sh, _, base_sh, frozen_sh), _ = step_shardings(mesh, *like)
-        train_state = place(train_state, state_sh)
-        base_params = place(base_params, base_sh)
-        frozen_state = place(frozen_state, frozen_sh)
-
+        train_state, problem = _on_mesh(mesh, train_state, problem)
+    config, base, frozen = problem.config, problem.base_params, problem.frozen_state
+    calib_ids = problem.calib_ids
     selecting = config.select_every > 0
     if selecting:
-        calib_ids, held_out = held_out_split(calib_ids, seq_len, config.select_windows)
-        score_fn = make_held_out_score(cfg, plan, config, prefix)
+        calib_ids, held_out = held_out_split(calib_ids, problem.seq_len, config.select_windows)
+        score_fn = make_held_out_score(problem.cfg, problem.plan, config, problem.prefix)
         held = jnp.asarray(held_out)
         train_state = {
             **train_state,
@@ -629,7 +672,7 @@ def run_stage1(
         }
 
     def select(state: dict[str, Any]) -> tuple[dict[str, Any], float]:
-        loss = float(host_array(score_fn(state["params"], held, base_params, frozen_state)))
+        loss = float(host_array(score_fn(state["params"], held, base, frozen)))
         if not loss < float(host_array(state["best"]["loss"])):
             return state, loss
         best = {"params": state["params"], "loss": jnp.float32(loss), "step": state["step"]}
@@ -638,23 +681,11 @@ def run_stage1(
     manager = _checkpoint_manager(run_dir / RunDir.STAGE1_CHECKPOINTS, config)
     metrics_path = run_dir / RunDir.STAGE1_METRICS
     primary = is_primary()  # one process writes the metrics (orbax coordinates the rest)
-    latest = manager.latest_step()
-    if latest is not None:
-        try:
-            train_state = manager.restore(latest, args=ocp.args.StandardRestore(train_state))
-        except Exception as e:  # orbax/tensorstore raise many types; all mean "unreadable"
-            raise QnpuError(
-                f"{run_dir / RunDir.STAGE1_CHECKPOINTS / str(latest)}: cannot restore the "
-                f"stage-1 checkpoint ({first_line(e)}); delete that step's folder to resume from "
-                "the one before"
-            ) from e
-        if primary:
-            _trim_metrics(metrics_path, latest)
-    elif primary and metrics_path.exists():
-        metrics_path.unlink()
+    train_state = _restored(manager, train_state, run_dir)
     step_fn = make_train_step(
-        cfg, plan, config, prefix, mesh=mesh, like=(train_state, base_params, frozen_state)
-    )
+        problem.cfg, problem.plan, config, problem.prefix, mesh=mesh,
+        like=(train_state, base, frozen),
+    )  # fmt: skip
     batch_in = batch_sharding(mesh, 3, axis=1) if mesh is not None else None
     start = int(train_state["step"])
     if selecting and start == 0:
@@ -665,9 +696,9 @@ def run_stage1(
     try:
         for step in range(start, config.steps):
             t0 = time.perf_counter()
-            windows = step_batch(calib_ids, step, config, seq_len, key)
+            windows = step_batch(calib_ids, step, config, problem.seq_len, problem.key)
             batch = jax.device_put(windows, batch_in) if batch_in else jnp.asarray(windows)
-            train_state, metrics = step_fn(train_state, batch, base_params, frozen_state)
+            train_state, metrics = step_fn(train_state, batch, base, frozen)
             values = {k: float(host_array(v)) for k, v in metrics.items()}
             if not np.isfinite(values["loss"]):
                 raise QnpuError(f"stage 1: non-finite loss at step {step + 1}")

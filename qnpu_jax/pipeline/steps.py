@@ -46,6 +46,7 @@ from qnpu_jax.pipeline.quantized_model import QuantizedModel
 from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.pipeline.stage1 import (
     Stage1Config,
+    Stage1Problem,
     clip_logits,
     clipped_weight_scales,
     init_train_state,
@@ -451,8 +452,7 @@ def stage1(
             start = init_train_state(
                 t.r1, t.r2, s1_state, s1_plan, config, equalization=t.equalization, clip=clip
             )
-            trained = run_stage1(
-                start,
+            problem = Stage1Problem(
                 cfg=m.cfg,
                 plan=s1_plan,
                 config=config,
@@ -461,10 +461,10 @@ def stage1(
                 calib_ids=data.ids,
                 seq_len=data.seq_len,
                 key=key,
-                run_dir=workdir,
                 prefix=m.prefix,
-                progress=ctx.progress,
-                mesh=ctx.mesh,
+            )
+            trained = run_stage1(
+                start, problem, run_dir=workdir, progress=ctx.progress, mesh=ctx.mesh
             )
         learned = trained["params"]
         scales = learned_scales(learned["scales"], config.scale_param) if learn_scales else None
