@@ -1,10 +1,10 @@
 """A cost model of a quantization plan on a mobile NPU: exact counts per op, and a latency
 estimate that is a MODEL, not a measurement.
 
-Counts (`plan_costs`), op by op of the integer graph (`ir.graph.GRAPH`) at the plan's
-bit-widths, layer by layer (promoted layers included): MACs by operand precision pair ("A8W4":
-8-bit activations times 4-bit weights; "A16A8": 16-bit probabilities times 8-bit V; "F" for a
-tensor the plan keeps in float), bytes of weights, activations and KV cache moved, LUT
+Counts (`plan_costs`), op by op of the model's graph (`ir.graph.GRAPH`; Gemma 3's) at the
+plan's bit-widths, layer by layer (promoted layers included): MACs by operand precision pair
+("A8W4": 8-bit activations times 4-bit weights; "A16A8": 16-bit probabilities times 8-bit V;
+"F" for a tensor the plan keeps in float), bytes of weights, activations and KV cache moved, LUT
 lookups, requantizations, and the work that runs off the NPU (MACs on the CPU and the
 synchronizations they need).
 
@@ -28,7 +28,6 @@ from typing import Any
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.ir.graph import (
-    GRAPH,
     MODEL_ONLY_KINDS,
     UNROTATED_INPUT,
     UNROTATED_OUTPUT,
@@ -38,7 +37,7 @@ from qnpu_jax.ir.graph import (
     layer_widths,
 )
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import check_llama_graph
+from qnpu_jax.models.llama import graph_of
 from qnpu_jax.pipeline.config import load_config
 from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits
 from qnpu_jax.pipeline.recipes import build_plan
@@ -61,25 +60,55 @@ ANCHOR_W8A8_DECODE_S = 0.042
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """A pass of the model: `tokens` queries, `key_visits` the keys they attend to summed over
-    them (causal), `kv_reads` the cache positions read (once per chunk in prefill, per step in
-    decode), `weight_reads` how many times every weight is read (chunks, or decode steps),
-    `logit_tokens` the positions lm_head runs on (generation needs the prompt's last one)."""
+    """A pass of the model: `tokens` queries at positions `first`, `first` + 1, ... (the
+    positions before are cached), run `chunk` queries at a time (1: decode steps), lm_head on
+    `logit_tokens` of them (generation needs the prompt's last one). The attention's counts
+    (`key_visits`, `kv_reads`; `window`: a sliding layer's) and how often every weight is
+    read (`weight_reads`: once per chunk) follow from these."""
 
     name: str
     tokens: int
-    key_visits: int
-    kv_reads: int
-    weight_reads: int
+    first: int
+    chunk: int
     logit_tokens: int
 
     def __post_init__(self) -> None:
-        counts = (self.tokens, self.key_visits, self.kv_reads, self.weight_reads)
-        if min(*counts, self.logit_tokens) < 1 or self.logit_tokens > self.tokens:
-            raise QnpuError(
-                f"phase {self.name}: every count must be at least 1 and lm_head runs on at "
-                "most every token"
-            )
+        if min(self.tokens, self.chunk, self.logit_tokens) < 1 or self.first < 0:
+            raise QnpuError(f"phase {self.name}: every count must be at least 1")
+        if self.logit_tokens > self.tokens:
+            raise QnpuError(f"phase {self.name}: lm_head runs on at most every token")
+
+    def _chunks(self) -> list[tuple[int, int]]:
+        """Each pass's queries as [start, end) positions."""
+        starts = range(self.first, self.first + self.tokens, self.chunk)
+        return [(s, min(s + self.chunk, self.first + self.tokens)) for s in starts]
+
+    @property
+    def weight_reads(self) -> int:
+        return len(self._chunks())
+
+    def key_visits(self, window: int | None = None) -> int:
+        """The keys the queries attend to, summed over them: the query at position p sees
+        p + 1 keys (causal), or at most `window`."""
+        a, b = self.first + 1, self.first + self.tokens  # sum of min(k, window), k in [a, b]
+        w = b if window is None else window
+        low_end = min(b, w)
+        low = (a + low_end) * (low_end - a + 1) // 2 if a <= low_end else 0
+        return low + max(0, b - max(a, w + 1) + 1) * w
+
+    def kv_reads(self, window: int | None = None) -> int:
+        """The cache positions read, once per pass: those up to the pass's last query,
+        from the first one that any of its queries sees."""
+        w = None if window is None else window - 1
+        return sum(e - (0 if w is None else max(0, s - w)) for s, e in self._chunks())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(self),
+            "key_visits": self.key_visits(),
+            "kv_reads": self.kv_reads(),
+            "weight_reads": self.weight_reads,
+        }
 
 
 def _positive(name: str, value: int, least: int = 1) -> None:
@@ -97,10 +126,7 @@ def prefill(
     _positive("prefix", prefix, 0)
     step = tokens if chunk is None else chunk
     _positive("chunk", step)
-    ends = [min(s + step, tokens) for s in range(0, tokens, step)]
-    visits = tokens * prefix + tokens * (tokens + 1) // 2
-    kv_reads = sum(prefix + e for e in ends)
-    return Phase("prefill", tokens, visits, kv_reads, len(ends), tokens if all_logits else 1)
+    return Phase("prefill", tokens, prefix, step, tokens if all_logits else 1)
 
 
 def decode(prompt: int, steps: int, prefix: int = 0) -> Phase:
@@ -109,8 +135,7 @@ def decode(prompt: int, steps: int, prefix: int = 0) -> Phase:
     _positive("prompt", prompt, 0)
     _positive("decode steps", steps)
     _positive("prefix", prefix, 0)
-    visits = steps * (prefix + prompt) + steps * (steps + 1) // 2
-    return Phase("decode", steps, visits, visits, steps, steps)
+    return Phase("decode", steps, prefix + prompt, 1, steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +174,11 @@ def _size(bits: int | None) -> float:
 
 
 def _check_plan(plan: QuantPlan, cfg: ModelConfig) -> None:
-    if plan.graph is not GRAPH:
-        raise QnpuError("the cost model counts the shipped graph's ops; this plan has another")
+    if plan.graph is not graph_of(cfg):
+        raise QnpuError(
+            f"the plan is over another graph than the model's ({cfg.architecture}): the cost "
+            "model counts the model's own ops"
+        )
     if plan.num_layers != cfg.num_layers:
         raise QnpuError(f"the plan has {plan.num_layers} layers, the model config {cfg.num_layers}")
 
@@ -179,7 +207,7 @@ def _cost_linear(c: _LayerCost, op: Op, ins: list[int | None], o: int | None) ->
     source = c.plan.get(f"layers/{op.ins[0]}")
     hot = source.shadow_channels[layer] if source and source.shadow_channels else ()
     if hot:  # mllm-NPU: the overflow of the hot channels, on the CPU, merged back
-        moved = _shadow_bytes(op.ins[0], len(hot), widths, width, o, layer, t, c.act_bits)
+        moved = _shadow_bytes(c, op.ins[0], len(hot), width, o)
         cost = dataclasses.replace(cost, cpu_macs=t * len(hot) * width, syncs=1, cross_bytes=moved)
     aux = source.muxq_channels[layer] if source and source.muxq_channels else ()
     if aux:  # MUXQ: the Aux matmul of the outlier channels, on the NPU
@@ -232,25 +260,25 @@ check_handlers(LAYER_COSTS, "the cost model (layer ops)", MODEL_ONLY_KINDS)
 def plan_costs(plan: QuantPlan, cfg: ModelConfig, phase: Phase) -> tuple[OpCost, ...]:
     """Every op's counts in `phase`, layer ops first (layer by layer, graph order), then the
     model's (embedding, final norm, lm_head)."""
-    check_llama_graph(cfg, "the cost model")
     _check_plan(plan, cfg)
-    widths = layer_widths(cfg.dims)
+    graph = plan.graph
+    widths = layer_widths(cfg.dims, graph)
     t = phase.tokens
-    layer_input = GRAPH.layer_input
-    embed_op, _, norm_op, head_op = GRAPH.model
+    layer_input = graph.layer_input
+    embed_op, _, norm_op, head_op = graph.model
     assert embed_op.out is not None and norm_op.out is not None
 
     def act_bits(name: str, layer: int) -> int | None:
         if name == layer_input:  # the previous layer's output, or the embedding's
             if layer == 0:
                 return _bits(plan.get(embed_op.out.name), 0)  # type: ignore[union-attr]
-            return act_bits(GRAPH.layer[-1].out_name, layer - 1)
+            return act_bits(graph.layer[-1].out_name, layer - 1)
         return _bits(plan.get(f"layers/{name}"), layer)
 
     out: list[OpCost] = []
     for layer in range(cfg.num_layers):
         c = _LayerCost(plan, cfg, phase, widths, act_bits, layer)
-        for op in GRAPH.layer:
+        for op in graph.layer:
             ins = [act_bits(n, layer) for n in op.ins]
             out.append(LAYER_COSTS[op.kind](c, op, ins, act_bits(op.out_name, layer)))
     # the model's ops: embedding rows gathered, the final norm, lm_head
@@ -270,7 +298,7 @@ def plan_costs(plan: QuantPlan, cfg: ModelConfig, phase: Phase) -> tuple[OpCost,
         )
     )
     n = phase.logit_tokens  # the final norm and lm_head run where logits are needed
-    last = act_bits(GRAPH.layer[-1].out_name, cfg.num_layers - 1)
+    last = act_bits(graph.layer[-1].out_name, cfg.num_layers - 1)
     n_out = _bits(plan.get(norm_op.out.name), 0)
     out.append(
         OpCost(
@@ -333,7 +361,8 @@ def _attention_cost(
     s = _bits(plan.get(f"layers/{scores_t.name}"), layer)
     p = _bits(plan.get(f"layers/{probs_t.name}"), layer)
     hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    visits = phase.key_visits * hq  # one score (and one probability) per head and key
+    window = cfg.sliding_window if cfg.sliding_layers[layer] else None
+    visits = phase.key_visits(window) * hq  # one score (and one probability) per head and key
     macs = {f"A{_label(q)}A{_label(k)}": visits * hd}
     pv = f"A{_label(p)}A{_label(v)}"
     macs[pv] = macs.get(pv, 0) + visits * hd
@@ -344,35 +373,27 @@ def _attention_cost(
         OpKind.ATTENTION,
         macs,
         act_bytes=t * hq * hd * (_size(q) + _size(o)) + visits * (_size(s) + _size(p)),
-        kv_bytes=phase.kv_reads * hkv * hd * (_size(k) + _size(v)),
+        kv_bytes=phase.kv_reads(window) * hkv * hd * (_size(k) + _size(v)),
         lut_lookups=visits,  # the exp table
         requants=visits * (s is not None) + t * hq * hd * (o is not None),
     )
 
 
-def _shadow_bytes(
-    x: str,
-    hot: int,
-    widths: Mapping[str, int],
-    width: int,
-    out_bits: int | None,
-    layer: int,
-    t: int,
-    act_bits: Any,
-) -> float:
+def _shadow_bytes(c: _LayerCost, x: str, hot: int, width: int, out_bits: int | None) -> float:
     """Bytes a shadow path moves for `t` tokens, as the ONNX export lays it out: to the CPU
     what it recomputes the hot channels of linear input `x` from (the Mul's two inputs on
     those channels; a norm's whole input row) and the NPU's int32 accumulator [t, width];
     back to the NPU the linear's output codes (linears sharing `x` count its inputs each)."""
-    producer = next(op for op in GRAPH.layer if op.out_name == x)
+    graph, widths, layer = c.plan.graph, c.widths, c.layer
+    producer = next(op for op in graph.layer if op.out_name == x)
     width = next(
-        widths[op.out_name] for op in GRAPH.layer if op.kind == OpKind.LINEAR and op.ins[0] == x
+        widths[op.out_name] for op in graph.layer if op.kind == OpKind.LINEAR and op.ins[0] == x
     )
     if producer.kind == OpKind.MUL:
-        inputs = sum(hot * (act_bits(n, layer) or 32) for n in producer.ins) / 8
+        inputs = sum(hot * (c.act_bits(n, layer) or 32) for n in producer.ins) / 8
     else:
-        inputs = widths[producer.ins[0]] * (act_bits(producer.ins[0], layer) or 32) / 8
-    return t * (inputs + width * 4 + width * (out_bits or 32) / 8)
+        inputs = widths[producer.ins[0]] * (c.act_bits(producer.ins[0], layer) or 32) / 8
+    return c.phase.tokens * (inputs + width * 4 + width * (out_bits or 32) / 8)
 
 
 def totals(costs: Iterable[OpCost]) -> dict[str, Any]:
@@ -458,7 +479,7 @@ def latency(costs: Iterable[OpCost], device: DeviceModel, num_linears: int) -> d
 
 def num_linears(cfg: ModelConfig) -> int:
     """The linears of the model (layers' and lm_head): what a shadow path could attach to."""
-    return cfg.num_layers * len(GRAPH.ops(OpKind.LINEAR)) + 1
+    return cfg.num_layers * len(graph_of(cfg).ops(OpKind.LINEAR)) + 1
 
 
 def _solve(f: Any, target: float, lo: float, hi: float) -> float:
@@ -531,7 +552,7 @@ def phase_report(
     costs = plan_costs(plan, cfg, phase)
     sums = totals(costs)
     lat = {k: latency(costs, d, num_linears(cfg)) for k, d in readings.items()}
-    return {"phase": dataclasses.asdict(phase), **sums, "latency": lat}
+    return {"phase": phase.to_json(), **sums, "latency": lat}
 
 
 # the plan `qnpu cost` prices: a finished run's, or the one a config's recipe ends with
@@ -596,7 +617,7 @@ def config_plan(
         tensor: mixed_layer_bits(ranked, share, base_bits(tensor))
         for tensor, share in loaded.promoted().items()
     }
-    plan = build_plan(loaded, n, promoted)
+    plan = build_plan(loaded, n, promoted, graph=graph_of(cfg))
     where = f"config {config}" if config else "the default config"
     what = f"{where} ({loaded.method} {loaded.bits.name})"
     if loaded.outliers.shadow_clip is not None or loaded.outliers.muxq_exp is not None:

@@ -11,6 +11,7 @@ from qnpu_jax import cost
 from qnpu_jax.cli import main
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.memory_plan import model_architecture
+from qnpu_jax.models.llama import graph_of
 from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.quant.plan import QuantRule, default_plan
 
@@ -25,16 +26,74 @@ def _layer(costs: tuple[cost.OpCost, ...], layer: int) -> list[cost.OpCost]:
 
 def test_phases_count_causal_key_visits_and_reads():
     p = cost.prefill(10, chunk=4, prefix=2)
-    assert p.key_visits == sum(2 + i for i in range(1, 11))
-    assert p.kv_reads == (2 + 4) + (2 + 8) + (2 + 10)  # the cache up to each chunk's end
+    assert p.key_visits() == sum(2 + i for i in range(1, 11))
+    assert p.kv_reads() == (2 + 4) + (2 + 8) + (2 + 10)  # the cache up to each chunk's end
     assert p.weight_reads == 3
     d = cost.decode(prompt=5, steps=3, prefix=1)
-    assert d.key_visits == d.kv_reads == (1 + 5 + 1) + (1 + 5 + 2) + (1 + 5 + 3)
+    assert d.key_visits() == d.kv_reads() == (1 + 5 + 1) + (1 + 5 + 2) + (1 + 5 + 3)
     assert d.weight_reads == d.tokens == d.logit_tokens == 3
     assert p.logit_tokens == 1 and cost.prefill(10, all_logits=True).logit_tokens == 10
     for bad in (lambda: cost.prefill(0), lambda: cost.decode(4, 0), lambda: cost.prefill(8, 0)):
         with pytest.raises(QnpuError, match="must be an integer >= 1"):
             bad()
+
+
+def test_windowed_counts_equal_a_brute_force_count():
+    """A sliding layer's query at position p sees min(p + 1, window) keys; a pass reads the
+    cache from the first position any of its queries sees to its last query."""
+
+    def brute(first, tokens, chunk, window):
+        seen = [min(p + 1, window or p + 1) for p in range(first, first + tokens)]
+        reads = 0
+        for s in range(first, first + tokens, chunk):
+            e = min(s + chunk, first + tokens)
+            reads += e - (0 if window is None else max(0, s - window + 1))
+        return sum(seen), reads
+
+    for first, tokens, chunk, window in [
+        (0, 10, 4, None), (0, 10, 4, 3), (2, 10, 4, 5), (0, 1024, 64, 512), (7, 1, 1, 4),
+        (600, 9, 1, 512), (0, 512, 512, 512), (3, 40, 7, 1),
+    ]:  # fmt: skip
+        phase = cost.Phase("p", tokens, first, chunk, 1)
+        assert (phase.key_visits(window), phase.kv_reads(window)) == brute(
+            first, tokens, chunk, window
+        ), (first, tokens, chunk, window)
+    assert cost.Phase("p", 10, 0, 4, 1).key_visits(10) == cost.Phase("p", 10, 0, 4, 1).key_visits()
+
+
+def test_gemma3_costs_count_its_ops_the_262k_lm_head_and_the_sliding_window():
+    """Gemma 3's graph priced op by op: the GELU table, the post-norms, the window of its
+    sliding layers (keys beyond 512 back are neither scored nor read) and lm_head's 262,144
+    rows, which hold most of a decode step's weight bytes."""
+    gemma = model_architecture("gemma3-270m")
+    d, f, v = gemma.hidden_size, gemma.intermediate_size, gemma.vocab_size
+    hq, hd, w = gemma.num_heads, gemma.head_dim, gemma.sliding_window
+    assert (d, v, w) == (640, 262144, 512)
+    plan = default_plan(gemma.num_layers, graph=graph_of(gemma))
+    t = 1024
+    costs = cost.plan_costs(plan, gemma, cost.prefill(t, all_logits=True))
+    by = {(c.layer, c.name): c for c in costs}
+    causal = t * (t + 1) // 2
+    windowed = w * (w + 1) // 2 + (t - w) * w  # query p sees min(p + 1, 512) keys
+    for layer, sliding in enumerate(gemma.sliding_layers):
+        att = by[(layer, "attn_out")]
+        assert sum(att.macs.values()) == 2 * (windowed if sliding else causal) * hq * hd
+        assert att.lut_lookups == (windowed if sliding else causal) * hq
+    assert by[(0, "gelu_out")].lut_lookups == t * f
+    assert by[(0, "attn_post")].kind == by[(0, "mlp_post")].kind == cost.OpKind.RMSNORM
+    head = costs[-1]  # the model's ops come last: embedding, final norm, lm_head
+    assert head.layer is None and head.kind == cost.OpKind.LINEAR
+    assert head.macs == {"A16W8": t * d * v}
+    # one decode step at context 2,048: lm_head's weights are most of the bytes it moves
+    step = cost.plan_costs(plan, gemma, cost.decode(2047, 1))
+    weights = sum(c.weight_bytes for c in step)
+    assert step[-1].weight_bytes > 0.6 * weights
+    # and a sliding layer's step reads 512 positions of its cache, a global one all 2,048
+    kv = {c.layer: c.kv_bytes for c in step if c.name == "attn_out"}
+    assert kv[0] * 2048 == kv[5] * 512
+    # a plan over LLaMA's graph is not priced on Gemma's
+    with pytest.raises(QnpuError, match="another graph than the model's"):
+        cost.plan_costs(default_plan(gemma.num_layers), gemma, cost.prefill(4))
 
 
 def test_w8a8_layer_macs_equal_a_hand_count():
@@ -57,7 +116,7 @@ def test_w8a8_layer_macs_equal_a_hand_count():
     assert by_name["silu_out"].lut_lookups == t * f
     assert by_name["attn_out"].lut_lookups == visits * hq
     # K and V of the 3 kv heads, 8-bit each, read once (one chunk)
-    assert by_name["attn_out"].kv_bytes == phase.kv_reads * kv * 2
+    assert by_name["attn_out"].kv_bytes == phase.kv_reads() * kv * 2
     head = costs[-1]  # generation: the prompt's last position only; scoring: every one
     assert head.layer is None and head.macs == {"A16W8": d * SMOL.vocab_size}
     scored = cost.plan_costs(default_plan(SMOL.num_layers), SMOL, cost.prefill(t, all_logits=True))

@@ -14,6 +14,7 @@ import torch
 import transformers
 
 from qnpu_jax import QnpuError
+from qnpu_jax.memory_plan import model_architecture
 from qnpu_jax.models.config import ModelConfig, RopeConfig
 from qnpu_jax.models.gguf import load_gguf
 from qnpu_jax.models.hf import save_hf_dir, state_dict_from_params
@@ -394,6 +395,12 @@ def test_a_recipe_gemma_cannot_take_is_refused_before_the_load(
     assert len(report["sensitivity"]["promoted_layers"]) == 3  # half of 6 layers
     wiki = report["perplexity"]["wiki"]
     assert np.isfinite(wiki["quantized_ppl"]) and wiki["quantized_ppl"] != wiki["float_ppl"]
+    # the run's plan priced on its own model: the promoted layers' down_proj at A16
+    cost = tmp_path / "cost.json"
+    assert main(["cost", "--run", str(out), "--prefill", "16", "--json", str(cost)]) == 0
+    macs = json.loads(cost.read_text())["phases"]["prefill"]["macs"]
+    cfg = load_model(str(directory)).config
+    assert macs["A16W4"] == 3 * 16 * cfg.intermediate_size * cfg.hidden_size
 
 
 @pytest.mark.parametrize("simulation", ["fake", "device"])
@@ -461,6 +468,8 @@ def gemma():
 
 def test_real_config_and_tokenizer(gemma):
     cfg, tok = gemma.config, gemma.tokenizer
+    # the shipped architecture `qnpu cost --model gemma3-270m` prices is this file's config
+    assert model_architecture("gemma3-270m") == cfg
     assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (18, 640, 2048)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (4, 1, 256, 262144)
     assert [i for i, s in enumerate(cfg.sliding_layers) if not s] == [5, 11, 17]

@@ -66,7 +66,10 @@ def check_llama_graph(cfg: ModelConfig, what: str) -> None:
     """Refuse a path that reads GRAPH's LLaMA semantics (norm folding, rotations, smoothing,
     quantization plans, the integer graph) for an architecture with a graph of its own."""
     if graph_of(cfg) is not GRAPH:
-        raise QnpuError(f"{what} is not supported for {cfg.architecture} yet (float only)")
+        raise QnpuError(
+            f"{what} is not supported for {cfg.architecture} yet (float, RTN and the cost "
+            "model are: docs/cli.md)"
+        )
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:

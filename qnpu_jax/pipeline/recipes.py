@@ -26,6 +26,7 @@ from qnpu_jax.ir.graph import (
     ROTATED_INPUTS,
     UNROTATED_INPUT,
     UNROTATED_OUTPUT,
+    Graph,
 )
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import GRAPH, graph_of
@@ -318,11 +319,13 @@ def build_plan(
     config: QuantizeConfig,
     num_layers: int,
     layer_bits: Mapping[str, Sequence[int]] | None = None,
+    *,
+    graph: Graph = GRAPH,
 ) -> QuantPlan:
-    """The plan a config's recipe ends with, given the per-layer bits its promotions chose
-    ({tensor: bits per layer}, a tensor of `Promotions`; one left out: not promoted): for
-    studies that vary one piece of it."""
-    made = default_plan(num_layers, **plan_options(config))
+    """The plan a config's recipe ends with on a model of `graph`, given the per-layer bits
+    its promotions chose ({tensor: bits per layer}, a tensor of `Promotions`; one left out:
+    not promoted): for studies that vary one piece of it."""
+    made = default_plan(num_layers, **plan_options(config), graph=graph)
     chosen = (layer_bits or {}).items()
     return made.apply([QuantRule(pattern=f"layers/{t}", layer_bits=tuple(b)) for t, b in chosen])
 
