@@ -152,3 +152,24 @@ def test_tied_checkpoint_with_stray_lm_head_is_accepted(tmp_path, tiny_cfg, tiny
     _edit_weights(directory, lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"]}))
     cfg, params, _ = load_hf_dir(directory)
     assert cfg.tie_word_embeddings and "lm_head" not in params
+
+
+def test_the_config_peek_and_the_load_parse_a_gguf_once(monkeypatch, smollm):
+    """`qnpu quantize` reads the model's config before the weights (`open_model`) and loads
+    the model it opened: the GGUF's metadata (262k tokens for Gemma 3: 2 s) is parsed once."""
+    from qnpu_jax.models import gguf
+    from qnpu_jax.models.load import open_model
+
+    opened: list[str] = []
+    reader = gguf._Reader
+
+    def counting(path, *args, **kwargs):
+        opened.append(path)
+        return reader(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "_Reader", counting)
+    source = open_model("smollm2-135m")
+    assert source.kind == "gguf" and source.config == smollm.config
+    loaded = load_model(source)
+    assert len(opened) == 1 and loaded.config == smollm.config and loaded.source == "smollm2-135m"
+    assert load_model("smollm2-135m").weights == loaded.weights and len(opened) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -214,17 +215,28 @@ def _open_reader(path: Path) -> Any:
     return reader
 
 
-def gguf_config(path: Path) -> ModelConfig:
-    """The model's config from the file's metadata alone (no weight is read)."""
-    return gguf_model_config(_open_reader(Path(path)))
+@dataclasses.dataclass(frozen=True)
+class GgufFile:
+    """A GGUF file opened once: its metadata parsed and its config read; its tensors memory-
+    mapped, nothing dequantized (`load_gguf` takes it, so the metadata is parsed once)."""
+
+    path: Path
+    reader: Any
+    config: ModelConfig
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
-    """Load a LLaMA/Qwen2/Qwen3 GGUF file as float32 params (quantized blocks dequantized)."""
+def open_gguf(path: Path) -> GgufFile:
+    """The file's reader and config (the metadata alone: no weight is read)."""
+    reader = _open_reader(Path(path))
+    return GgufFile(Path(path), reader, gguf_model_config(reader))
 
-    path = Path(path)
-    reader = _open_reader(path)
-    cfg = gguf_model_config(reader)
+
+def load_gguf(source: Path | GgufFile) -> tuple[ModelConfig, dict[str, Any], Tokenizer]:
+    """Load a LLaMA/Qwen2/Qwen3/Gemma 3 GGUF file (a path, or the file `open_gguf` opened) as
+    float32 params (quantized blocks dequantized)."""
+
+    opened = source if isinstance(source, GgufFile) else open_gguf(Path(source))
+    path, reader, cfg = opened.path, opened.reader, opened.config
     # The tokenizer first: a file we cannot use fails before the slow dequantization.
     tokenizer = tokenizer_from_gguf_vocab(
         architecture=cfg.architecture,

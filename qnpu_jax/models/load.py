@@ -17,7 +17,7 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import current_umask
 from qnpu_jax.integrity import SHA256_HEX, file_sha256
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.gguf import gguf_config, load_gguf
+from qnpu_jax.models.gguf import GgufFile, load_gguf, open_gguf
 from qnpu_jax.models.hf import (
     download_from_hub,
     hf_dir_config,
@@ -169,24 +169,39 @@ def resolve_model_spec(spec: str) -> tuple[str, Path | str]:
     )
 
 
-def model_config(spec: str) -> ModelConfig | None:
-    """The config of the model `spec` names, read without its weights (a GGUF file's metadata,
-    a directory's config.json), so that a path it cannot take is refused before the load;
-    None for a hub id (its files are fetched by the load)."""
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """The model `spec` names, opened without its weights: its kind ('gguf', 'hf_dir', 'hub'),
+    where it is, and its config (a GGUF file's metadata, a directory's config.json; None for a
+    hub id, whose files the load fetches). `load_model` takes it, so nothing is read twice."""
+
+    spec: str
+    kind: str
+    where: Path | str
+    config: ModelConfig | None
+    gguf: GgufFile | None = None
+
+
+def open_model(spec: str) -> ModelSource:
+    """`spec` resolved and its config read, so that a path it cannot take is refused before
+    the load."""
     kind, where = resolve_model_spec(spec)
     if kind == "gguf":
-        return gguf_config(Path(where))
+        opened = open_gguf(Path(where))
+        return ModelSource(spec, kind, where, opened.config, opened)
     if kind == "hf_dir":
-        return hf_dir_config(Path(where))
-    return None
+        return ModelSource(spec, kind, where, hf_dir_config(Path(where)))
+    return ModelSource(spec, kind, where, None)
 
 
-def load_model(spec: str) -> LoadedModel:
+def load_model(spec: str | ModelSource) -> LoadedModel:
     """Load float32 params (as JAX arrays), config and tokenizer, and the identity of the
-    weights files (`WeightsIdentity`: hashed here, once per load)."""
-    kind, where = resolve_model_spec(spec)
+    weights files (`WeightsIdentity`: hashed here, once per load), of a spec or of the model
+    `open_model` opened."""
+    source = spec if isinstance(spec, ModelSource) else open_model(spec)
+    kind, where, spec = source.kind, source.where, source.spec
     if kind == "gguf":
-        cfg, params, tok = load_gguf(Path(where))
+        cfg, params, tok = load_gguf(source.gguf or Path(where))
         path = Path(where).resolve()
         weights = weights_identity(str(path), [path])
     elif kind == "hf_dir":

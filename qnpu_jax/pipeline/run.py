@@ -58,7 +58,7 @@ from qnpu_jax.mesh import check_batch, is_primary, make_mesh, sync
 from qnpu_jax.mesh import describe as describe_mesh
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
-from qnpu_jax.models.load import load_model, model_config
+from qnpu_jax.models.load import load_model, open_model
 from qnpu_jax.models.taps import QuantState, sink_prefix
 from qnpu_jax.pipeline.config import QuantizeConfig, read_run_config
 from qnpu_jax.pipeline.methods import method_spec
@@ -113,9 +113,7 @@ def evaluate(
     `mesh` with the params sharded and the windows split along its data axis.
     `prefix_params`: what the sink prefix runs on where not `params`
     (`QuantizedModel.prefix_params`: a model with GPTQ's codes)."""
-    nll = static_nll_fn(
-        params, state, plan, cfg, prefix, mesh=mesh, prefix_params=prefix_params
-    )
+    nll = static_nll_fn(params, state, plan, cfg, prefix, mesh=mesh, prefix_params=prefix_params)
     return nll_perplexity(nll, windows, mesh=mesh)
 
 
@@ -312,10 +310,10 @@ def _read_inputs(config: QuantizeConfig, recipe: Recipe, say: Callable[[str], No
     mesh = make_mesh(config.mesh)
     if any(s.name == "stage1" for s in recipe):  # before anything expensive runs
         check_batch(mesh, config.stage1.batch_size, "stage1.batch_size")
-    peeked = model_config(config.model)  # the metadata only: a recipe it cannot take fails now
-    if peeked is not None:
-        recipe.check_graph(peeked)
-    loaded = load_model(config.model)
+    source = open_model(config.model)  # the metadata only: a recipe it cannot take fails now
+    if source.config is not None:
+        recipe.check_graph(source.config)
+    loaded = load_model(source)
     cfg = loaded.config
     recipe.check_graph(cfg)
     prefix = sink_prefix(config.prefix, loaded.tokenizer)
