@@ -343,22 +343,17 @@ def test_config_refusals(change, match):
 
 
 def test_quantized_paths_refuse_gemma():
+    """A forward over LLaMA's graph refuses Gemma's model (norm folding and R2 take it, R1
+    does not: test_rotations_where_they_are_exact_on_gemma3s_graph)."""
     from qnpu_jax.ir.graph import GRAPH
     from qnpu_jax.models.llama import forward_tapped, init_cache
-    from qnpu_jax.transforms.rotate import apply_rotations, fuse_norms
 
     cfg = _gemma_cfg()
-    params: dict = {}  # each refuses before it reads a parameter
-    for step in (
-        lambda: fuse_norms(params, cfg),
-        lambda: apply_rotations(params, cfg),
-        # quantization plans and taps read GRAPH (LLaMA's layer)
-        lambda: forward_tapped(
+    params: dict = {}  # it refuses before it reads a parameter
+    with pytest.raises(QnpuError, match="not supported for gemma3 yet"):
+        forward_tapped(
             params, jnp.zeros((1, 4), jnp.int32), init_cache(cfg, 1, 4), 0, cfg=cfg, graph=GRAPH
-        ),
-    ):
-        with pytest.raises(QnpuError, match="not supported for gemma3 yet"):
-            step()
+        )
 
 
 def test_a_recipe_gemma_cannot_take_is_refused_before_the_load(
@@ -562,3 +557,62 @@ def test_assembly_is_atomic_and_replaces_a_bad_file(tmp_path, monkeypatch):
     with pytest.raises(QnpuError, match=r"cannot assemble model 'fake'.*sha256"):
         assembled_model_path("fake")
     assert list(cache.iterdir()) == []
+
+
+def _perturbed_gains(params, key):
+    """Gains far from one, so that folding them (or not) shows in the logits."""
+    layers = dict(params["layers"])
+    keys = jax.random.split(key, 5)
+    names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+             "post_feedforward_layernorm")  # fmt: skip
+    for k, name in zip(keys, names, strict=False):
+        layers[name] = jnp.exp(0.3 * jax.random.normal(k, layers[name].shape))
+    norm = jnp.exp(0.3 * jax.random.normal(keys[4], params["norm"].shape))
+    return dict(params, layers=layers, norm=norm)
+
+
+def test_rotations_where_they_are_exact_on_gemma3s_graph():
+    """Step 4, option (a)'s pieces: the pre-norms' gains fold into the linears reading them
+    (q/k/v, gate/up; the final norm into an untied lm_head) and R2 rotates each head's V and
+    o_proj's input, both exactly; the post-norms keep their gains, and R1 is refused with the
+    reason (a weighted norm's output joins the residual stream)."""
+    from qnpu_jax.models.llama import init_random_params
+    from qnpu_jax.transforms import (
+        apply_rotations,
+        fuse_norms,
+        norms_are_fused,
+        randomized_hadamard_rotations,
+    )
+
+    cfg = _gemma_cfg(bos_token_id=2, eos_token_id=1)
+    params = init_random_params(cfg, jax.random.key(0), scale=0.2)
+    params = _perturbed_gains(params, jax.random.key(5))
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
+    ref = forward(params, tokens, cfg=cfg)
+    fused = fuse_norms(params, cfg)
+    assert norms_are_fused(fused, cfg) and not norms_are_fused(params, cfg)
+    for name in ("post_attention_layernorm", "post_feedforward_layernorm"):
+        np.testing.assert_array_equal(fused["layers"][name], params["layers"][name])
+    r1, r2 = randomized_hadamard_rotations(cfg, jax.random.key(3))
+    rotated = apply_rotations(fused, cfg, None, r2)
+    assert not np.allclose(rotated["layers"]["v_proj"], fused["layers"]["v_proj"])
+    scale = float(jnp.max(jnp.abs(ref)))
+    for p in (fused, rotated):
+        assert float(jnp.max(jnp.abs(forward(p, tokens, cfg=cfg) - ref))) <= 1e-5 * scale
+    with pytest.raises(QnpuError, match="R1 cannot rotate gemma3's residual stream: attn_post"):
+        apply_rotations(fused, cfg, r1, r2)
+
+
+def test_folded_pre_norms_and_r2_leave_the_real_model_unchanged(gemma):
+    """The same on Gemma 3 270M's first two layers (real weights, 64 tokens of text): the
+    logits within 1e-3 of the largest."""
+    from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
+
+    cfg = dataclasses.replace(gemma.config, num_layers=2, layer_types=gemma.config.layer_types[:2])
+    params = dict(gemma.params, layers={k: v[:2] for k, v in gemma.params["layers"].items()})
+    text = "The river flows past the old mill and on to the sea, where the boats wait. " * 6
+    tokens = jnp.asarray([gemma.tokenizer.encode(text)[:64]])
+    ref = forward(params, tokens, cfg=cfg)
+    _, r2 = randomized_hadamard_rotations(cfg, jax.random.key(3))
+    got = forward(apply_rotations(fuse_norms(params, cfg), cfg, None, r2), tokens, cfg=cfg)
+    assert float(jnp.max(jnp.abs(got - ref))) <= 1e-3 * float(jnp.max(jnp.abs(ref)))

@@ -27,7 +27,7 @@ def tiny_tokens(tiny_cfg):
 
 def test_fuse_norms_is_equivalent(tiny_cfg, tiny_params, tiny_tokens):
     fused = fuse_norms(tiny_params, tiny_cfg)
-    assert norms_are_fused(fused) and not norms_are_fused(tiny_params)
+    assert norms_are_fused(fused, tiny_cfg) and not norms_are_fused(tiny_params, tiny_cfg)
     np.testing.assert_allclose(
         forward(fused, tiny_tokens, cfg=tiny_cfg),
         forward(tiny_params, tiny_tokens, cfg=tiny_cfg),

@@ -498,13 +498,42 @@ ATTN_OUTPUT_INPUT = LINEAR_IO["o_proj"][0]
 # reading its output; R1 rotates those inputs and the outputs of the linears writing the
 # residual stream (the inputs of the adds); R2 rotates V (attention's third input) and the
 # input of the linear reading the attention output.
-NORM_READERS = {
-    op.gain: tuple(w for w, (i, _) in LINEAR_IO.items() if i == op.out_name)
-    for op in GRAPH.ops(OpKind.RMSNORM)
-}
-RESIDUAL_WRITERS = tuple(
-    w for w, (_, o) in LINEAR_IO.items() if any(o in op.ins for op in GRAPH.ops(OpKind.ADD))
-)
+def norm_readers(graph: Graph) -> dict[str, tuple[str, ...]]:
+    """Each decoder-layer norm's gain -> the linears reading its output, for the norms some
+    linear reads (a gain folds into them). Gemma 3's post-norms, read by the residual adds,
+    have none: their gains stay."""
+    io = graph.linear_io
+    readers = {
+        op.gain: tuple(w for w, (i, _) in io.items() if i == op.out_name)
+        for op in graph.ops(OpKind.RMSNORM)
+    }
+    return {gain: linears for gain, linears in readers.items() if linears}
+
+
+def residual_writers(graph: Graph) -> tuple[str, ...]:
+    """The linears whose output a residual add reads (R1 rotates their rows)."""
+    adds = graph.ops(OpKind.ADD)
+    return tuple(w for w, (_, o) in graph.linear_io.items() if any(o in op.ins for op in adds))
+
+
+def residual_rotation_blocker(graph: Graph) -> str | None:
+    """Why R1 cannot rotate `graph`'s residual stream, or None: every add's input must be
+    the residual or a linear's output (a norm's weighted output does not commute with R1)."""
+    linear_outputs = {o for _, o in graph.linear_io.values()}
+    layer_values = {op.out_name for op in graph.ops(OpKind.ADD)} | {graph.layer_input}
+    for op in graph.ops(OpKind.ADD):
+        for name in op.ins:
+            if name not in linear_outputs and name not in layer_values:
+                return f"{name} (a {_producer(graph, name).kind.value} output) joins the residual"
+    return None
+
+
+def _producer(graph: Graph, name: str) -> Op:
+    return next(op for op in graph.layer if op.out_name == name)
+
+
+NORM_READERS = norm_readers(GRAPH)
+RESIDUAL_WRITERS = residual_writers(GRAPH)
 V_LINEAR = next(w for w, (_, o) in LINEAR_IO.items() if o == GRAPH.ops(OpKind.ATTENTION)[0].ins[2])
 O_LINEAR = next(
     w for w, (i, _) in LINEAR_IO.items() if i == GRAPH.ops(OpKind.ATTENTION)[0].out_name

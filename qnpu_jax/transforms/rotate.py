@@ -8,6 +8,8 @@ With the residual stream rotated as x R1 (R1 orthogonal):
 R2 rotates each attention head's value vectors: v_h ← v_h R2 (rows of v_proj), and since
 attention output is linear in V, o_proj's input slice of every head is rotated the same way,
 undone by W_o[:, head] ← W_o[:, head] R2. One R2 per layer, shared by all heads (GQA too).
+The tables come from the model's graph: Gemma 3's post-norms, whose weighted outputs join the
+residual, keep their gains, and R1 is refused there (`ir.graph.residual_rotation_blocker`).
 
 All functions are pure and differentiable, so stage 1 can learn R1/R2 through them.
 """
@@ -25,33 +27,31 @@ from qnpu_jax.ir.graph import (
     FINAL_NORM,
     LINEAR_BIAS,
     LM_HEAD,
-    NORM_READERS,
     O_LINEAR,
-    RESIDUAL_WRITERS,
     V_LINEAR,
+    norm_readers,
+    residual_rotation_blocker,
+    residual_writers,
 )
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import check_llama_graph, lm_head_weight
+from qnpu_jax.models.llama import graph_of, lm_head_weight
 from qnpu_jax.rotation import random_hadamard
 
 Params = dict[str, Any]
 
-_READS_RESIDUAL = tuple(w for readers in NORM_READERS.values() for w in readers)
-
 
 def fuse_norms(params: Params, cfg: ModelConfig) -> Params:
-    """Fold every RMSNorm weight into the linears that read its output; norms become ones.
-
-    The final norm folds into lm_head, so tied embeddings are untied (lm_head = E·diag(g)).
-    """
-    # Gemma's post-norms feed no linear: nothing to fold them into
-    check_llama_graph(cfg, "fuse_norms")
+    """Fold every RMSNorm weight into the linears that read its output; those norms become
+    ones. A norm no linear reads keeps its gain (Gemma 3's post-norms, read by the residual
+    adds). The final norm folds into lm_head, so tied embeddings are untied
+    (lm_head = E·diag(g))."""
+    readers_of = norm_readers(graph_of(cfg))
     layers = dict(params["layers"])
-    for gain, readers in NORM_READERS.items():
+    for gain, readers in readers_of.items():
         g = layers[gain][:, None, :]  # [L, 1, D]: scales the `in` axis
         for name in readers:
             layers[name] = layers[name] * g
-    for gain in NORM_READERS:
+    for gain in readers_of:
         layers[gain] = jnp.ones_like(layers[gain])
     head = lm_head_weight(params)
     out = dict(params)
@@ -61,9 +61,11 @@ def fuse_norms(params: Params, cfg: ModelConfig) -> Params:
     return out
 
 
-def norms_are_fused(params: Params) -> bool:
-    """True when every norm weight is exactly one (eager check, not for use under jit)."""
-    leaves = [params[FINAL_NORM], *(params["layers"][gain] for gain in NORM_READERS)]
+def norms_are_fused(params: Params, cfg: ModelConfig) -> bool:
+    """True when every norm weight `fuse_norms` folds is exactly one (eager check, not for
+    use under jit)."""
+    folded = norm_readers(graph_of(cfg))
+    leaves = [params[FINAL_NORM], *(params["layers"][gain] for gain in folded)]
     return all(bool(jnp.all(leaf == 1.0)) for leaf in leaves)
 
 
@@ -87,18 +89,24 @@ def apply_rotations(
     `tables=False` leaves embed_tokens and lm_head unrotated, for a forward that rotates the
     gathered rows and the final hidden state instead (`residual_rotation` of the forward).
     """
-    check_llama_graph(cfg, "rotations (R1/R2)")
+    graph = graph_of(cfg)
+    blocker = residual_rotation_blocker(graph)
+    if r1 is not None and blocker is not None:
+        raise QnpuError(
+            f"R1 cannot rotate {cfg.architecture}'s residual stream: {blocker}, and a norm's "
+            "weighted output does not commute with a rotation (R2 alone can: r1=None)"
+        )
     if LM_HEAD not in params:
         raise QnpuError("apply_rotations needs fused params with an explicit lm_head: fuse_norms")
-    if not isinstance(params[FINAL_NORM], jax.core.Tracer) and not norms_are_fused(params):
+    if not isinstance(params[FINAL_NORM], jax.core.Tracer) and not norms_are_fused(params, cfg):
         raise QnpuError("apply_rotations needs fused params (norm weights of one): fuse_norms")
     layers = dict(params["layers"])
     out = dict(params)
     if r1 is not None:
         _check_rotation(r1, (cfg.hidden_size, cfg.hidden_size), "R1")
-        for name in _READS_RESIDUAL:
+        for name in (w for readers in norm_readers(graph).values() for w in readers):
             layers[name] = layers[name] @ r1
-        for name in RESIDUAL_WRITERS:
+        for name in residual_writers(graph):
             layers[name] = jnp.einsum("ji,ljk->lik", r1, layers[name])
         if tables:
             out[EMBED_TABLE] = params[EMBED_TABLE] @ r1
