@@ -385,7 +385,7 @@ def _shadow_bytes(c: _LayerCost, x: str, hot: int, width: int, out_bits: int | N
     those channels; a norm's whole input row) and the NPU's int32 accumulator [t, width];
     back to the NPU the linear's output codes (linears sharing `x` count its inputs each)."""
     graph, widths, layer = c.plan.graph, c.widths, c.layer
-    producer = next(op for op in graph.layer if op.out_name == x)
+    producer = graph.producer(x)
     width = next(
         widths[op.out_name] for op in graph.layer if op.kind == OpKind.LINEAR and op.ins[0] == x
     )

@@ -759,7 +759,7 @@ def export_model(
     x.tensors["rope.cos"], x.tensors["rope.sin"] = rope_tables(cfg, max_context)
     _check_multipliers(x.tensors)
     for act, entry in x.muxq.items():  # the producer shifts MUXQ channels exp bits further
-        producer = next(op for op in graph.layer if op.out_name == act)
+        producer = graph.producer(act)
         if int(x.tensors[f"{producer.const}.shift"].max()) + entry["exp"] > SHIFT_MAX:
             raise QnpuError(f"layers/{act}: MUXQ's exp takes the requantization shift past 62")
     manifest = {

@@ -197,6 +197,10 @@ class Graph:
     def ops(self, kind: OpKind) -> tuple[Op, ...]:
         return tuple(op for op in self.layer if op.kind == kind)
 
+    def producer(self, name: str) -> Op:
+        """The layer op whose output is the layer value `name`."""
+        return next(op for op in self.layer if op.out_name == name)
+
     @property
     def layer_weights(self) -> tuple[Tensor, ...]:
         return tuple(op.weight for op in self.layer if op.weight is not None)
@@ -494,6 +498,8 @@ MLP_INPUT = LINEAR_IO["gate_proj"][0]
 # The o_proj input (attention's output): the next costliest 4-bit input at W4A4, which
 # `attn_out_mixed_precision` promotes.
 ATTN_OUTPUT_INPUT = LINEAR_IO["o_proj"][0]
+
+
 # The float model's transforms, read from the graph: each norm's gain folds into the linears
 # reading its output; R1 rotates those inputs and the outputs of the linears writing the
 # residual stream (the inputs of the adds); R2 rotates V (attention's third input) and the
@@ -524,12 +530,8 @@ def residual_rotation_blocker(graph: Graph) -> str | None:
     for op in graph.ops(OpKind.ADD):
         for name in op.ins:
             if name not in linear_outputs and name not in layer_values:
-                return f"{name} (a {_producer(graph, name).kind.value} output) joins the residual"
+                return f"{name} (a {graph.producer(name).kind.value} output) joins the residual"
     return None
-
-
-def _producer(graph: Graph, name: str) -> Op:
-    return next(op for op in graph.layer if op.out_name == name)
 
 
 NORM_READERS = norm_readers(GRAPH)
