@@ -31,14 +31,16 @@ from qnpu_jax.ir.graph import (
     MODEL_ONLY_KINDS,
     UNROTATED_INPUT,
     UNROTATED_OUTPUT,
+    Graph,
     Op,
     OpKind,
     check_handlers,
     layer_widths,
 )
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import graph_of
+from qnpu_jax.models.llama import graph_of, graphs_of
 from qnpu_jax.pipeline.config import load_config
+from qnpu_jax.pipeline.methods import ROTATING_METHODS
 from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits
 from qnpu_jax.pipeline.recipes import build_plan
 from qnpu_jax.pipeline.run_dir import RunDir
@@ -174,7 +176,7 @@ def _size(bits: int | None) -> float:
 
 
 def _check_plan(plan: QuantPlan, cfg: ModelConfig) -> None:
-    if plan.graph is not graph_of(cfg):
+    if not any(plan.graph is g for g in graphs_of(cfg)):
         raise QnpuError(
             f"the plan is over another graph than the model's ({cfg.architecture}): the cost "
             "model counts the model's own ops"
@@ -477,9 +479,10 @@ def latency(costs: Iterable[OpCost], device: DeviceModel, num_linears: int) -> d
     return {"npu_s": npu, "cpu_s": cpu, "sync_s": sync, "total_s": npu + cpu + sync}
 
 
-def num_linears(cfg: ModelConfig) -> int:
-    """The linears of the model (layers' and lm_head): what a shadow path could attach to."""
-    return cfg.num_layers * len(graph_of(cfg).ops(OpKind.LINEAR)) + 1
+def num_linears(cfg: ModelConfig, graph: Graph | None = None) -> int:
+    """The linears of the model (layers' and lm_head; `graph`: default `graph_of(cfg)`): what
+    a shadow path could attach to."""
+    return cfg.num_layers * len((graph or graph_of(cfg)).ops(OpKind.LINEAR)) + 1
 
 
 def _solve(f: Any, target: float, lo: float, hi: float) -> float:
@@ -551,7 +554,7 @@ def phase_report(
     latency (`latency`) with each device model of `readings` (`devices`), by its name."""
     costs = plan_costs(plan, cfg, phase)
     sums = totals(costs)
-    lat = {k: latency(costs, d, num_linears(cfg)) for k, d in readings.items()}
+    lat = {k: latency(costs, d, num_linears(cfg, plan.graph)) for k, d in readings.items()}
     return {"phase": phase.to_json(), **sums, "latency": lat}
 
 
@@ -617,7 +620,9 @@ def config_plan(
         tensor: mixed_layer_bits(ranked, share, base_bits(tensor))
         for tensor, share in loaded.promoted().items()
     }
-    plan = build_plan(loaded, n, promoted, graph=graph_of(cfg))
+    # a rotating recipe gives a model whose post-norms join the residual a linear after each
+    rotated = loaded.method in ROTATING_METHODS
+    plan = build_plan(loaded, n, promoted, graph=graphs_of(cfg)[-1] if rotated else graph_of(cfg))
     where = f"config {config}" if config else "the default config"
     what = f"{where} ({loaded.method} {loaded.bits.name})"
     if loaded.outliers.shadow_clip is not None or loaded.outliers.muxq_exp is not None:

@@ -359,8 +359,9 @@ def test_quantized_paths_refuse_gemma():
 def test_a_recipe_gemma_cannot_take_is_refused_before_the_load(
     tiny_hf, tiny_cfg, tmp_path, capsys, monkeypatch
 ):
-    """`qnpu quantize` reads the model's config alone first: a method whose steps fold or
-    rotate LLaMA's norms fails in seconds, before the weights load, and leaves no run."""
+    """`qnpu quantize` reads the model's config alone first: a method whose steps train or
+    equalize through LLaMA's graph fails in seconds, before the weights load, and leaves no
+    run."""
     from qnpu_jax.cli import main
     from qnpu_jax.pipeline import run as run_module
     from qnpu_jax.pipeline.config import QuantizeConfig
@@ -368,18 +369,23 @@ def test_a_recipe_gemma_cannot_take_is_refused_before_the_load(
 
     directory = tiny_hf[0]
     monkeypatch.setattr(run_module, "load_model", lambda spec: pytest.fail(f"loaded {spec}"))
-    for method, steps in (("quarot", "fuse_norms, hadamard_rotations"),
-                          ("mobilequant", "equalize, stage1")):  # fmt: skip
+    refused = [
+        ("mobilequant", [], "equalize"),
+        ("quarot", ["--set", "smooth_mlp=0.5"], "smooth_mlp"),
+    ]
+    for method, extra, steps in refused:
         out = tmp_path / method
         args = ["quantize", "--model", str(directory), "--method", method, "--out", str(out)]
-        args += ["--bits", "w4a8"]
+        args += ["--bits", "w4a8", *extra]
         assert main([*args, "--no-progress"]) == 2
         err = capsys.readouterr().err
         assert f"steps {steps} are not supported for gemma3 yet" in err, err
         assert "--method rtn" in err and not out.exists()
     rtn = QuantizeConfig.from_dict({"model": str(directory), "method": "rtn"})
     for_config(rtn).check_graph(_gemma_cfg())  # plan, promote, calibrate: Gemma's graph
-    for_config(rtn.replace(method="quarot")).check_graph(tiny_cfg)  # LLaMA's graph
+    for method in ("quarot", "spinquant", "quantnpu"):  # fold, rotate, stage 1
+        for_config(rtn.replace(method=method)).check_graph(_gemma_cfg())
+    for_config(rtn.replace(method="mobilequant")).check_graph(tiny_cfg)  # LLaMA's graph
     # what it may take runs through: the sensitivity scan's promotion, calibration, evaluation
     monkeypatch.undo()
     out = tmp_path / "rtn"
@@ -396,6 +402,57 @@ def test_a_recipe_gemma_cannot_take_is_refused_before_the_load(
     macs = json.loads(cost.read_text())["phases"]["prefill"]["macs"]
     cfg = load_model(str(directory)).config
     assert macs["A16W4"] == 3 * 16 * cfg.intermediate_size * cfg.hidden_size
+
+
+def test_quant_npu_runs_on_gemma3_through_the_post_norm_linears(tiny_hf, tmp_path):
+    """Quant.npu with GPTQ on Gemma 3 (`qnpu quantize --method quantnpu`: QuaRot's steps,
+    stage 1, calibration, GPTQ): R1 through the post-norms' linears, a plan over that graph
+    (their weights and outputs quantized too), stage 1 learning R1 (orthogonal, moved from the
+    Hadamard start), GPTQ's codes of every linear (the post-norms' too), a run that loads to
+    its reported perplexity, and `qnpu cost` counting the two extra linears."""
+    from qnpu_jax.cli import main
+    from qnpu_jax.ir.graph import GEMMA3_POST_LINEAR_GRAPH
+    from qnpu_jax.pipeline.recipes import config_keys
+    from qnpu_jax.pipeline.run import evaluation_sets, load_run
+    from qnpu_jax.transforms import randomized_hadamard_rotations
+
+    directory = tiny_hf[0]
+    out = tmp_path / "quantnpu"
+    args = ["quantize", "--model", str(directory), "--method", "quantnpu", "--bits", "w8a8"]
+    sets = ["seq_len=32", "calib_windows=4", "eval_windows=2", "stage1.steps=2"]
+    sets += ["stage1.batch_size=1", "weight_rounding=gptq"]  # GPTQ: >= 96 tokens (down_proj)
+    assert main([*args, *(a for x in sets for a in ("--set", x)), "--out", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["graph"] == "gemma3-post-linears"
+    assert {"layers/attn_post_proj", "layers/mlp_post_rot"} <= set(plan["tensors"])
+    report = json.loads((out / "report.json").read_text())
+    wiki = report["perplexity"]["wiki"]
+    assert np.isfinite(wiki["quantized_ppl"]) and wiki["quantized_ppl"] != wiki["float_ppl"]
+    run = load_run(out)
+    assert run.model.require_plan().graph is GEMMA3_POST_LINEAR_GRAPH
+    limit = run.model.cfg.max_position_embeddings - len(run.model.prefix)
+    windows = evaluation_sets(run.config, run.tokenizer, limit)["wiki"]
+    assert run.model.perplexity(windows)["ppl"] == wiki["quantized_ppl"]
+    r1 = np.asarray(run.model.transforms.r1)
+    start, _ = randomized_hadamard_rotations(run.model.cfg, config_keys(run.config)[1])
+    assert np.max(np.abs(r1 @ r1.T - np.eye(len(r1)))) < 1e-4
+    assert np.max(np.abs(r1 - np.asarray(start))) > 1e-4  # stage 1 trained it
+    layers, d = TINY["num_hidden_layers"], TINY["hidden_size"]
+    assert run.model.params()["layers"]["attn_post_proj"].shape == (layers, d, d)
+    assert {"attn_post_proj", "mlp_post_proj", "down_proj"} <= set(run.model.weight_codes)
+    cost = tmp_path / "cost.json"
+    assert main(["cost", "--run", str(out), "--prefill", "16", "--json", str(cost)]) == 0
+    macs = json.loads(cost.read_text())["phases"]["prefill"]["macs"]
+    cfg = run.model.cfg
+    d, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    linears = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d * d  # + the two post-norm linears
+    weighted = sum(n for key, n in macs.items() if "W" in key)
+    head = cfg.vocab_size * d  # a prefill's logits: its last token's
+    assert weighted == 16 * cfg.num_layers * linears + head
+    # at 16-bit inputs: the post-norms' linears (their inputs are the 16-bit norm outputs),
+    # the scan's promoted down_proj and lm_head
+    promoted = len(report["sensitivity"]["promoted_layers"])
+    assert macs["A16W8"] == 16 * (cfg.num_layers * 2 * d * d + promoted * f * d) + head
 
 
 @pytest.mark.parametrize("simulation", ["fake", "device"])
@@ -603,16 +660,89 @@ def test_rotations_where_they_are_exact_on_gemma3s_graph():
         apply_rotations(fused, cfg, r1, r2)
 
 
-def test_folded_pre_norms_and_r2_leave_the_real_model_unchanged(gemma):
+def test_a_linear_after_each_post_norm_lets_r1_rotate_gemma3_exactly():
+    """Step 4, option (b): an identity linear after each post-norm (the same function, the
+    graph `GEMMA3_POST_LINEAR_GRAPH`, chosen by the params holding its weights); R1 rotates
+    its output, so it holds R1 and the residual stream rotates: fused and rotated (R1 and R2)
+    == original."""
+    from qnpu_jax.ir.graph import (
+        GEMMA3_GRAPH,
+        GEMMA3_POST_LINEAR_GRAPH,
+        GRAPH,
+        residual_readers,
+        residual_rotation_blocker,
+        residual_writers,
+    )
+    from qnpu_jax.models.llama import graph_of, init_random_params
+    from qnpu_jax.transforms import (
+        add_post_norm_linears,
+        apply_rotations,
+        fuse_norms,
+        norms_are_fused,
+        randomized_hadamard_rotations,
+    )
+
+    post = ("attn_post_proj", "mlp_post_proj")
+    assert residual_writers(GEMMA3_POST_LINEAR_GRAPH) == post
+    assert residual_rotation_blocker(GEMMA3_POST_LINEAR_GRAPH) is None
+    # the post-norms' linears read a block's output, not the stream: R1 leaves their columns
+    assert residual_readers(GEMMA3_POST_LINEAR_GRAPH) == residual_readers(GRAPH)
+    cfg = _gemma_cfg(bos_token_id=2, eos_token_id=1)
+    params = init_random_params(cfg, jax.random.key(0), scale=0.2)
+    params = _perturbed_gains(params, jax.random.key(5))
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
+    ref = forward(params, tokens, cfg=cfg)
+    lifted = add_post_norm_linears(params, cfg)
+    assert (
+        graph_of(cfg, params) is GEMMA3_GRAPH and graph_of(cfg, lifted) is GEMMA3_POST_LINEAR_GRAPH
+    )
+    assert add_post_norm_linears(lifted, cfg) is lifted
+    eye = np.broadcast_to(
+        np.eye(cfg.hidden_size), (cfg.num_layers, cfg.hidden_size, cfg.hidden_size)
+    )
+    for name in post:
+        np.testing.assert_array_equal(lifted["layers"][name], eye)
+    fused = fuse_norms(lifted, cfg)
+    assert norms_are_fused(fused, cfg) and not norms_are_fused(lifted, cfg)
+    # the post-norms keep their gains (folded into the linear, their range would spread over
+    # its rows), so the linear stays the identity until R1 rotates its output
+    for name in ("post_attention_layernorm", "post_feedforward_layernorm"):
+        np.testing.assert_array_equal(fused["layers"][name], params["layers"][name])
+    np.testing.assert_array_equal(fused["layers"]["mlp_post_proj"], eye)
+    r1, r2 = randomized_hadamard_rotations(cfg, jax.random.key(3))
+    rotated = apply_rotations(fused, cfg, r1, r2)
+    # y = x R1 in the row convention: W = R1ᵀ stored [out, in]
+    for name in post:
+        np.testing.assert_allclose(rotated["layers"][name], np.broadcast_to(r1.T, eye.shape))
+    scale = float(jnp.max(jnp.abs(ref)))
+    for p in (lifted, fused, rotated, apply_rotations(fused, cfg, r1, None)):
+        assert float(jnp.max(jnp.abs(forward(p, tokens, cfg=cfg) - ref))) <= 1e-5 * scale
+    # LLaMA's graph and params are left alone
+    llama = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
+    plain = init_random_params(llama, jax.random.key(0))
+    assert add_post_norm_linears(plain, llama) is plain and graph_of(llama, plain) is GRAPH
+
+
+def test_folded_norms_r1_and_r2_leave_the_real_model_unchanged(gemma):
     """The same on Gemma 3 270M's first two layers (real weights, 64 tokens of text): the
-    logits within 1e-3 of the largest."""
-    from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
+    logits within 1e-3 of the largest, with R2 alone and with R1 through the post-norms'
+    linears (option b)."""
+    from qnpu_jax.transforms import (
+        add_post_norm_linears,
+        apply_rotations,
+        fuse_norms,
+        randomized_hadamard_rotations,
+    )
 
     cfg = dataclasses.replace(gemma.config, num_layers=2, layer_types=gemma.config.layer_types[:2])
     params = dict(gemma.params, layers={k: v[:2] for k, v in gemma.params["layers"].items()})
     text = "The river flows past the old mill and on to the sea, where the boats wait. " * 6
     tokens = jnp.asarray([gemma.tokenizer.encode(text)[:64]])
     ref = forward(params, tokens, cfg=cfg)
-    _, r2 = randomized_hadamard_rotations(cfg, jax.random.key(3))
+    r1, r2 = randomized_hadamard_rotations(cfg, jax.random.key(3))
     got = forward(apply_rotations(fuse_norms(params, cfg), cfg, None, r2), tokens, cfg=cfg)
+    assert float(jnp.max(jnp.abs(got - ref))) <= 1e-3 * float(jnp.max(jnp.abs(ref)))
+    lifted = fuse_norms(add_post_norm_linears(params, cfg), cfg)
+    got = forward(apply_rotations(lifted, cfg, r1, r2), tokens, cfg=cfg)
     assert float(jnp.max(jnp.abs(got - ref))) <= 1e-3 * float(jnp.max(jnp.abs(ref)))

@@ -328,12 +328,15 @@ def test_outliers_study_end_to_end_on_the_two_layer_model(two_layer_dir, tmp_pat
     statuses = [r["status"] for r in json.loads(report.read_text())["rows"]]
     assert statuses == ["reused"] * 8 + ["refused"] * 4
 
-    # zero-shot on every row with a perplexity, the post-training rows' models rebuilt
-    tasks = ["--tasks", "piqa", "--limit", "3", "--tasks-rows", "all", "--task-data", shared]
-    assert outliers.main([*argv, *tasks]) == 0
+    # zero-shot on the rows named: a run and two post-training rows (their models rebuilt:
+    # promote + calibrate, then shadow outliers or MUXQ). Which rows "all" and "best" name:
+    # test_tasks_rows_selects_every_row_the_best_rows_or_the_rows_named
+    named = [base["key"], muxq_down_out["key"], shadow_down_out["key"]]
+    tasks = ["--tasks", "piqa", "--limit", "3", "--tasks-rows", ",".join(named)]
+    assert outliers.main([*argv, *tasks, "--task-data", shared]) == 0
     doc = json.loads(report.read_text())
     scored = [r for r in doc["rows"] if "tasks" in r]
-    assert [r["key"] for r in scored] == [r["key"] for r in doc["rows"] if "ppl" in r]
+    assert [r["key"] for r in scored] == [base["key"], shadow_down_out["key"], muxq_down_out["key"]]
     assert doc["tasks"]["float"]["tasks"]["piqa"]["n"] == 3
     runs = tmp_path / "runs"
     for row in scored:
@@ -374,8 +377,8 @@ def combined_row(rows):
     return next(r for r in rows if r.get("steps") == ["promote", "calibrate", "shadow_outliers"])
 
 
-def test_tasks_rows_best_keeps_quant_npu_and_the_lowest_row_per_bit_width():
-    from qnpu_jax.studies.outliers import tasks_rows
+def test_tasks_rows_selects_every_row_the_best_rows_or_the_rows_named():
+    from qnpu_jax.studies.outliers import parse_args, tasks_rows
 
     def row(key, bits, wiki=None):
         return {"key": key, "bits": bits, **({"ppl": {"wiki": wiki}} if wiki else {})}
@@ -385,7 +388,16 @@ def test_tasks_rows_best_keeps_quant_npu_and_the_lowest_row_per_bit_width():
         row("q4", "W4A8", 27.0), row("q4-muxq", "W4A8", 28.0), row("q4-refused", "W4A8"),
     ]  # fmt: skip
     assert [r["key"] for r in tasks_rows(rows, "best")] == ["q8", "q8-shadow", "q4"]
-    assert len(tasks_rows(rows, "all")) == 5
+    assert [r["key"] for r in tasks_rows(rows, "all")] == ["q8", "q8-shadow", "q8-muxq", "q4",
+                                                           "q4-muxq"]  # fmt: skip
+    # named: in table order, whatever the list's
+    assert [r["key"] for r in tasks_rows(rows, ("q4", "q8-muxq"))] == ["q8-muxq", "q4"]
+    with pytest.raises(QnpuError, match="no row with a perplexity has the key q4-refused, nope"):
+        tasks_rows(rows, ("q4", "q4-refused", "nope"))
+    for text, which in (("all", "all"), ("best", "best"), ("q4, q8-muxq,", ("q4", "q8-muxq"))):
+        assert parse_args(["--tasks-rows", text]).tasks_rows == which
+    with pytest.raises(SystemExit):
+        parse_args(["--tasks-rows", " , "])
 
 
 def test_muxq_body_plus_aux_equals_the_input_exactly():

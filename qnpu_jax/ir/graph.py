@@ -6,6 +6,7 @@ heavy, so the emulator stays free of JAX. docs/artifact.md describes every op.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -445,12 +446,46 @@ def _gemma3_graph() -> Graph:
     return Graph(layer=layer, model=GRAPH.model)
 
 
+def with_post_norm_linears(graph: Graph) -> Graph:
+    """`graph` with a hidden×hidden linear between each norm whose output joins the residual
+    and that add (Gemma 3's post-norms): the linear reads the norm's output and its output
+    joins the residual instead. R1 rotates its output, so it holds R1 and the residual
+    stream rotates (an online rotation, issue 54's option b: docs/design.md, "Gemma 3's
+    residual stream"). The linear's weight is named `<norm output>_proj`; it starts as the
+    identity (`transforms.add_post_norm_linears`)."""
+    linear_outputs = {o for _, o in graph.linear_io.values()}
+    adds = graph.ops(OpKind.ADD)
+    layer: list[Op] = []
+    renamed: dict[str, str] = {}
+    for op in graph.layer:
+        joins = op.kind == OpKind.RMSNORM and any(op.out_name in a.ins for a in adds)
+        if op.kind == OpKind.ADD:
+            op = dataclasses.replace(op, ins=tuple(renamed.get(n, n) for n in op.ins))
+        layer.append(op)
+        if joins and op.out is not None and op.out_name not in linear_outputs:
+            hf = op.out.hf.rsplit(".", 1)[0]
+            # the residual's input keeps the norm output's bits (Gemma 3's: 16)
+            out = _t(f"{op.out_name}_rot", f"{hf}.rotation.output", op.out.bits)
+            layer.append(_linear(op.out_name, out, f"{op.out_name}_proj", f"{hf}.rotation"))
+            renamed[op.out_name] = out.name
+    return Graph(layer=tuple(layer), model=graph.model, layer_input=graph.layer_input)
+
+
 # Gemma 3 (text): the float forward, the params' layout, the HF names, plans, calibration and
-# the fake-quant forward read it; the integer export, rotations and norm folding do not yet
-# (the module tables below are GRAPH's, LLaMA's semantics).
+# the fake-quant forward read it; the integer export does not yet (the module tables below
+# are GRAPH's, LLaMA's semantics).
 GEMMA3_GRAPH = _gemma3_graph()
+# Gemma 3 with a linear after each post-norm: the graph a residual rotation (R1) needs
+GEMMA3_POST_LINEAR_GRAPH = with_post_norm_linears(GEMMA3_GRAPH)
 # The graph of each architecture whose decoder layer is not GRAPH's (`models.llama.graph_of`).
 ARCHITECTURE_GRAPHS = {"gemma3": GEMMA3_GRAPH}
+# ... and the variant its params select when they hold the post-norm linears' weights
+POST_LINEAR_GRAPHS = {"gemma3": GEMMA3_POST_LINEAR_GRAPH}
+# Every graph other than GRAPH by the name a plan.json writes it under
+NAMED_GRAPHS = {
+    **ARCHITECTURE_GRAPHS,
+    **{f"{arch}-post-linears": g for arch, g in POST_LINEAR_GRAPHS.items()},
+}
 
 
 def graph_ops() -> dict[str, list[dict[str, Any]]]:
@@ -505,15 +540,25 @@ ATTN_OUTPUT_INPUT = LINEAR_IO["o_proj"][0]
 # residual stream (the inputs of the adds); R2 rotates V (attention's third input) and the
 # input of the linear reading the attention output.
 def norm_readers(graph: Graph) -> dict[str, tuple[str, ...]]:
-    """Each decoder-layer norm's gain -> the linears reading its output, for the norms some
-    linear reads (a gain folds into them). Gemma 3's post-norms, read by the residual adds,
-    have none: their gains stay."""
+    """Each norm of the residual stream (its input is the layer's input or an add's output)
+    -> the linears reading its output: its gain folds into them, and R1 rotates their inputs.
+    Gemma 3's post-norms normalize a block's output, not the stream: read by the residual adds
+    or by the linear `with_post_norm_linears` puts there, they keep their gains (folded into
+    that linear, a post-norm's gains, max/median about 25 per layer, would spread over each
+    of its rows, and 8-bit rows lost them: docs/results.md, session 42)."""
+    stream = {graph.layer_input} | {op.out_name for op in graph.ops(OpKind.ADD)}
     io = graph.linear_io
     readers = {
         op.gain: tuple(w for w, (i, _) in io.items() if i == op.out_name)
         for op in graph.ops(OpKind.RMSNORM)
+        if op.ins[0] in stream
     }
     return {gain: linears for gain, linears in readers.items() if linears}
+
+
+def residual_readers(graph: Graph) -> tuple[str, ...]:
+    """The linears reading a norm of the residual stream (R1 rotates their columns)."""
+    return tuple(w for linears in norm_readers(graph).values() for w in linears)
 
 
 def residual_writers(graph: Graph) -> tuple[str, ...]:

@@ -39,6 +39,7 @@ from qnpu_jax.ir.graph import (
     HEAD_NORMS,
     LM_HEAD,
     MODEL_ONLY_KINDS,
+    POST_LINEAR_GRAPHS,
     PROBS,
     ROPE_FRACTION_BITS,
     SCORES,
@@ -57,18 +58,32 @@ KVCache = dict[str, jax.Array]  # {"k": [L, B, Hkv, S, hd], "v": same}
 _NO_WINDOW = np.iinfo(np.int32).max
 
 
-def graph_of(cfg: ModelConfig) -> Graph:
-    """The layer graph of `cfg`'s architecture: GRAPH, or Gemma 3's."""
-    return ARCHITECTURE_GRAPHS.get(cfg.architecture, GRAPH)
+def graph_of(cfg: ModelConfig, params: Params | None = None) -> Graph:
+    """The layer graph of `cfg`'s architecture: GRAPH, or Gemma 3's; with `params`, the one
+    they are the weights of (Gemma 3 with a linear after each post-norm once
+    `transforms.add_post_norm_linears` gave them those weights)."""
+    graph = ARCHITECTURE_GRAPHS.get(cfg.architecture, GRAPH)
+    variant = POST_LINEAR_GRAPHS.get(cfg.architecture)
+    if params is not None and variant is not None:
+        extra = {t.name for t in variant.layer_weights} - {t.name for t in graph.layer_weights}
+        if extra <= params.get("layers", {}).keys():
+            return variant
+    return graph
+
+
+def graphs_of(cfg: ModelConfig) -> tuple[Graph, ...]:
+    """Every graph a model of `cfg` may have (`graph_of` with any params)."""
+    variant = POST_LINEAR_GRAPHS.get(cfg.architecture)
+    return (graph_of(cfg),) if variant is None else (graph_of(cfg), variant)
 
 
 def check_llama_graph(cfg: ModelConfig, what: str) -> None:
-    """Refuse a path that reads GRAPH's LLaMA semantics (norm folding, rotations, smoothing,
-    quantization plans, the integer graph) for an architecture with a graph of its own."""
+    """Refuse a path that reads GRAPH's LLaMA semantics (smoothing, equalization, stage 1,
+    the integer graph) for an architecture with a graph of its own."""
     if graph_of(cfg) is not GRAPH:
         raise QnpuError(
-            f"{what} is not supported for {cfg.architecture} yet (float, RTN and the cost "
-            "model are: docs/cli.md)"
+            f"{what} is not supported for {cfg.architecture} yet (float, RTN, the rotating "
+            "methods and the cost model are: docs/cli.md)"
         )
 
 
@@ -466,8 +481,8 @@ def forward_tapped(
     fake quantization and calibration statistics are all this one function.
     """
     if graph is None:
-        graph = graph_of(cfg)
-    elif graph is not graph_of(cfg):
+        graph = graph_of(cfg, params)
+    elif graph is not graph_of(cfg, params):
         check_llama_graph(cfg, "a forward over another graph (quantization plans, taps)")
     b, t = tokens.shape
     embed_op, _, norm_op, head_op = graph.model  # embed → layers → final norm → lm_head

@@ -41,16 +41,23 @@ from jax.sharding import Mesh
 from qnpu_jax.errors import QnpuError, first_line
 from qnpu_jax.eval import perplexity
 from qnpu_jax.files import write_json_atomic
+from qnpu_jax.ir.graph import POST_LINEAR_GRAPHS, Graph
 from qnpu_jax.mesh import data_size, host_tree, is_primary, place_params, sync
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import Params
+from qnpu_jax.models.llama import Params, graph_of
 from qnpu_jax.models.load import WeightsIdentity, load_model
 from qnpu_jax.models.taps import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline.run_dir import MODEL_FORMAT, MODEL_VERSION, RunDir
 from qnpu_jax.pipeline.weight_rounding import weights_from_codes
 from qnpu_jax.quant.plan import QuantPlan
 from qnpu_jax.quant.state import state_from_tree
-from qnpu_jax.transforms import apply_rotations, equalize, fuse_norms, smooth_mlp
+from qnpu_jax.transforms import (
+    add_post_norm_linears,
+    apply_rotations,
+    equalize,
+    fuse_norms,
+    smooth_mlp,
+)
 
 ORTHOGONALITY_TOL = 1e-3  # max |R·Rᵀ − I| of a learned float32 rotation (Cayley keeps ~1e-6)
 
@@ -72,9 +79,19 @@ class Transforms(struct.PyTreeNode):
     def rotated(self) -> bool:
         return self.r1 is not None
 
+    def graph(self, cfg: ModelConfig) -> Graph:
+        """The graph of the params `apply` gives: `cfg`'s, or with R1 on a model whose
+        post-norms join the residual (Gemma 3), its variant with a linear after each."""
+        if self.fused_norms and self.r1 is not None:
+            return POST_LINEAR_GRAPHS.get(cfg.architecture, graph_of(cfg))
+        return graph_of(cfg)
+
     def apply(self, base: Params, cfg: ModelConfig, *, rotate: bool = True) -> Params:
         """`base` rewritten by every transform (`rotate` False: all but R1/R2 and the
-        equalization, the base that stage 1 rotates and scales on the fly)."""
+        equalization, the base that stage 1 rotates and scales on the fly). With R1, a
+        post-norm whose output joins the residual gets a linear first (`graph`)."""
+        if self.fused_norms and self.r1 is not None:
+            base = add_post_norm_linears(base, cfg)
         params = fuse_norms(base, cfg) if self.fused_norms else base
         if self.mlp_smoothing is not None:
             params = smooth_mlp(params, self.mlp_smoothing)
@@ -285,7 +302,6 @@ class QuantizedModel(struct.PyTreeNode):
         directory = Path(directory)
         meta = RunDir(directory).read_model_json()
         if base is None:
-
             base = load_model(meta["source"])
         if _config_json(base.config) != meta["config"]:
             raise QnpuError(
@@ -399,7 +415,6 @@ def save_learned(
     temporary sibling and a rename; as host arrays, so a run made on a mesh loads on any
     device count. Every process of a multi-host
     job calls it (the arrays are gathered); the primary one writes."""
-
 
     tree: dict[str, Any] = {} if state is None else {"state": state}
     if r1 is not None:

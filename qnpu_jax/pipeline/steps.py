@@ -36,7 +36,7 @@ from qnpu_jax.ir.graph import (
     layer_widths,
 )
 from qnpu_jax.mesh import place_params
-from qnpu_jax.models.llama import Params, graph_of
+from qnpu_jax.models.llama import Params
 from qnpu_jax.models.taps import state_entry
 from qnpu_jax.pipeline.calibrate import calibrate as calibrate_state
 from qnpu_jax.pipeline.calibrate import channel_absmax, collect_activation_stats
@@ -146,9 +146,21 @@ class Step:
         return new.record(self.name, self.args, info)
 
 
-# The steps that read only the model's own graph (its tensors and taps); the others fold,
-# rotate, smooth or train through LLaMA's norm -> linear pattern (`check_llama_graph`).
-ANY_GRAPH_STEPS = frozenset({"plan", "promote", "calibrate"})
+# The steps that read only the model's own graph (its tensors, taps, norms' readers and the
+# residual stream's writers); the others smooth, equalize or train through LLaMA's graph
+# (`check_llama_graph`).
+ANY_GRAPH_STEPS = frozenset(
+    {
+        "plan",
+        "promote",
+        "calibrate",
+        "fuse_norms",
+        "hadamard_rotations",
+        "choose_rotation",
+        "stage1",
+        "gptq",
+    }
+)
 
 
 P = ParamSpec("P")
@@ -349,7 +361,7 @@ def plan(
             down_in_bits=down_in_bits,
             rules=list(rules),
             simulation=simulation,
-            graph=graph_of(m.cfg),
+            graph=m.transforms.graph(m.cfg),
         )
         return m.replace(plan=made, state=None, weight_codes=None), None
 

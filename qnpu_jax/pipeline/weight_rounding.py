@@ -18,20 +18,22 @@ import numpy as np
 from tqdm import tqdm
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.ir.graph import LINEAR_IO, layer_widths
+from qnpu_jax.ir.graph import layer_widths
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
 from qnpu_jax.models.taps import FakeQuantTaps, HessianTaps, QuantState, tapped_forward
 from qnpu_jax.quant.gptq import gptq_layers
 from qnpu_jax.quant.plan import QuantPlan
 
-# the tensor each linear multiplies (a plan name of the decoder layer)
-LINEAR_INPUT = {name: io[0] for name, io in LINEAR_IO.items()}
+
+def linear_inputs(plan: QuantPlan) -> dict[str, str]:
+    """The tensor each decoder-layer linear of the plan's graph multiplies, by weight."""
+    return {name: io[0] for name, io in plan.graph.linear_io.items()}
 
 
 def rounded_weights(plan: QuantPlan) -> tuple[str, ...]:
     """The decoder-layer linears whose weights the plan quantizes (GPTQ's targets)."""
-    names = tuple(n for n in LINEAR_INPUT if plan.get(f"layers/{n}") is not None)
+    names = tuple(n for n in linear_inputs(plan) if plan.get(f"layers/{n}") is not None)
     blocked = [n for n in names if getattr(plan.get(f"layers/{n}"), "block", None) is not None]
     if blocked:  # GPTQ's column sweep here runs on one scale per row
         raise QnpuError(f"GPTQ rounding does not support per-block weights ({blocked[0]})")
@@ -65,9 +67,10 @@ def collect_hessians(
 ) -> dict[str, jax.Array]:
     """Σ xᵀx [L, in, in] of every input a quantized linear weight multiplies, over `windows`,
     with x as the fake-quant model feeds it to the linear."""
-    names = frozenset(LINEAR_INPUT[n] for n in rounded_weights(plan))
+    inputs = linear_inputs(plan)
+    names = frozenset(inputs[n] for n in rounded_weights(plan))
     taps = HessianTaps(FakeQuantTaps(plan), names)
-    widths = layer_widths(cfg.dims)
+    widths = layer_widths(cfg.dims, plan.graph)
     totals = {}
     for name in sorted(names):
         width = widths[name]
@@ -83,8 +86,8 @@ def check_gptq_tokens(
 ) -> None:
     """Refuse a calibration of fewer tokens (windows × (prefix + length)) than the widest
     input of a linear that GPTQ rounds."""
-    widths = layer_widths(cfg.dims)
-    inputs = {n: widths[LINEAR_INPUT[n]] for n in rounded_weights(plan)}
+    widths, reads = layer_widths(cfg.dims, plan.graph), linear_inputs(plan)
+    inputs = {n: widths[reads[n]] for n in rounded_weights(plan)}
     if not inputs:
         return
     widest = max(inputs, key=lambda n: inputs[n])
@@ -111,11 +114,12 @@ def gptq_weight_codes(
     """GPTQ codes {linear: int8 [L, out, in]} of every quantized linear weight, on the grid
     of `state` (scales and zero points unchanged), given `collect_hessians`' Hessians."""
     codes: dict[str, np.ndarray] = {}
+    inputs = linear_inputs(plan)
     for name in tqdm(rounded_weights(plan), desc="gptq", disable=not progress):
         s = state["layers"][name]
         q = gptq_layers(
             params["layers"][name],
-            hessians[LINEAR_INPUT[name]],
+            hessians[inputs[name]],
             s.scale,
             s.zero_point,
             s.qmin,

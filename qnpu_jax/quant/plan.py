@@ -22,7 +22,6 @@ import numpy as np
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.fieldtypes import check_field_types
 from qnpu_jax.ir.graph import (
-    ARCHITECTURE_GRAPHS,
     CHANNEL_INPUTS,
     EMBED_TABLE,
     GRAPH,
@@ -30,6 +29,7 @@ from qnpu_jax.ir.graph import (
     LINEARS,
     LM_HEAD,
     MUXQ_MAX_EXP,
+    NAMED_GRAPHS,
     PROBS,
     SIMULATIONS,
     SOFTMAX_ROLE,
@@ -63,10 +63,22 @@ def all_paths(graph: Graph = GRAPH) -> tuple[str, ...]:
     )
 
 
-def is_weight(path: str, graph: Graph = GRAPH) -> bool:
-    weights = {t.name for t in graph.layer_weights}
-    globals_ = {op.weight.name for op in graph.model if op.weight is not None}
-    return path.removeprefix("layers/") in weights or path in globals_
+def _weight_names(graphs: Iterable[Graph]) -> tuple[frozenset[str], frozenset[str]]:
+    """The layer weights' and the model weights' names of `graphs`."""
+    graphs = tuple(graphs)
+    layer = frozenset(t.name for g in graphs for t in g.layer_weights)
+    model = frozenset(op.weight.name for g in graphs for op in g.model if op.weight is not None)
+    return layer, model
+
+
+# every graph's (a name is a weight in all graphs that have it, or in none)
+_ANY_GRAPH_WEIGHTS = _weight_names((GRAPH, *NAMED_GRAPHS.values()))
+
+
+def is_weight(path: str, graph: Graph | None = None) -> bool:
+    """Whether plan path `path` is a weight of `graph` (None: of any graph)."""
+    layer, model = _ANY_GRAPH_WEIGHTS if graph is None else _weight_names((graph,))
+    return path.removeprefix("layers/") in layer or path in model
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -243,7 +255,7 @@ class QuantPlan:
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready form; `QuantPlan.from_dict` reads it back to an equal plan. The graph is
-        named by its architecture where it is not GRAPH (plans of GRAPH read as before)."""
+        named (`ir.graph.NAMED_GRAPHS`) where it is not GRAPH (plans of GRAPH read as before)."""
         out: dict[str, object] = {
             "num_layers": self.num_layers,
             "simulation": self.simulation,
@@ -255,7 +267,7 @@ class QuantPlan:
                 for path, tq in self.entries
             },
         }
-        names = [a for a, g in ARCHITECTURE_GRAPHS.items() if g is self.graph]
+        names = [a for a, g in NAMED_GRAPHS.items() if g is self.graph]
         if self.graph is not GRAPH:
             if not names:
                 raise QnpuError("a plan over a graph of no architecture cannot be written")
@@ -274,11 +286,11 @@ class QuantPlan:
             )
         graph = GRAPH
         if "graph" in data:
-            if data["graph"] not in ARCHITECTURE_GRAPHS:
+            if data["graph"] not in NAMED_GRAPHS:
                 raise QnpuError(
-                    f"plan 'graph' {data['graph']!r} is not one of {sorted(ARCHITECTURE_GRAPHS)}"
+                    f"plan 'graph' {data['graph']!r} is not one of {sorted(NAMED_GRAPHS)}"
                 )
-            graph = ARCHITECTURE_GRAPHS[data["graph"]]
+            graph = NAMED_GRAPHS[data["graph"]]
         tensors = data["tensors"]
         if not isinstance(tensors, dict):
             raise QnpuError("plan 'tensors' must map tensor paths to their quantization")

@@ -45,10 +45,10 @@ beside it.
 
 Zero-shot (`--tasks`, `--limit`, `--task-seed`, as in `qnpu study compare_methods`): the FP32
 model and the rows `--tasks-rows` selects (per bit-width Quant.npu's run and the row lowest on
-wiki, or every row) are scored as `qnpu eval --tasks` scores them, on the same seeded items;
-a run's results go to RUN/evals/tasks-<N>-<seed>.json, a post-training row's (its model
-rebuilt: the run loaded, the step applied again) to RUNS/post/<key>/evals/, read back when
-there, written after every task.
+wiki, every row, or the rows of a comma list of keys) are scored as `qnpu eval --tasks` scores
+them, on the same seeded items; a run's results go to RUN/evals/tasks-<N>-<seed>.json, a
+post-training row's (its model rebuilt: the run loaded, the step applied again) to
+RUNS/post/<key>/evals/, read back when there, written after every task.
 
     qnpu study outliers --prefix bos --eval-windows 32 --bits W4A8,W8A8,W4A4
     qnpu study outliers --bits W4A8 --shadow-keep 1.0 --limit 500 \\
@@ -159,10 +159,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_task_args(parser)
     parser.add_argument(
         "--tasks-rows",
-        choices=("best", "all"),
+        type=_rows_choice,
         default="best",
         help="rows scored on --tasks: per bit-width Quant.npu's and the lowest wiki perplexity "
-        "(best), or every row with a perplexity (all)",
+        "(best), every row with a perplexity (all), or a comma list of row keys",
     )
     add_run_args(parser, runs_dir="runs/outliers")
     return parser.parse_args(argv)
@@ -181,7 +181,7 @@ def plan_cost(plan: Any, cfg: Any, devices: dict[str, Any]) -> dict[str, Any]:
             "syncs": sums["syncs"],
             "bytes": sums["weight_bytes"] + sums["act_bytes"] + sums["kv_bytes"],
             "latency_s": {
-                k: cost.latency(costs, d, cost.num_linears(cfg))["total_s"]
+                k: cost.latency(costs, d, cost.num_linears(cfg, plan.graph))["total_s"]
                 for k, d in devices.items()
             },
         }
@@ -292,12 +292,32 @@ def _post_rows(
     return rows
 
 
-def tasks_rows(rows: list[dict[str, Any]], which: str) -> list[dict[str, Any]]:
-    """The rows `--tasks-rows` selects among those with a perplexity: every one ("all"), or
-    per bit-width the Quant.npu run and the row lowest on wiki ("best"), in table order."""
+def _rows_choice(text: str) -> str | tuple[str, ...]:
+    """`--tasks-rows`: "best", "all", or a non-empty comma list of row keys."""
+    if text in ("best", "all"):
+        return text
+    keys = tuple(k.strip() for k in text.split(",") if k.strip())
+    if not keys:
+        raise argparse.ArgumentTypeError(f"best, all or a comma list of row keys; got {text!r}")
+    return keys
+
+
+def tasks_rows(rows: list[dict[str, Any]], which: str | tuple[str, ...]) -> list[dict[str, Any]]:
+    """The rows `--tasks-rows` selects among those with a perplexity, in table order: every
+    one ("all"), per bit-width the Quant.npu run and the row lowest on wiki ("best"), or those
+    whose keys are listed (a `QnpuError` naming a key that no such row has)."""
     done = [r for r in rows if "ppl" in r]
     if which == "all":
         return done
+    if not isinstance(which, str):
+        have = [r["key"] for r in done]
+        missing = [k for k in which if k not in have]
+        if missing:
+            raise QnpuError(
+                f"--tasks-rows: no row with a perplexity has the key {', '.join(missing)}; "
+                f"those with one: {', '.join(have) or 'none'}"
+            )
+        return [r for r in done if r["key"] in which]
     keep: set[str] = set()
     for bits in dict.fromkeys(r["bits"] for r in done):
         group = [r for r in done if r["bits"] == bits]
@@ -565,11 +585,12 @@ def main(argv: list[str] | None = None) -> int:
 
     flush()
     if names:
+        selected = tasks_rows(rows, args.tasks_rows)  # an unknown key fails before any scoring
         scored[cm.FLOAT_KEY] = cm.score_tasks(
             cm.float_dir(args), args, command, compute=True, model=args.model
         )
         cm._print_tasks("FP32", scored[cm.FLOAT_KEY])
-        for row in tasks_rows(rows, args.tasks_rows):
+        for row in selected:
             key = row["key"]
             if "options" in row:  # a post-training row: no run directory of its own
 

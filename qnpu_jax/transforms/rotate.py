@@ -9,7 +9,9 @@ R2 rotates each attention head's value vectors: v_h ← v_h R2 (rows of v_proj),
 attention output is linear in V, o_proj's input slice of every head is rotated the same way,
 undone by W_o[:, head] ← W_o[:, head] R2. One R2 per layer, shared by all heads (GQA too).
 The tables come from the model's graph: Gemma 3's post-norms, whose weighted outputs join the
-residual, keep their gains, and R1 is refused there (`ir.graph.residual_rotation_blocker`).
+residual, keep their gains, and R1 is refused there (`ir.graph.residual_rotation_blocker`)
+until `add_post_norm_linears` gives each post-norm an identity linear: the gain then folds
+into it and R1 rotates its output, so it holds diag(g)·R1, an online rotation on the NPU.
 
 All functions are pure and differentiable, so stage 1 can learn R1/R2 through them.
 """
@@ -28,8 +30,10 @@ from qnpu_jax.ir.graph import (
     LINEAR_BIAS,
     LM_HEAD,
     O_LINEAR,
+    POST_LINEAR_GRAPHS,
     V_LINEAR,
     norm_readers,
+    residual_readers,
     residual_rotation_blocker,
     residual_writers,
 )
@@ -40,12 +44,27 @@ from qnpu_jax.rotation import random_hadamard
 Params = dict[str, Any]
 
 
+def add_post_norm_linears(params: Params, cfg: ModelConfig) -> Params:
+    """`params` with an identity linear [L, D, D] after each norm whose output joins the
+    residual (Gemma 3's two post-norms; `ir.graph.with_post_norm_linears`): the same
+    function, now of the graph whose residual stream R1 can rotate. Params that have them,
+    or whose graph has no such norm, come back unchanged."""
+    variant = POST_LINEAR_GRAPHS.get(cfg.architecture)
+    new = [] if variant is None else [t.name for t in variant.layer_weights]
+    new = [name for name in new if name not in params["layers"]]
+    if not new:
+        return params
+    eye = jnp.eye(cfg.hidden_size, dtype=params[FINAL_NORM].dtype)
+    identity = jnp.broadcast_to(eye, (cfg.num_layers, *eye.shape))
+    return {**params, "layers": {**params["layers"], **dict.fromkeys(new, identity)}}
+
+
 def fuse_norms(params: Params, cfg: ModelConfig) -> Params:
     """Fold every RMSNorm weight into the linears that read its output; those norms become
     ones. A norm no linear reads keeps its gain (Gemma 3's post-norms, read by the residual
-    adds). The final norm folds into lm_head, so tied embeddings are untied
-    (lm_head = E·diag(g))."""
-    readers_of = norm_readers(graph_of(cfg))
+    adds, unless `add_post_norm_linears` gave them one). The final norm folds into lm_head,
+    so tied embeddings are untied (lm_head = E·diag(g))."""
+    readers_of = norm_readers(graph_of(cfg, params))
     layers = dict(params["layers"])
     for gain, readers in readers_of.items():
         g = layers[gain][:, None, :]  # [L, 1, D]: scales the `in` axis
@@ -64,7 +83,7 @@ def fuse_norms(params: Params, cfg: ModelConfig) -> Params:
 def norms_are_fused(params: Params, cfg: ModelConfig) -> bool:
     """True when every norm weight `fuse_norms` folds is exactly one (eager check, not for
     use under jit)."""
-    folded = norm_readers(graph_of(cfg))
+    folded = norm_readers(graph_of(cfg, params))
     leaves = [params[FINAL_NORM], *(params["layers"][gain] for gain in folded)]
     return all(bool(jnp.all(leaf == 1.0)) for leaf in leaves)
 
@@ -89,12 +108,13 @@ def apply_rotations(
     `tables=False` leaves embed_tokens and lm_head unrotated, for a forward that rotates the
     gathered rows and the final hidden state instead (`residual_rotation` of the forward).
     """
-    graph = graph_of(cfg)
+    graph = graph_of(cfg, params)
     blocker = residual_rotation_blocker(graph)
     if r1 is not None and blocker is not None:
         raise QnpuError(
             f"R1 cannot rotate {cfg.architecture}'s residual stream: {blocker}, and a norm's "
-            "weighted output does not commute with a rotation (R2 alone can: r1=None)"
+            "weighted output does not commute with a rotation (R2 alone can: r1=None; or give "
+            "the norm a linear first: add_post_norm_linears, then fuse_norms)"
         )
     if LM_HEAD not in params:
         raise QnpuError("apply_rotations needs fused params with an explicit lm_head: fuse_norms")
@@ -104,7 +124,7 @@ def apply_rotations(
     out = dict(params)
     if r1 is not None:
         _check_rotation(r1, (cfg.hidden_size, cfg.hidden_size), "R1")
-        for name in (w for readers in norm_readers(graph).values() for w in readers):
+        for name in residual_readers(graph):
             layers[name] = layers[name] @ r1
         for name in residual_writers(graph):
             layers[name] = jnp.einsum("ji,ljk->lik", r1, layers[name])
