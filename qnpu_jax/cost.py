@@ -38,7 +38,7 @@ from qnpu_jax.ir.graph import (
     layer_widths,
 )
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import graph_of, graphs_of
+from qnpu_jax.models.llama import graph_of, graphs_of, rotated_graph
 from qnpu_jax.pipeline.config import load_config
 from qnpu_jax.pipeline.methods import ROTATING_METHODS
 from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits
@@ -620,9 +620,8 @@ def config_plan(
         tensor: mixed_layer_bits(ranked, share, base_bits(tensor))
         for tensor, share in loaded.promoted().items()
     }
-    # a rotating recipe gives a model whose post-norms join the residual a linear after each
     rotated = loaded.method in ROTATING_METHODS
-    plan = build_plan(loaded, n, promoted, graph=graphs_of(cfg)[-1] if rotated else graph_of(cfg))
+    plan = build_plan(loaded, n, promoted, graph=rotated_graph(cfg) if rotated else graph_of(cfg))
     where = f"config {config}" if config else "the default config"
     what = f"{where} ({loaded.method} {loaded.bits.name})"
     if loaded.outliers.shadow_clip is not None or loaded.outliers.muxq_exp is not None:

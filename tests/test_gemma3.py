@@ -628,12 +628,23 @@ def _perturbed_gains(params, key):
     return dict(params, layers=layers, norm=norm)
 
 
+def _tiny_with_perturbed_gains():
+    """The tiny Gemma config, random params with `_perturbed_gains`, 2 × 12 tokens and their
+    float logits."""
+    from qnpu_jax.models.llama import init_random_params
+
+    cfg = _gemma_cfg(bos_token_id=2, eos_token_id=1)
+    params = init_random_params(cfg, jax.random.key(0), scale=0.2)
+    params = _perturbed_gains(params, jax.random.key(5))
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
+    return cfg, params, tokens, forward(params, tokens, cfg=cfg)
+
+
 def test_rotations_where_they_are_exact_on_gemma3s_graph():
     """Step 4, option (a)'s pieces: the pre-norms' gains fold into the linears reading them
     (q/k/v, gate/up; the final norm into an untied lm_head) and R2 rotates each head's V and
     o_proj's input, both exactly; the post-norms keep their gains, and R1 is refused with the
     reason (a weighted norm's output joins the residual stream)."""
-    from qnpu_jax.models.llama import init_random_params
     from qnpu_jax.transforms import (
         apply_rotations,
         fuse_norms,
@@ -641,11 +652,7 @@ def test_rotations_where_they_are_exact_on_gemma3s_graph():
         randomized_hadamard_rotations,
     )
 
-    cfg = _gemma_cfg(bos_token_id=2, eos_token_id=1)
-    params = init_random_params(cfg, jax.random.key(0), scale=0.2)
-    params = _perturbed_gains(params, jax.random.key(5))
-    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
-    ref = forward(params, tokens, cfg=cfg)
+    cfg, params, tokens, ref = _tiny_with_perturbed_gains()
     fused = fuse_norms(params, cfg)
     assert norms_are_fused(fused, cfg) and not norms_are_fused(params, cfg)
     for name in ("post_attention_layernorm", "post_feedforward_layernorm"):
@@ -687,11 +694,7 @@ def test_a_linear_after_each_post_norm_lets_r1_rotate_gemma3_exactly():
     assert residual_rotation_blocker(GEMMA3_POST_LINEAR_GRAPH) is None
     # the post-norms' linears read a block's output, not the stream: R1 leaves their columns
     assert residual_readers(GEMMA3_POST_LINEAR_GRAPH) == residual_readers(GRAPH)
-    cfg = _gemma_cfg(bos_token_id=2, eos_token_id=1)
-    params = init_random_params(cfg, jax.random.key(0), scale=0.2)
-    params = _perturbed_gains(params, jax.random.key(5))
-    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
-    ref = forward(params, tokens, cfg=cfg)
+    cfg, params, tokens, ref = _tiny_with_perturbed_gains()
     lifted = add_post_norm_linears(params, cfg)
     assert (
         graph_of(cfg, params) is GEMMA3_GRAPH and graph_of(cfg, lifted) is GEMMA3_POST_LINEAR_GRAPH

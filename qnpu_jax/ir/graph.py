@@ -453,7 +453,6 @@ def with_post_norm_linears(graph: Graph) -> Graph:
     stream rotates (an online rotation, issue 54's option b: docs/design.md, "Gemma 3's
     residual stream"). The linear's weight is named `<norm output>_proj`; it starts as the
     identity (`transforms.add_post_norm_linears`)."""
-    linear_outputs = {o for _, o in graph.linear_io.values()}
     adds = graph.ops(OpKind.ADD)
     layer: list[Op] = []
     renamed: dict[str, str] = {}
@@ -462,7 +461,7 @@ def with_post_norm_linears(graph: Graph) -> Graph:
         if op.kind == OpKind.ADD:
             op = dataclasses.replace(op, ins=tuple(renamed.get(n, n) for n in op.ins))
         layer.append(op)
-        if joins and op.out is not None and op.out_name not in linear_outputs:
+        if joins and op.out is not None:
             hf = op.out.hf.rsplit(".", 1)[0]
             # the residual's input keeps the norm output's bits (Gemma 3's: 16)
             out = _t(f"{op.out_name}_rot", f"{hf}.rotation.output", op.out.bits)
@@ -481,6 +480,15 @@ GEMMA3_POST_LINEAR_GRAPH = with_post_norm_linears(GEMMA3_GRAPH)
 ARCHITECTURE_GRAPHS = {"gemma3": GEMMA3_GRAPH}
 # ... and the variant its params select when they hold the post-norm linears' weights
 POST_LINEAR_GRAPHS = {"gemma3": GEMMA3_POST_LINEAR_GRAPH}
+# the weights that variant adds (the post-norm linears'), by architecture
+POST_LINEAR_WEIGHTS = {
+    arch: tuple(
+        t.name
+        for t in g.layer_weights
+        if t not in ARCHITECTURE_GRAPHS.get(arch, GRAPH).layer_weights
+    )
+    for arch, g in POST_LINEAR_GRAPHS.items()
+}
 # Every graph other than GRAPH by the name a plan.json writes it under
 NAMED_GRAPHS = {
     **ARCHITECTURE_GRAPHS,

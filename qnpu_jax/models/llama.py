@@ -40,6 +40,7 @@ from qnpu_jax.ir.graph import (
     LM_HEAD,
     MODEL_ONLY_KINDS,
     POST_LINEAR_GRAPHS,
+    POST_LINEAR_WEIGHTS,
     PROBS,
     ROPE_FRACTION_BITS,
     SCORES,
@@ -62,19 +63,21 @@ def graph_of(cfg: ModelConfig, params: Params | None = None) -> Graph:
     """The layer graph of `cfg`'s architecture: GRAPH, or Gemma 3's; with `params`, the one
     they are the weights of (Gemma 3 with a linear after each post-norm once
     `transforms.add_post_norm_linears` gave them those weights)."""
-    graph = ARCHITECTURE_GRAPHS.get(cfg.architecture, GRAPH)
-    variant = POST_LINEAR_GRAPHS.get(cfg.architecture)
-    if params is not None and variant is not None:
-        extra = {t.name for t in variant.layer_weights} - {t.name for t in graph.layer_weights}
-        if extra <= params.get("layers", {}).keys():
-            return variant
-    return graph
+    added = POST_LINEAR_WEIGHTS.get(cfg.architecture)
+    if params is not None and added and set(added) <= params.get("layers", {}).keys():
+        return POST_LINEAR_GRAPHS[cfg.architecture]
+    return ARCHITECTURE_GRAPHS.get(cfg.architecture, GRAPH)
+
+
+def rotated_graph(cfg: ModelConfig) -> Graph:
+    """The graph of `cfg`'s model once R1 rotates its residual stream: `graph_of(cfg)`, or
+    with a linear after each post-norm (Gemma 3: `transforms.add_post_norm_linears`)."""
+    return POST_LINEAR_GRAPHS.get(cfg.architecture, graph_of(cfg))
 
 
 def graphs_of(cfg: ModelConfig) -> tuple[Graph, ...]:
     """Every graph a model of `cfg` may have (`graph_of` with any params)."""
-    variant = POST_LINEAR_GRAPHS.get(cfg.architecture)
-    return (graph_of(cfg),) if variant is None else (graph_of(cfg), variant)
+    return tuple(dict.fromkeys((graph_of(cfg), rotated_graph(cfg))))
 
 
 def check_llama_graph(cfg: ModelConfig, what: str) -> None:

@@ -41,10 +41,10 @@ from jax.sharding import Mesh
 from qnpu_jax.errors import QnpuError, first_line
 from qnpu_jax.eval import perplexity
 from qnpu_jax.files import write_json_atomic
-from qnpu_jax.ir.graph import POST_LINEAR_GRAPHS, Graph
+from qnpu_jax.ir.graph import Graph
 from qnpu_jax.mesh import data_size, host_tree, is_primary, place_params, sync
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import Params, graph_of
+from qnpu_jax.models.llama import Params, graph_of, rotated_graph
 from qnpu_jax.models.load import WeightsIdentity, load_model
 from qnpu_jax.models.taps import FakeQuantTaps, QuantState, sink_prefix, tapped_token_nll
 from qnpu_jax.pipeline.run_dir import MODEL_FORMAT, MODEL_VERSION, RunDir
@@ -83,7 +83,7 @@ class Transforms(struct.PyTreeNode):
         """The graph of the params `apply` gives: `cfg`'s, or with R1 on a model whose
         post-norms join the residual (Gemma 3), its variant with a linear after each."""
         if self.fused_norms and self.r1 is not None:
-            return POST_LINEAR_GRAPHS.get(cfg.architecture, graph_of(cfg))
+            return rotated_graph(cfg)
         return graph_of(cfg)
 
     def apply(self, base: Params, cfg: ModelConfig, *, rotate: bool = True) -> Params:

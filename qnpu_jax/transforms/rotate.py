@@ -10,8 +10,8 @@ attention output is linear in V, o_proj's input slice of every head is rotated t
 undone by W_o[:, head] ← W_o[:, head] R2. One R2 per layer, shared by all heads (GQA too).
 The tables come from the model's graph: Gemma 3's post-norms, whose weighted outputs join the
 residual, keep their gains, and R1 is refused there (`ir.graph.residual_rotation_blocker`)
-until `add_post_norm_linears` gives each post-norm an identity linear: the gain then folds
-into it and R1 rotates its output, so it holds diag(g)·R1, an online rotation on the NPU.
+until `add_post_norm_linears` gives each post-norm an identity linear: R1 rotates its
+output, so it holds R1, an online rotation on the NPU (the post-norm keeps its gain).
 
 All functions are pure and differentiable, so stage 1 can learn R1/R2 through them.
 """
@@ -30,7 +30,7 @@ from qnpu_jax.ir.graph import (
     LINEAR_BIAS,
     LM_HEAD,
     O_LINEAR,
-    POST_LINEAR_GRAPHS,
+    POST_LINEAR_WEIGHTS,
     V_LINEAR,
     norm_readers,
     residual_readers,
@@ -49,9 +49,7 @@ def add_post_norm_linears(params: Params, cfg: ModelConfig) -> Params:
     residual (Gemma 3's two post-norms; `ir.graph.with_post_norm_linears`): the same
     function, now of the graph whose residual stream R1 can rotate. Params that have them,
     or whose graph has no such norm, come back unchanged."""
-    variant = POST_LINEAR_GRAPHS.get(cfg.architecture)
-    new = [] if variant is None else [t.name for t in variant.layer_weights]
-    new = [name for name in new if name not in params["layers"]]
+    new = [n for n in POST_LINEAR_WEIGHTS.get(cfg.architecture, ()) if n not in params["layers"]]
     if not new:
         return params
     eye = jnp.eye(cfg.hidden_size, dtype=params[FINAL_NORM].dtype)
@@ -60,9 +58,9 @@ def add_post_norm_linears(params: Params, cfg: ModelConfig) -> Params:
 
 
 def fuse_norms(params: Params, cfg: ModelConfig) -> Params:
-    """Fold every RMSNorm weight into the linears that read its output; those norms become
-    ones. A norm no linear reads keeps its gain (Gemma 3's post-norms, read by the residual
-    adds, unless `add_post_norm_linears` gave them one). The final norm folds into lm_head,
+    """Fold the weight of every norm of the residual stream into the linears that read its
+    output (`ir.graph.norm_readers`); those norms become ones. Gemma 3's post-norms keep
+    their gains, with or without `add_post_norm_linears`. The final norm folds into lm_head,
     so tied embeddings are untied (lm_head = E·diag(g))."""
     readers_of = norm_readers(graph_of(cfg, params))
     layers = dict(params["layers"])
