@@ -404,14 +404,14 @@ def test_a_recipe_gemma_cannot_take_is_refused_before_the_load(
     assert macs["A16W4"] == 3 * 16 * cfg.intermediate_size * cfg.hidden_size
 
 
-def test_quant_npu_runs_on_gemma3_through_the_post_norm_linears(tiny_hf, tmp_path):
+def test_quant_npu_runs_on_gemma3_through_the_rotation_linears(tiny_hf, tmp_path):
     """Quant.npu with GPTQ on Gemma 3 (`qnpu quantize --method quantnpu`: QuaRot's steps,
-    stage 1, calibration, GPTQ): R1 through the post-norms' linears, a plan over that graph
-    (their weights and outputs quantized too), stage 1 learning R1 (orthogonal, moved from the
-    Hadamard start), GPTQ's codes of every linear (the post-norms' too), a run that loads to
-    its reported perplexity, and `qnpu cost` counting the two extra linears."""
+    stage 1, calibration, GPTQ): R1 online in the rotation linears after the pre-norms, a plan
+    over that graph (their weights and outputs quantized too), stage 1 learning R1 (orthogonal,
+    moved from the Hadamard start), GPTQ's codes of every linear (the rotation linears' too), a
+    run that loads to its reported perplexity, and `qnpu cost` counting the two extra linears."""
     from qnpu_jax.cli import main
-    from qnpu_jax.ir.graph import GEMMA3_POST_LINEAR_GRAPH
+    from qnpu_jax.ir.graph import GEMMA3_ROTATION_GRAPH
     from qnpu_jax.pipeline.recipes import config_keys
     from qnpu_jax.pipeline.run import evaluation_sets, load_run
     from qnpu_jax.transforms import randomized_hadamard_rotations
@@ -423,13 +423,13 @@ def test_quant_npu_runs_on_gemma3_through_the_post_norm_linears(tiny_hf, tmp_pat
     sets += ["stage1.batch_size=1", "weight_rounding=gptq"]  # GPTQ: >= 96 tokens (down_proj)
     assert main([*args, *(a for x in sets for a in ("--set", x)), "--out", str(out)]) == 0
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["graph"] == "gemma3-post-linears"
-    assert {"layers/attn_post_proj", "layers/mlp_post_rot"} <= set(plan["tensors"])
+    assert plan["graph"] == "gemma3-rotation-linears"
+    assert {"layers/attn_in_proj", "layers/mlp_in_rot"} <= set(plan["tensors"])
     report = json.loads((out / "report.json").read_text())
     wiki = report["perplexity"]["wiki"]
     assert np.isfinite(wiki["quantized_ppl"]) and wiki["quantized_ppl"] != wiki["float_ppl"]
     run = load_run(out)
-    assert run.model.require_plan().graph is GEMMA3_POST_LINEAR_GRAPH
+    assert run.model.require_plan().graph is GEMMA3_ROTATION_GRAPH
     limit = run.model.cfg.max_position_embeddings - len(run.model.prefix)
     windows = evaluation_sets(run.config, run.tokenizer, limit)["wiki"]
     assert run.model.perplexity(windows)["ppl"] == wiki["quantized_ppl"]
@@ -438,18 +438,18 @@ def test_quant_npu_runs_on_gemma3_through_the_post_norm_linears(tiny_hf, tmp_pat
     assert np.max(np.abs(r1 @ r1.T - np.eye(len(r1)))) < 1e-4
     assert np.max(np.abs(r1 - np.asarray(start))) > 1e-4  # stage 1 trained it
     layers, d = TINY["num_hidden_layers"], TINY["hidden_size"]
-    assert run.model.params()["layers"]["attn_post_proj"].shape == (layers, d, d)
-    assert {"attn_post_proj", "mlp_post_proj", "down_proj"} <= set(run.model.weight_codes)
+    assert run.model.params()["layers"]["attn_in_proj"].shape == (layers, d, d)
+    assert {"attn_in_proj", "mlp_in_proj", "down_proj"} <= set(run.model.weight_codes)
     cost = tmp_path / "cost.json"
     assert main(["cost", "--run", str(out), "--prefill", "16", "--json", str(cost)]) == 0
     macs = json.loads(cost.read_text())["phases"]["prefill"]["macs"]
     cfg = run.model.cfg
     d, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    linears = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d * d  # + the two post-norm linears
+    linears = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d * d  # + the two rotation linears
     weighted = sum(n for key, n in macs.items() if "W" in key)
     head = cfg.vocab_size * d  # a prefill's logits: its last token's
     assert weighted == 16 * cfg.num_layers * linears + head
-    # at 16-bit inputs: the post-norms' linears (their inputs are the 16-bit norm outputs),
+    # at 16-bit inputs: the rotation linears (their inputs are the 16-bit norm outputs),
     # the scan's promoted down_proj and lm_head
     promoted = len(report["sensitivity"]["promoted_layers"])
     assert macs["A16W8"] == 16 * (cfg.num_layers * 2 * d * d + promoted * f * d) + head
@@ -667,56 +667,70 @@ def test_rotations_where_they_are_exact_on_gemma3s_graph():
         apply_rotations(fused, cfg, r1, r2)
 
 
-def test_a_linear_after_each_post_norm_lets_r1_rotate_gemma3_exactly():
-    """Step 4, option (b): an identity linear after each post-norm (the same function, the
-    graph `GEMMA3_POST_LINEAR_GRAPH`, chosen by the params holding its weights); R1 rotates
-    its output, so it holds R1 and the residual stream rotates: fused and rotated (R1 and R2)
-    == original."""
+def test_a_rotation_linear_after_each_pre_norm_lets_r1_rotate_gemma3_exactly():
+    """Step 4: an identity linear after each pre-norm (the same function, the graph
+    `GEMMA3_ROTATION_GRAPH`, chosen by the params holding its weights); R1 rotates its
+    output online (it holds R1, its readers R1ᵀ), the pre-norms and post-norms keep their
+    gains, the residual stream and the tables stay: lifted, fused and rotated (R1 and R2)
+    == original. (The post-norm linears of session 42 rotated the stream itself: exact too,
+    but the pre-norms' gains, folded before R1, spread the stream's massive channels over
+    every rotated input: docs/results.md, session 43.)"""
     from qnpu_jax.ir.graph import (
+        EMBED_TABLE,
+        FINAL_NORM,
         GEMMA3_GRAPH,
-        GEMMA3_POST_LINEAR_GRAPH,
+        GEMMA3_ROTATION_GRAPH,
         GRAPH,
-        residual_readers,
-        residual_rotation_blocker,
-        residual_writers,
+        r1_targets,
+        rotation_linears,
     )
     from qnpu_jax.models.llama import graph_of, init_random_params
     from qnpu_jax.transforms import (
-        add_post_norm_linears,
+        add_rotation_linears,
         apply_rotations,
         fuse_norms,
         norms_are_fused,
         randomized_hadamard_rotations,
     )
 
-    post = ("attn_post_proj", "mlp_post_proj")
-    assert residual_writers(GEMMA3_POST_LINEAR_GRAPH) == post
-    assert residual_rotation_blocker(GEMMA3_POST_LINEAR_GRAPH) is None
-    # the post-norms' linears read a block's output, not the stream: R1 leaves their columns
-    assert residual_readers(GEMMA3_POST_LINEAR_GRAPH) == residual_readers(GRAPH)
-    cfg, params, tokens, ref = _tiny_with_perturbed_gains()
-    lifted = add_post_norm_linears(params, cfg)
-    assert (
-        graph_of(cfg, params) is GEMMA3_GRAPH and graph_of(cfg, lifted) is GEMMA3_POST_LINEAR_GRAPH
+    online = ("attn_in_proj", "mlp_in_proj")
+    assert rotation_linears(GEMMA3_ROTATION_GRAPH) == online
+    assert rotation_linears(GEMMA3_GRAPH) == () and rotation_linears(GRAPH) == ()
+    targets = r1_targets(GEMMA3_ROTATION_GRAPH)
+    assert targets.writers == online and not targets.tables
+    assert targets.readers == ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    assert r1_targets(GRAPH).tables and r1_targets(GRAPH).writers == ("o_proj", "down_proj")
+    # the norm outputs the rotation reads are 16-bit; what q/k/v and gate/up read keeps the
+    # plan's activation bits
+    bits = {t.name: t.bits for t in GEMMA3_ROTATION_GRAPH.layer_acts}
+    assert (bits["attn_in"], bits["attn_in_rot"], bits["mlp_in"], bits["mlp_in_rot"]) == (
+        "16", "act", "16", "act"
     )
-    assert add_post_norm_linears(lifted, cfg) is lifted
+    cfg, params, tokens, ref = _tiny_with_perturbed_gains()
+    lifted = add_rotation_linears(params, cfg)
+    assert graph_of(cfg, params) is GEMMA3_GRAPH
+    assert graph_of(cfg, lifted) is GEMMA3_ROTATION_GRAPH
+    assert add_rotation_linears(lifted, cfg) is lifted
     eye = np.broadcast_to(
         np.eye(cfg.hidden_size), (cfg.num_layers, cfg.hidden_size, cfg.hidden_size)
     )
-    for name in post:
+    for name in online:
         np.testing.assert_array_equal(lifted["layers"][name], eye)
     fused = fuse_norms(lifted, cfg)
-    assert norms_are_fused(fused, cfg) and not norms_are_fused(lifted, cfg)
-    # the post-norms keep their gains (folded into the linear, their range would spread over
-    # its rows), so the linear stays the identity until R1 rotates its output
-    for name in ("post_attention_layernorm", "post_feedforward_layernorm"):
+    # nothing folds: every norm keeps its gain (the final one too: R1 leaves lm_head alone)
+    assert norms_are_fused(fused, cfg)
+    for name in ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm"):
         np.testing.assert_array_equal(fused["layers"][name], params["layers"][name])
-    np.testing.assert_array_equal(fused["layers"]["mlp_post_proj"], eye)
+    np.testing.assert_array_equal(fused[FINAL_NORM], params[FINAL_NORM])
     r1, r2 = randomized_hadamard_rotations(cfg, jax.random.key(3))
     rotated = apply_rotations(fused, cfg, r1, r2)
-    # y = x R1 in the row convention: W = R1ᵀ stored [out, in]
-    for name in post:
+    # y = x R1 in the row convention: W = R1ᵀ stored [out, in]; the readers take R1ᵀ
+    for name in online:
         np.testing.assert_allclose(rotated["layers"][name], np.broadcast_to(r1.T, eye.shape))
+    np.testing.assert_allclose(
+        rotated["layers"]["up_proj"], fused["layers"]["up_proj"] @ r1, rtol=1e-6, atol=1e-6
+    )
+    np.testing.assert_array_equal(rotated[EMBED_TABLE], params[EMBED_TABLE])
     scale = float(jnp.max(jnp.abs(ref)))
     for p in (lifted, fused, rotated, apply_rotations(fused, cfg, r1, None)):
         assert float(jnp.max(jnp.abs(forward(p, tokens, cfg=cfg) - ref))) <= 1e-5 * scale
@@ -724,15 +738,14 @@ def test_a_linear_after_each_post_norm_lets_r1_rotate_gemma3_exactly():
     llama = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
     plain = init_random_params(llama, jax.random.key(0))
-    assert add_post_norm_linears(plain, llama) is plain and graph_of(llama, plain) is GRAPH
+    assert add_rotation_linears(plain, llama) is plain and graph_of(llama, plain) is GRAPH
 
 
 def test_folded_norms_r1_and_r2_leave_the_real_model_unchanged(gemma):
     """The same on Gemma 3 270M's first two layers (real weights, 64 tokens of text): the
-    logits within 1e-3 of the largest, with R2 alone and with R1 through the post-norms'
-    linears (option b)."""
+    logits within 1e-3 of the largest, with R2 alone and with R1 online after the pre-norms."""
     from qnpu_jax.transforms import (
-        add_post_norm_linears,
+        add_rotation_linears,
         apply_rotations,
         fuse_norms,
         randomized_hadamard_rotations,
@@ -746,6 +759,6 @@ def test_folded_norms_r1_and_r2_leave_the_real_model_unchanged(gemma):
     r1, r2 = randomized_hadamard_rotations(cfg, jax.random.key(3))
     got = forward(apply_rotations(fuse_norms(params, cfg), cfg, None, r2), tokens, cfg=cfg)
     assert float(jnp.max(jnp.abs(got - ref))) <= 1e-3 * float(jnp.max(jnp.abs(ref)))
-    lifted = fuse_norms(add_post_norm_linears(params, cfg), cfg)
+    lifted = fuse_norms(add_rotation_linears(params, cfg), cfg)
     got = forward(apply_rotations(lifted, cfg, r1, r2), tokens, cfg=cfg)
     assert float(jnp.max(jnp.abs(got - ref))) <= 1e-3 * float(jnp.max(jnp.abs(ref)))

@@ -446,53 +446,61 @@ def _gemma3_graph() -> Graph:
     return Graph(layer=layer, model=GRAPH.model)
 
 
-def with_post_norm_linears(graph: Graph) -> Graph:
-    """`graph` with a hidden×hidden linear between each norm whose output joins the residual
-    and that add (Gemma 3's post-norms): the linear reads the norm's output and its output
-    joins the residual instead. R1 rotates its output, so it holds R1 and the residual
-    stream rotates (an online rotation, issue 54's option b: docs/design.md, "Gemma 3's
-    residual stream"). The linear's weight is named `<norm output>_proj`; it starts as the
-    identity (`transforms.add_post_norm_linears`)."""
-    adds = graph.ops(OpKind.ADD)
+def with_rotation_linears(graph: Graph) -> Graph:
+    """`graph` with a hidden×hidden linear between each norm of the residual stream and the
+    linears reading it (Gemma 3's two pre-norms): the linear reads the norm's output, kept at
+    16 bits and weighted by its gain, and the old readers read the linear's output instead,
+    at the norm output's old bits. R1 rotates that output (an online rotation on the NPU,
+    issue 54: docs/design.md, "Gemma 3's residual stream"), so the linear holds R1 and its
+    readers R1ᵀ; the residual stream, the tables and the post-norms stay as they are. The
+    linear's weight is named `<norm output>_proj`; it starts as the identity
+    (`transforms.add_rotation_linears`)."""
+    stream = {graph.layer_input} | {op.out_name for op in graph.ops(OpKind.ADD)}
+    readers = {i for i, _ in graph.linear_io.values()}
     layer: list[Op] = []
     renamed: dict[str, str] = {}
     for op in graph.layer:
-        joins = op.kind == OpKind.RMSNORM and any(op.out_name in a.ins for a in adds)
-        if op.kind == OpKind.ADD:
+        if op.kind == OpKind.LINEAR:
             op = dataclasses.replace(op, ins=tuple(renamed.get(n, n) for n in op.ins))
-        layer.append(op)
-        if joins and op.out is not None:
-            hf = op.out.hf.rsplit(".", 1)[0]
-            # the residual's input keeps the norm output's bits (Gemma 3's: 16)
-            out = _t(f"{op.out_name}_rot", f"{hf}.rotation.output", op.out.bits)
-            layer.append(_linear(op.out_name, out, f"{op.out_name}_proj", f"{hf}.rotation"))
-            renamed[op.out_name] = out.name
+        pre_norm = op.kind == OpKind.RMSNORM and op.ins[0] in stream and op.out_name in readers
+        if not pre_norm or op.out is None:
+            layer.append(op)
+            continue
+        # the gain stays in the norm, so its output keeps the channels' range: 16 bits
+        layer.append(dataclasses.replace(op, out=dataclasses.replace(op.out, bits="16")))
+        hf = op.out.hf.rsplit(".", 1)[0]
+        out = _t(f"{op.out_name}_rot", f"{hf}.rotation.output", op.out.bits)
+        layer.append(_linear(op.out_name, out, f"{op.out_name}_proj", f"{hf}.rotation"))
+        renamed[op.out_name] = out.name
     return Graph(layer=tuple(layer), model=graph.model, layer_input=graph.layer_input)
+
+
+def rotation_linears(graph: Graph) -> tuple[str, ...]:
+    """The linears `with_rotation_linears` put after a norm of the residual stream (they hold
+    R1 online): a linear reading a norm of the stream whose output other linears read."""
+    stream = {graph.layer_input} | {op.out_name for op in graph.ops(OpKind.ADD)}
+    norms = {op.out_name for op in graph.ops(OpKind.RMSNORM) if op.ins[0] in stream}
+    inputs = {i for i, _ in graph.linear_io.values()}
+    return tuple(w for w, (i, o) in graph.linear_io.items() if i in norms and o in inputs)
 
 
 # Gemma 3 (text): the float forward, the params' layout, the HF names, plans, calibration and
 # the fake-quant forward read it; the integer export does not yet (the module tables below
 # are GRAPH's, LLaMA's semantics).
 GEMMA3_GRAPH = _gemma3_graph()
-# Gemma 3 with a linear after each post-norm: the graph a residual rotation (R1) needs
-GEMMA3_POST_LINEAR_GRAPH = with_post_norm_linears(GEMMA3_GRAPH)
+# Gemma 3 with a linear after each pre-norm: the graph R1 rotates (online, at the linears'
+# inputs: its post-norms' weighted outputs join the residual, which R1 cannot rotate)
+GEMMA3_ROTATION_GRAPH = with_rotation_linears(GEMMA3_GRAPH)
 # The graph of each architecture whose decoder layer is not GRAPH's (`models.llama.graph_of`).
 ARCHITECTURE_GRAPHS = {"gemma3": GEMMA3_GRAPH}
-# ... and the variant its params select when they hold the post-norm linears' weights
-POST_LINEAR_GRAPHS = {"gemma3": GEMMA3_POST_LINEAR_GRAPH}
-# the weights that variant adds (the post-norm linears'), by architecture
-POST_LINEAR_WEIGHTS = {
-    arch: tuple(
-        t.name
-        for t in g.layer_weights
-        if t not in ARCHITECTURE_GRAPHS.get(arch, GRAPH).layer_weights
-    )
-    for arch, g in POST_LINEAR_GRAPHS.items()
-}
+# ... and the variant its params select when they hold the rotation linears' weights
+ROTATION_GRAPHS = {"gemma3": GEMMA3_ROTATION_GRAPH}
+# the weights that variant adds (the rotation linears'), by architecture
+ROTATION_WEIGHTS = {arch: rotation_linears(g) for arch, g in ROTATION_GRAPHS.items()}
 # Every graph other than GRAPH by the name a plan.json writes it under
 NAMED_GRAPHS = {
     **ARCHITECTURE_GRAPHS,
-    **{f"{arch}-post-linears": g for arch, g in POST_LINEAR_GRAPHS.items()},
+    **{f"{arch}-rotation-linears": g for arch, g in ROTATION_GRAPHS.items()},
 }
 
 
@@ -550,18 +558,19 @@ ATTN_OUTPUT_INPUT = LINEAR_IO["o_proj"][0]
 def norm_readers(graph: Graph) -> dict[str, tuple[str, ...]]:
     """Each norm of the residual stream (its input is the layer's input or an add's output)
     -> the linears reading its output: its gain folds into them, and R1 rotates their inputs.
-    Gemma 3's post-norms normalize a block's output, not the stream: read by the residual adds
-    or by the linear `with_post_norm_linears` puts there, they keep their gains (folded into
-    that linear, a post-norm's gains, max/median about 25 per layer, would spread over each
-    of its rows, and 8-bit rows lost them: docs/results.md, session 42)."""
+    Gemma 3's post-norms normalize a block's output, not the stream, and keep their gains; so
+    do norms read by a rotation linear (`with_rotation_linears`): Gemma 3's pre-norm gains
+    are near zero on the stream's massive channels, and folded before a rotation they would
+    spread those channels over every rotated input (docs/results.md, session 43)."""
     stream = {graph.layer_input} | {op.out_name for op in graph.ops(OpKind.ADD)}
     io = graph.linear_io
+    online = set(rotation_linears(graph))
     readers = {
         op.gain: tuple(w for w, (i, _) in io.items() if i == op.out_name)
         for op in graph.ops(OpKind.RMSNORM)
         if op.ins[0] in stream
     }
-    return {gain: linears for gain, linears in readers.items() if linears}
+    return {g: ws for g, ws in readers.items() if ws and not online.intersection(ws)}
 
 
 def residual_readers(graph: Graph) -> tuple[str, ...]:
@@ -573,6 +582,27 @@ def residual_writers(graph: Graph) -> tuple[str, ...]:
     """The linears whose output a residual add reads (R1 rotates their rows)."""
     adds = graph.ops(OpKind.ADD)
     return tuple(w for w, (_, o) in graph.linear_io.items() if any(o in op.ins for op in adds))
+
+
+@dataclasses.dataclass(frozen=True)
+class R1Targets:
+    """Where R1 goes in a graph. `readers`' columns rotate (W ← W R1) and `writers`' rows
+    (W ← R1ᵀ W); `tables`: R1 rotates the residual stream itself, so the embedding table and
+    lm_head rotate too and the final norm folds into lm_head. Without `tables` R1 is online:
+    the rotation linears (`writers`) rotate their norms' outputs and `readers` read those."""
+
+    readers: tuple[str, ...]
+    writers: tuple[str, ...]
+    tables: bool
+
+
+def r1_targets(graph: Graph) -> R1Targets:
+    online = rotation_linears(graph)
+    if online:
+        outs = {graph.linear_io[w][1] for w in online}
+        readers = tuple(w for w, (i, _) in graph.linear_io.items() if i in outs)
+        return R1Targets(readers, online, tables=False)
+    return R1Targets(residual_readers(graph), residual_writers(graph), tables=True)
 
 
 def residual_rotation_blocker(graph: Graph) -> str | None:

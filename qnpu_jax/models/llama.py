@@ -39,10 +39,10 @@ from qnpu_jax.ir.graph import (
     HEAD_NORMS,
     LM_HEAD,
     MODEL_ONLY_KINDS,
-    POST_LINEAR_GRAPHS,
-    POST_LINEAR_WEIGHTS,
     PROBS,
     ROPE_FRACTION_BITS,
+    ROTATION_GRAPHS,
+    ROTATION_WEIGHTS,
     SCORES,
     Graph,
     Op,
@@ -61,18 +61,19 @@ _NO_WINDOW = np.iinfo(np.int32).max
 
 def graph_of(cfg: ModelConfig, params: Params | None = None) -> Graph:
     """The layer graph of `cfg`'s architecture: GRAPH, or Gemma 3's; with `params`, the one
-    they are the weights of (Gemma 3 with a linear after each post-norm once
-    `transforms.add_post_norm_linears` gave them those weights)."""
-    added = POST_LINEAR_WEIGHTS.get(cfg.architecture)
+    they are the weights of (Gemma 3 with a linear after each pre-norm once
+    `transforms.add_rotation_linears` gave them those weights)."""
+    added = ROTATION_WEIGHTS.get(cfg.architecture)
     if params is not None and added and set(added) <= params.get("layers", {}).keys():
-        return POST_LINEAR_GRAPHS[cfg.architecture]
+        return ROTATION_GRAPHS[cfg.architecture]
     return ARCHITECTURE_GRAPHS.get(cfg.architecture, GRAPH)
 
 
 def rotated_graph(cfg: ModelConfig) -> Graph:
-    """The graph of `cfg`'s model once R1 rotates its residual stream: `graph_of(cfg)`, or
-    with a linear after each post-norm (Gemma 3: `transforms.add_post_norm_linears`)."""
-    return POST_LINEAR_GRAPHS.get(cfg.architecture, graph_of(cfg))
+    """The graph of `cfg`'s model once R1 rotates it: `graph_of(cfg)` (R1 on the residual
+    stream), or with a linear after each pre-norm that holds R1 online (Gemma 3, whose
+    post-norms join the residual: `transforms.add_rotation_linears`)."""
+    return ROTATION_GRAPHS.get(cfg.architecture, graph_of(cfg))
 
 
 def graphs_of(cfg: ModelConfig) -> tuple[Graph, ...]:

@@ -52,7 +52,7 @@ from qnpu_jax.pipeline.weight_rounding import weights_from_codes
 from qnpu_jax.quant.plan import QuantPlan
 from qnpu_jax.quant.state import state_from_tree
 from qnpu_jax.transforms import (
-    add_post_norm_linears,
+    add_rotation_linears,
     apply_rotations,
     equalize,
     fuse_norms,
@@ -81,17 +81,18 @@ class Transforms(struct.PyTreeNode):
 
     def graph(self, cfg: ModelConfig) -> Graph:
         """The graph of the params `apply` gives: `cfg`'s, or with R1 on a model whose
-        post-norms join the residual (Gemma 3), its variant with a linear after each."""
+        post-norms join the residual (Gemma 3), its variant with a rotation linear after each
+        pre-norm."""
         if self.fused_norms and self.r1 is not None:
             return rotated_graph(cfg)
         return graph_of(cfg)
 
     def apply(self, base: Params, cfg: ModelConfig, *, rotate: bool = True) -> Params:
         """`base` rewritten by every transform (`rotate` False: all but R1/R2 and the
-        equalization, the base that stage 1 rotates and scales on the fly). With R1, a
-        post-norm whose output joins the residual gets a linear first (`graph`)."""
+        equalization, the base that stage 1 rotates and scales on the fly). With R1 on a model
+        whose post-norms join the residual, each pre-norm gets a rotation linear (`graph`)."""
         if self.fused_norms and self.r1 is not None:
-            base = add_post_norm_linears(base, cfg)
+            base = add_rotation_linears(base, cfg)
         params = fuse_norms(base, cfg) if self.fused_norms else base
         if self.mlp_smoothing is not None:
             params = smooth_mlp(params, self.mlp_smoothing)

@@ -36,7 +36,7 @@ from qnpu_jax.data import sample_windows
 from qnpu_jax.errors import QnpuError, first_line
 from qnpu_jax.fieldtypes import check_field_types
 from qnpu_jax.files import iter_jsonl
-from qnpu_jax.ir.graph import EMBED_TABLE, LM_HEAD
+from qnpu_jax.ir.graph import EMBED_TABLE, LM_HEAD, r1_targets
 from qnpu_jax.limits import MAX_CALIB_WINDOWS, check_at_most
 from qnpu_jax.mesh import (
     batch_sharding,
@@ -48,7 +48,7 @@ from qnpu_jax.mesh import (
     replicated,
 )
 from qnpu_jax.models.config import ModelConfig
-from qnpu_jax.models.llama import MATMUL_DTYPES, Params, next_token_nll
+from qnpu_jax.models.llama import MATMUL_DTYPES, Params, graph_of, next_token_nll
 from qnpu_jax.models.taps import FakeQuantTaps, QuantState, tapped_forward
 from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.quant.fake_quant import log_to_scale, positive_scale, round_ste, scale_to_log
@@ -371,6 +371,8 @@ def stage1_loss(
     """
     r1 = trainable.get("r1")
     params = transformed_params(base_params, cfg, trainable, tables=not float_tables)
+    # an online R1 (rotation linears: `ir.graph.r1_targets`) leaves the tables alone
+    rotates_tables = r1_targets(graph_of(cfg, params)).tables
     state = merge_scales(frozen_state, scales_from_params(trainable["scales"], scale_param))
     if "clip" in trainable:
         state = merge_scales(state, clipped_weight_scales(params, trainable["clip"], state))
@@ -382,7 +384,7 @@ def stage1_loss(
         taps=taps,
         prefix=prefix,
         remat=remat,
-        residual_rotation=r1 if float_tables and r1 is not None else None,
+        residual_rotation=r1 if float_tables and r1 is not None and rotates_tables else None,
         teacher=jax.lax.stop_gradient(params) if objective == "block" else None,
     )
     ce = jnp.mean(next_token_nll(logits, tokens))

@@ -9,7 +9,7 @@ from qnpu_jax.transforms.equalize import (
     smoothing_scales,
 )
 from qnpu_jax.transforms.rotate import (
-    add_post_norm_linears,
+    add_rotation_linears,
     apply_rotations,
     fuse_norms,
     norms_are_fused,
@@ -19,7 +19,7 @@ from qnpu_jax.transforms.smooth import smooth_mlp
 
 __all__ = [
     "EQUALIZED",
-    "add_post_norm_linears",
+    "add_rotation_linears",
     "apply_rotations",
     "equalization_widths",
     "equalize",

@@ -9,9 +9,11 @@ R2 rotates each attention head's value vectors: v_h ← v_h R2 (rows of v_proj),
 attention output is linear in V, o_proj's input slice of every head is rotated the same way,
 undone by W_o[:, head] ← W_o[:, head] R2. One R2 per layer, shared by all heads (GQA too).
 The tables come from the model's graph: Gemma 3's post-norms, whose weighted outputs join the
-residual, keep their gains, and R1 is refused there (`ir.graph.residual_rotation_blocker`)
-until `add_post_norm_linears` gives each post-norm an identity linear: R1 rotates its
-output, so it holds R1, an online rotation on the NPU (the post-norm keeps its gain).
+residual, keep their gains, and R1 cannot rotate its residual stream
+(`ir.graph.residual_rotation_blocker`). There `add_rotation_linears` gives each pre-norm an
+identity linear before its readers: R1 rotates that linear's output (it holds R1, an online
+rotation on the NPU), its readers take R1ᵀ, and the pre-norms keep their gains
+(`ir.graph.r1_targets`).
 
 All functions are pure and differentiable, so stage 1 can learn R1/R2 through them.
 """
@@ -30,12 +32,11 @@ from qnpu_jax.ir.graph import (
     LINEAR_BIAS,
     LM_HEAD,
     O_LINEAR,
-    POST_LINEAR_WEIGHTS,
+    ROTATION_WEIGHTS,
     V_LINEAR,
     norm_readers,
-    residual_readers,
+    r1_targets,
     residual_rotation_blocker,
-    residual_writers,
 )
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import graph_of, lm_head_weight
@@ -44,12 +45,11 @@ from qnpu_jax.rotation import random_hadamard
 Params = dict[str, Any]
 
 
-def add_post_norm_linears(params: Params, cfg: ModelConfig) -> Params:
-    """`params` with an identity linear [L, D, D] after each norm whose output joins the
-    residual (Gemma 3's two post-norms; `ir.graph.with_post_norm_linears`): the same
-    function, now of the graph whose residual stream R1 can rotate. Params that have them,
-    or whose graph has no such norm, come back unchanged."""
-    new = [n for n in POST_LINEAR_WEIGHTS.get(cfg.architecture, ()) if n not in params["layers"]]
+def add_rotation_linears(params: Params, cfg: ModelConfig) -> Params:
+    """`params` with an identity linear [L, D, D] after each pre-norm (Gemma 3's two;
+    `ir.graph.with_rotation_linears`): the same function, now of the graph R1 can rotate
+    online. Params that have them, or whose model needs none, come back unchanged."""
+    new = [n for n in ROTATION_WEIGHTS.get(cfg.architecture, ()) if n not in params["layers"]]
     if not new:
         return params
     eye = jnp.eye(cfg.hidden_size, dtype=params[FINAL_NORM].dtype)
@@ -60,9 +60,11 @@ def add_post_norm_linears(params: Params, cfg: ModelConfig) -> Params:
 def fuse_norms(params: Params, cfg: ModelConfig) -> Params:
     """Fold the weight of every norm of the residual stream into the linears that read its
     output (`ir.graph.norm_readers`); those norms become ones. Gemma 3's post-norms keep
-    their gains, with or without `add_post_norm_linears`. The final norm folds into lm_head,
-    so tied embeddings are untied (lm_head = E·diag(g))."""
-    readers_of = norm_readers(graph_of(cfg, params))
+    their gains, and so do its pre-norms once `add_rotation_linears` put a rotation after
+    them. The final norm folds into lm_head where R1 rotates the residual stream, so tied
+    embeddings are untied (lm_head = E·diag(g)); elsewhere lm_head is only made explicit."""
+    graph = graph_of(cfg, params)
+    readers_of = norm_readers(graph)
     layers = dict(params["layers"])
     for gain, readers in readers_of.items():
         g = layers[gain][:, None, :]  # [L, 1, D]: scales the `in` axis
@@ -73,16 +75,21 @@ def fuse_norms(params: Params, cfg: ModelConfig) -> Params:
     head = lm_head_weight(params)
     out = dict(params)
     out["layers"] = layers
-    out[LM_HEAD] = head * params[FINAL_NORM][None, :]
-    out[FINAL_NORM] = jnp.ones_like(params[FINAL_NORM])
+    if r1_targets(graph).tables:
+        out[LM_HEAD] = head * params[FINAL_NORM][None, :]
+        out[FINAL_NORM] = jnp.ones_like(params[FINAL_NORM])
+    else:
+        out[LM_HEAD] = head
     return out
 
 
 def norms_are_fused(params: Params, cfg: ModelConfig) -> bool:
     """True when every norm weight `fuse_norms` folds is exactly one (eager check, not for
     use under jit)."""
-    folded = norm_readers(graph_of(cfg, params))
-    leaves = [params[FINAL_NORM], *(params["layers"][gain] for gain in folded)]
+    graph = graph_of(cfg, params)
+    folded = norm_readers(graph)
+    final = [params[FINAL_NORM]] if r1_targets(graph).tables else []
+    leaves = [*final, *(params["layers"][gain] for gain in folded)]
     return all(bool(jnp.all(leaf == 1.0)) for leaf in leaves)
 
 
@@ -107,12 +114,13 @@ def apply_rotations(
     gathered rows and the final hidden state instead (`residual_rotation` of the forward).
     """
     graph = graph_of(cfg, params)
+    targets = r1_targets(graph)
     blocker = residual_rotation_blocker(graph)
-    if r1 is not None and blocker is not None:
+    if r1 is not None and targets.tables and blocker is not None:
         raise QnpuError(
             f"R1 cannot rotate {cfg.architecture}'s residual stream: {blocker}, and a norm's "
-            "weighted output does not commute with a rotation (R2 alone can: r1=None; or give "
-            "the norm a linear first: add_post_norm_linears, then fuse_norms)"
+            "weighted output does not commute with a rotation (R2 alone can: r1=None; or rotate "
+            "online after the pre-norms: add_rotation_linears, then fuse_norms)"
         )
     if LM_HEAD not in params:
         raise QnpuError("apply_rotations needs fused params with an explicit lm_head: fuse_norms")
@@ -122,11 +130,11 @@ def apply_rotations(
     out = dict(params)
     if r1 is not None:
         _check_rotation(r1, (cfg.hidden_size, cfg.hidden_size), "R1")
-        for name in residual_readers(graph):
+        for name in targets.readers:
             layers[name] = layers[name] @ r1
-        for name in residual_writers(graph):
+        for name in targets.writers:
             layers[name] = jnp.einsum("ji,ljk->lik", r1, layers[name])
-        if tables:
+        if tables and targets.tables:
             out[EMBED_TABLE] = params[EMBED_TABLE] @ r1
             out[LM_HEAD] = params[LM_HEAD] @ r1
     if r2 is not None:
