@@ -703,9 +703,13 @@ def test_a_rotation_linear_after_each_pre_norm_lets_r1_rotate_gemma3_exactly():
     # the norm outputs the rotation reads are 16-bit; what q/k/v and gate/up read keeps the
     # plan's activation bits
     bits = {t.name: t.bits for t in GEMMA3_ROTATION_GRAPH.layer_acts}
-    assert (bits["attn_in"], bits["attn_in_rot"], bits["mlp_in"], bits["mlp_in_rot"]) == (
-        "16", "act", "16", "act"
-    )
+    names = ("attn_in", "attn_in_rot", "mlp_in", "mlp_in_rot")
+    assert [bits[n] for n in names] == ["16", "act", "16", "act"]
+    # o_proj's and down_proj's outputs, the post-norms' inputs, stay 16-bit on both graphs
+    for g in (GEMMA3_GRAPH, GEMMA3_ROTATION_GRAPH):
+        assert {t.name: t.bits for t in g.layer_acts}.keys() >= {"o_out", "down_out"}
+        assert {t.bits for t in g.layer_acts if t.name in ("o_out", "down_out")} == {"16"}
+    assert {t.bits for t in GRAPH.layer_acts if t.name in ("o_out", "down_out")} == {"8"}
     cfg, params, tokens, ref = _tiny_with_perturbed_gains()
     lifted = add_rotation_linears(params, cfg)
     assert graph_of(cfg, params) is GEMMA3_GRAPH
@@ -739,6 +743,33 @@ def test_a_rotation_linear_after_each_pre_norm_lets_r1_rotate_gemma3_exactly():
                         num_heads=4, num_kv_heads=2, head_dim=8)  # fmt: skip
     plain = init_random_params(llama, jax.random.key(0))
     assert add_rotation_linears(plain, llama) is plain and graph_of(llama, plain) is GRAPH
+
+
+def test_a_gain_that_cancels_a_massive_channel_wants_the_rotation_after_the_norm():
+    """Why Gemma 3 rotates after its pre-norms (scripts/rotation_placement.py), on a stream
+    made like Gemma 3's: the norm's gains undo the channels' scales, zero one channel that
+    holds most of every token's energy, and leave two outlier channels. Rotated before the
+    gain (R1 on the stream, the gain folded into the readers), 8-bit weights and activations
+    lose far more than unrotated; rotated after the gain, far less."""
+    from conftest import load_script
+
+    from qnpu_jax.rotation.hadamard import normalized_hadamard
+
+    placement = load_script("rotation_placement")
+    rng = np.random.default_rng(0)
+    d, tokens = 64, 256
+    scale = np.exp(rng.normal(0.0, 1.0, d))
+    x = rng.standard_normal((tokens, d)) * scale
+    x[:, 5] = 25.0 * scale.max() + rng.standard_normal(tokens)
+    gain = 1.0 / scale
+    gain[5] = 0.0
+    gain[10:12] *= 20.0
+    w = rng.standard_normal((48, d))
+    h = normalized_hadamard(d) * rng.choice([-1.0, 1.0], d)[None, :]
+    errors = placement.placement_errors(x, gain, w, h, 1e-6)
+    both = {name: e["both"] for name, e in errors.items()}
+    assert both["online"] < 0.5 * both["unrotated"], both
+    assert both["stream"] > 3 * both["unrotated"], both
 
 
 def test_folded_norms_r1_and_r2_leave_the_real_model_unchanged(gemma):
