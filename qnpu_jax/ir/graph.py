@@ -605,6 +605,7 @@ class R1Targets:
 
 
 def r1_targets(graph: Graph) -> R1Targets:
+    """Where R1 goes in `graph`: online where it has rotation linears, else on the stream."""
     online = rotation_linears(graph)
     if online:
         outs = {graph.linear_io[w][1] for w in online}
