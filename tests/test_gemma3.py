@@ -414,6 +414,7 @@ def test_quant_npu_runs_on_gemma3_through_the_rotation_linears(tiny_hf, tmp_path
     from qnpu_jax.ir.graph import GEMMA3_ROTATION_GRAPH
     from qnpu_jax.pipeline.recipes import config_keys
     from qnpu_jax.pipeline.run import evaluation_sets, load_run
+    from qnpu_jax.pipeline.steps import stage1_plan
     from qnpu_jax.transforms import randomized_hadamard_rotations
 
     directory = tiny_hf[0]
@@ -430,6 +431,10 @@ def test_quant_npu_runs_on_gemma3_through_the_rotation_linears(tiny_hf, tmp_path
     assert np.isfinite(wiki["quantized_ppl"]) and wiki["quantized_ppl"] != wiki["float_ppl"]
     run = load_run(out)
     assert run.model.require_plan().graph is GEMMA3_ROTATION_GRAPH
+    # stage 1 trains R1 against the rotation linears' 8-bit weights and outputs (what q/k/v
+    # and gate/up read), as the plan quantizes them
+    learned = {p for p, _ in stage1_plan(run.model.require_plan()).entries}
+    assert {"layers/attn_in_rot", "layers/mlp_in_rot", "layers/attn_in_proj"} <= learned
     limit = run.model.cfg.max_position_embeddings - len(run.model.prefix)
     windows = evaluation_sets(run.config, run.tokenizer, limit)["wiki"]
     assert run.model.perplexity(windows)["ppl"] == wiki["quantized_ppl"]

@@ -321,11 +321,20 @@ def test_error_budget_groups_drop_what_they_name(tiny_cfg):
     assert "lm_head" not in dropped["weights"] and "layers/q_proj" in dropped["weights"]
     assert dropped["weights"].isdisjoint(dropped["activations"])
     assert dropped["down_out"] == {"layers/down_out"}  # the per-output rows split the group
-    outputs = set().union(*(dropped[k] for k in eb.GROUP_SETS["outputs"]))
+    sets = eb.group_sets()
+    outputs = set().union(*(dropped[k] for k in sets["outputs"]))
     assert outputs == dropped["linear_outputs"]
-    inputs = set().union(*(dropped[k] for k in eb.GROUP_SETS["inputs"]))
+    inputs = set().union(*(dropped[k] for k in sets["inputs"]))
     assert inputs == dropped["rotated_inputs"] and dropped["attn_out"] == {"layers/attn_out"}
-    assert set().union(*map(set, eb.GROUP_SETS.values())) == set(eb.groups())
+    assert set().union(*map(set, sets.values())) == set(eb.groups())
+    # on Gemma 3's rotation graph the rotated inputs are the rotation linears' outputs (its
+    # pre-norms' outputs are 16-bit, read by those linears), and their outputs are outputs
+    from qnpu_jax.ir.graph import GEMMA3_ROTATION_GRAPH
+
+    gemma = eb.group_sets(GEMMA3_ROTATION_GRAPH)
+    assert gemma["inputs"] == ("attn_in_rot", "attn_out", "mlp_in_rot")
+    assert {"attn_in_rot", "o_out", "down_out"} <= set(gemma["outputs"])
+    assert set().union(*map(set, gemma.values())) == set(eb.groups(GEMMA3_ROTATION_GRAPH))
 
 
 def test_scale_drift_compares_the_learned_scales_with_their_rule(tiny_cfg, tiny_params):

@@ -234,6 +234,14 @@ class Graph:
         """Each linear's weight -> (input, output) tensor: {"q_proj": ("attn_in", "q_out"), ...}."""
         return {op.weight_name: (op.ins[0], op.out_name) for op in self.ops(OpKind.LINEAR)}
 
+    @property
+    def linear_inputs(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(i for i, _ in self.linear_io.values()))
+
+    @property
+    def linear_outputs(self) -> tuple[str, ...]:
+        return tuple(o for _, o in self.linear_io.values())
+
     def ops_json(self) -> dict[str, list[dict[str, Any]]]:
         return {
             "model": [op.to_json() for op in self.model],
@@ -524,8 +532,8 @@ GLOBAL_ACTS = tuple(t.name for t in GRAPH.global_acts)  # order of `act.*` entri
 LAYER_INPUT = GRAPH.layer_input
 LINEAR_IO = GRAPH.linear_io
 LINEARS = tuple(LINEAR_IO)  # the decoder layer's weights
-LINEAR_OUTPUTS = tuple(out for _, out in LINEAR_IO.values())
-LINEAR_INPUTS = tuple(dict.fromkeys(i for i, _ in LINEAR_IO.values()))
+LINEAR_OUTPUTS = GRAPH.linear_outputs
+LINEAR_INPUTS = GRAPH.linear_inputs
 # The linear inputs that may carry shadow or MUXQ channels: those a requantizing op writes
 # channel by channel (norm outputs, the down_proj input), not attention's head-major output.
 CHANNEL_INPUTS = tuple(
@@ -612,6 +620,14 @@ def r1_targets(graph: Graph) -> R1Targets:
         readers = tuple(w for w, (i, _) in graph.linear_io.items() if i in outs)
         return R1Targets(readers, online, tables=False)
     return R1Targets(residual_readers(graph), residual_writers(graph), tables=True)
+
+
+def rotated_inputs_of(graph: Graph) -> tuple[str, ...]:
+    """The linear inputs a rotation reaches, in graph order: those R1 rotates (its readers'
+    inputs, `r1_targets`) and attention's output (R2). GRAPH's are `ROTATED_INPUTS`."""
+    rotated = {graph.linear_io[w][0] for w in r1_targets(graph).readers}
+    rotated |= {op.out_name for op in graph.ops(OpKind.ATTENTION)}
+    return tuple(op.out_name for op in graph.layer if op.out_name in rotated)
 
 
 def residual_rotation_blocker(graph: Graph) -> str | None:

@@ -28,11 +28,11 @@ from qnpu_jax.data import load_documents, sample_windows, tokenize_documents
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.ir.graph import (
     CHANNEL_INPUTS,
+    GRAPH,
     KV_TENSORS,
-    LINEAR_INPUTS,
-    LINEAR_OUTPUTS,
     MUXQ_MAX_EXP,
     UNROTATED_INPUT,
+    Graph,
     layer_widths,
 )
 from qnpu_jax.mesh import place_params
@@ -57,7 +57,7 @@ from qnpu_jax.pipeline.stage1 import (
 )
 from qnpu_jax.pipeline.weight_rounding import gptq_round_weights
 from qnpu_jax.quant.init import scale_from_stats
-from qnpu_jax.quant.plan import WEIGHTS, QuantPlan, QuantRule, TensorQuant, default_plan
+from qnpu_jax.quant.plan import QuantPlan, QuantRule, TensorQuant, default_plan
 from qnpu_jax.quant.state import by_path, from_paths, get_entry, with_entry
 from qnpu_jax.transforms import (
     EQUALIZED,
@@ -76,8 +76,14 @@ STAGE1_LATER_KEYS = {
     "select_every": 0,
     "select_windows": 4,
 }
-# the linears' weights and inputs: the tensors stage 1 quantizes (and learns)
-STAGE1_TENSORS = (*WEIGHTS, *LINEAR_INPUTS)
+
+
+def stage1_tensors(graph: Graph) -> tuple[str, ...]:
+    """The linears' weights and inputs of `graph`: the tensors stage 1 quantizes (and learns)."""
+    return (*graph.linear_io, *graph.linear_inputs)
+
+
+STAGE1_TENSORS = stage1_tensors(GRAPH)  # LLaMA's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,7 +418,10 @@ def stage1_plan(
     (and learnable with `learn`) in stage 1; everything else, lm_head included, stays float.
     Without `selective`, the linear outputs and the K/V cache are learned in stage 1 too
     (MobileQuant's activation range learning)."""
-    names = STAGE1_TENSORS if selective else (*STAGE1_TENSORS, *LINEAR_OUTPUTS, *KV_TENSORS)
+    graph = plan.graph
+    names = stage1_tensors(graph)
+    if not selective:
+        names = (*names, *graph.linear_outputs, *KV_TENSORS)
     keep = {f"layers/{n}" for n in names}
     entries = []
     for path, tq in plan.entries:

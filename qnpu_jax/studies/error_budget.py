@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from qnpu_jax.environment import study_command
-from qnpu_jax.ir.graph import KV_TENSORS, LINEAR_OUTPUTS, ROTATED_INPUTS, UNROTATED_INPUT
+from qnpu_jax.ir.graph import GRAPH, KV_TENSORS, UNROTATED_INPUT, Graph, rotated_inputs_of
 from qnpu_jax.pipeline.run import evaluate
 from qnpu_jax.quant.plan import is_weight
 from qnpu_jax.studies import study_parser
@@ -31,9 +31,10 @@ def _is_path(target: str) -> Callable[[str], bool]:
     return lambda p: p == target
 
 
-def groups() -> dict[str, tuple[str, Callable[[str], bool]]]:
-    """key -> (label, predicate on a plan path: True = this tensor goes back to float)."""
-
+def groups(graph: Graph = GRAPH) -> dict[str, tuple[str, Callable[[str], bool]]]:
+    """key -> (label, predicate on a plan path: True = this tensor goes back to float), for a
+    plan over `graph` (its linear outputs and rotated inputs: Gemma 3's rotation linears)."""
+    outputs, inputs = graph.linear_outputs, rotated_inputs_of(graph)
     return {
         "weights": (
             "linear weights float (activations only)",
@@ -41,21 +42,24 @@ def groups() -> dict[str, tuple[str, Callable[[str], bool]]]:
         ),
         "activations": ("activations float (weights only)", lambda p: not is_weight(p)),
         UNROTATED_INPUT: ("down_proj input float", _is_path(f"layers/{UNROTATED_INPUT}")),
-        "linear_outputs": ("linear outputs float", lambda p: _name(p) in LINEAR_OUTPUTS),
-        "rotated_inputs": ("rotated linear inputs float", lambda p: _name(p) in ROTATED_INPUTS),
+        "linear_outputs": ("linear outputs float", lambda p: _name(p) in outputs),
+        "rotated_inputs": ("rotated linear inputs float", lambda p: _name(p) in inputs),
         "kv": ("K/V cache float", lambda p: _name(p) in KV_TENSORS and p.startswith("layers/")),
         **{  # each linear output or rotated input alone (their groups split up)
-            name: (f"{name} float", _is_path(f"layers/{name}"))
-            for name in (*LINEAR_OUTPUTS, *ROTATED_INPUTS)
+            name: (f"{name} float", _is_path(f"layers/{name}")) for name in (*outputs, *inputs)
         },
     }
 
 
-GROUP_SETS = {
-    "groups": ("weights", "activations", UNROTATED_INPUT, "linear_outputs", "rotated_inputs", "kv"),
-    "outputs": LINEAR_OUTPUTS,
-    "inputs": ROTATED_INPUTS,
-}
+def group_sets(graph: Graph = GRAPH) -> dict[str, tuple[str, ...]]:
+    """The `--rows` choices: which of `groups(graph)` each evaluates."""
+    return {
+        "groups": (
+            "weights", "activations", UNROTATED_INPUT, "linear_outputs", "rotated_inputs", "kv"
+        ),
+        "outputs": graph.linear_outputs,
+        "inputs": rotated_inputs_of(graph),
+    }  # fmt: skip
 
 
 def without(plan: Any, state: Any, drop: Callable[[str], bool]) -> tuple[Any, Any]:
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = study_parser(__name__, __doc__, run=True, eval_windows=32, json=True)
     parser.add_argument(
         "--rows",
-        choices=sorted(GROUP_SETS),
+        choices=sorted(group_sets()),
         default="groups",
         help="groups: the tensor groups; outputs: each linear output alone; inputs: each "
         "rotated linear input alone",
@@ -88,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     )["ppl"]
     print(f"float {float_ppl:.3f}, run {run_ppl:.3f}", flush=True)
     rows = []
-    for key in GROUP_SETS[args.rows]:
-        label, drop = groups()[key]
+    by_key = groups(plan.graph)
+    for key in group_sets(plan.graph)[args.rows]:
+        label, drop = by_key[key]
         dropped = [p for p, _ in plan.entries if drop(p)]
         if not dropped:
             continue
