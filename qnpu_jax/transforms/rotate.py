@@ -1,4 +1,5 @@
-"""Fold RMSNorm weights into linears, then rotate the residual stream (R1) and heads (R2).
+"""Fold RMSNorm weights into linears, then rotate the residual stream (R1) and heads (R2);
+where post-norms join the stream (Gemma 3), R1 rotates online after the pre-norms instead.
 
 Row-vector convention: activations are rows x, a linear is y = x Wᵀ with W stored [out, in].
 With the residual stream rotated as x R1 (R1 orthogonal):
@@ -106,12 +107,14 @@ def apply_rotations(
     *,
     tables: bool = True,
 ) -> Params:
-    """Rotate fused params: R1 [D, D] on the residual stream, R2 [L, hd, hd] per layer.
+    """Rotate fused params: R1 [D, D] where `ir.graph.r1_targets` puts it (the residual
+    stream, or online in Gemma 3's rotation linears), R2 [L, hd, hd] per layer.
 
     `params` must come from `fuse_norms` (checked when the params are concrete; under a trace,
     e.g. learning R1/R2 in stage 1, only shapes are). The result has an explicit lm_head.
     `tables=False` leaves embed_tokens and lm_head unrotated, for a forward that rotates the
-    gathered rows and the final hidden state instead (`residual_rotation` of the forward).
+    gathered rows and the final hidden state instead (`residual_rotation` of the forward);
+    an online R1 never rotates them.
     """
     graph = graph_of(cfg, params)
     targets = r1_targets(graph)
