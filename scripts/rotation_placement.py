@@ -30,7 +30,7 @@ import numpy as np
 from qnpu_jax.data import eval_windows, load_documents, tokenize_documents
 from qnpu_jax.environment import environment_info, script_command
 from qnpu_jax.files import write_json_atomic
-from qnpu_jax.ir.graph import OpKind
+from qnpu_jax.ir.graph import OpKind, norm_readers
 from qnpu_jax.models.llama import embed_rows, forward_tapped, graph_of, init_cache
 from qnpu_jax.models.load import load_model
 from qnpu_jax.rotation import random_hadamard
@@ -116,14 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(args.model)
     cfg, params = model.config, model.params
     graph = graph_of(cfg)
-    stream = {graph.layer_input} | {op.out_name for op in graph.ops(OpKind.ADD)}
-    io = graph.linear_io
+    readers_of = norm_readers(graph)  # the pre-norms' gains -> the linears reading them
     norms = [  # (gain, input, readers) of each pre-norm
-        (op.gain, op.ins[0], tuple(w for w, (i, _) in io.items() if i == op.out_name))
+        (op.gain, op.ins[0], readers_of[op.gain])
         for op in graph.ops(OpKind.RMSNORM)
-        if op.ins[0] in stream
+        if op.gain in readers_of
     ]
-    norms = [n for n in norms if n[2]]
     ids = tokenize_documents(load_documents("wiki", "calib"), model.tokenizer)
     tokens = jnp.asarray(np.asarray(eval_windows(ids, args.seq_len, args.windows)))
     # a layer's input is the previous layer's output: the last add's (or the embedding's)

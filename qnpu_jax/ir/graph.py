@@ -235,6 +235,11 @@ class Graph:
         return {op.weight_name: (op.ins[0], op.out_name) for op in self.ops(OpKind.LINEAR)}
 
     @property
+    def stream_values(self) -> frozenset[str]:
+        """The residual stream's values: the layer's input and every add's output."""
+        return frozenset({self.layer_input, *(op.out_name for op in self.ops(OpKind.ADD))})
+
+    @property
     def linear_inputs(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(i for i, _ in self.linear_io.values()))
 
@@ -471,7 +476,7 @@ def with_rotation_linears(graph: Graph) -> Graph:
     readers R1ᵀ; the residual stream, the tables and the post-norms stay as they are. The
     linear's weight is named `<norm output>_proj`; it starts as the identity
     (`transforms.add_rotation_linears`)."""
-    stream = {graph.layer_input} | {op.out_name for op in graph.ops(OpKind.ADD)}
+    stream = graph.stream_values
     readers = {i for i, _ in graph.linear_io.values()}
     layer: list[Op] = []
     renamed: dict[str, str] = {}
@@ -494,7 +499,7 @@ def with_rotation_linears(graph: Graph) -> Graph:
 def rotation_linears(graph: Graph) -> tuple[str, ...]:
     """The linears `with_rotation_linears` put after a norm of the residual stream (they hold
     R1 online): a linear reading a norm of the stream whose output other linears read."""
-    stream = {graph.layer_input} | {op.out_name for op in graph.ops(OpKind.ADD)}
+    stream = graph.stream_values
     norms = {op.out_name for op in graph.ops(OpKind.RMSNORM) if op.ins[0] in stream}
     inputs = {i for i, _ in graph.linear_io.values()}
     return tuple(w for w, (i, o) in graph.linear_io.items() if i in norms and o in inputs)
@@ -578,7 +583,7 @@ def norm_readers(graph: Graph) -> dict[str, tuple[str, ...]]:
     do norms read by a rotation linear (`with_rotation_linears`): Gemma 3's pre-norm gains
     are near zero on the stream's massive channels, and folded before a rotation they would
     spread those channels over every rotated input (docs/results.md, session 43)."""
-    stream = {graph.layer_input} | {op.out_name for op in graph.ops(OpKind.ADD)}
+    stream = graph.stream_values
     io = graph.linear_io
     online = set(rotation_linears(graph))
     readers = {
@@ -634,7 +639,7 @@ def residual_rotation_blocker(graph: Graph) -> str | None:
     """Why R1 cannot rotate `graph`'s residual stream, or None: every add's input must be
     the residual or a linear's output (a norm's weighted output does not commute with R1)."""
     linear_outputs = {o for _, o in graph.linear_io.values()}
-    layer_values = {op.out_name for op in graph.ops(OpKind.ADD)} | {graph.layer_input}
+    layer_values = graph.stream_values
     for op in graph.ops(OpKind.ADD):
         for name in op.ins:
             if name not in linear_outputs and name not in layer_values:
