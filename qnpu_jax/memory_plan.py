@@ -31,9 +31,9 @@ from qnpu_jax.mesh import MeshConfig, check_batch, describe, make_mesh
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import (
     MATMUL_DTYPES,
-    check_llama_graph,
     init_random_params,
     layer_param_shapes,
+    rotated_graph,
 )
 from qnpu_jax.models.taps import state_entry
 from qnpu_jax.pipeline.config import QuantizeConfig
@@ -43,6 +43,7 @@ from qnpu_jax.quant import default_plan
 from qnpu_jax.quant.plan import QuantPlan, is_weight
 from qnpu_jax.quant.spec import check_block
 from qnpu_jax.quant.state import is_layer_path, state_key
+from qnpu_jax.transforms import add_rotation_linears
 
 SHIPPED_ARCHITECTURES = "architectures"  # package data: HF config.json files, by name
 BASE_DTYPES = ("float32", "bfloat16")
@@ -85,9 +86,12 @@ def model_architecture(spec: str) -> ModelConfig:
 
 def abstract_params(cfg: ModelConfig, dtype: str = "float32") -> Any:
     """ShapeDtypeStructs of the fused float params stage 1 starts from (an explicit lm_head,
-    as `fuse_norms` gives), in `dtype`."""
+    as `fuse_norms` gives, and the rotation linears of a model whose R1 is online:
+    `transforms.add_rotation_linears`), in `dtype`."""
 
-    shapes = jax.eval_shape(lambda: init_random_params(cfg, jax.random.key(0)))
+    shapes = jax.eval_shape(
+        lambda: add_rotation_linears(init_random_params(cfg, jax.random.key(0)), cfg)
+    )
     if LM_HEAD not in shapes:
         shapes[LM_HEAD] = shapes[EMBED_TABLE]
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)), shapes)
@@ -97,7 +101,7 @@ def _weight_shape(path: str, cfg: ModelConfig) -> tuple[int, ...]:
 
     group, name = state_key(path)
     if group == "layers":
-        return layer_param_shapes(cfg)[name]
+        return layer_param_shapes(cfg, rotated_graph(cfg))[name]
     return (cfg.vocab_size, cfg.hidden_size)
 
 
@@ -123,7 +127,7 @@ def abstract_state(plan: QuantPlan, cfg: ModelConfig) -> Any:
             raise QnpuError(f"{path}: the memory plan models per-tensor activation scales only")
         zeros = np.zeros(scale_shape, np.float32)
         group, name = state_key(path)
-        width = layer_widths(cfg.dims).get(name)
+        width = layer_widths(cfg.dims, plan.graph).get(name)
         state[group][name] = state_entry(tq, zeros, zeros, layers=layers, width=width)
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), state)
 
@@ -156,8 +160,8 @@ class MemorySetting:
 
 
 def stage1_memory(cfg: ModelConfig, mesh: Any, setting: MemorySetting) -> dict[str, Any]:
-    """XLA's memory analysis of the stage-1 train step of `cfg` on `mesh`, per device."""
-    check_llama_graph(cfg, "stage 1's memory plan")
+    """XLA's memory analysis of the stage-1 train step of `cfg` on `mesh`, per device, on the
+    graph Quant.npu trains (`rotated_graph`: Gemma 3's with its rotation linears)."""
 
     check_batch(mesh, setting.batch_size, "batch_size")
     config = Stage1Config(
@@ -168,7 +172,12 @@ def stage1_memory(cfg: ModelConfig, mesh: Any, setting: MemorySetting) -> dict[s
         compute_dtype=setting.compute_dtype,
     )
     plan = config_stage1_plan(
-        default_plan(cfg.num_layers, w_bits=setting.w_bits, a_bits=setting.a_bits),
+        default_plan(
+            cfg.num_layers,
+            w_bits=setting.w_bits,
+            a_bits=setting.a_bits,
+            graph=rotated_graph(cfg),
+        ),
         QuantizeConfig.of(w_bits=setting.w_bits, a_bits=setting.a_bits),
     )
     params = abstract_params(cfg, setting.base_dtype)

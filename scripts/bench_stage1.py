@@ -34,27 +34,37 @@ import numpy as np
 from qnpu_jax.data import load_documents, sample_windows, tokenize_documents
 from qnpu_jax.environment import environment_info, matmul_peak, script_command
 from qnpu_jax.files import write_json_atomic
-from qnpu_jax.ir.graph import SIMULATIONS
-from qnpu_jax.models.llama import MATMUL_DTYPES
+from qnpu_jax.ir.graph import SIMULATIONS, rotation_linears
+from qnpu_jax.models.llama import MATMUL_DTYPES, rotated_graph
 from qnpu_jax.models.load import load_model
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.pipeline.config import QuantizeConfig
 from qnpu_jax.pipeline.recipes import build_plan
 from qnpu_jax.pipeline.recipes import config_stage1_plan as stage1_plan
 from qnpu_jax.pipeline.stage1 import Stage1Config, init_train_state, make_train_step
-from qnpu_jax.transforms import apply_rotations, fuse_norms, randomized_hadamard_rotations
+from qnpu_jax.transforms import (
+    add_rotation_linears,
+    apply_rotations,
+    fuse_norms,
+    randomized_hadamard_rotations,
+)
 
 
-def step_matmul_flops(cfg: Any, tokens: int, seq_len: int, remat: bool) -> float:
+def step_matmul_flops(
+    cfg: Any, tokens: int, seq_len: int, remat: bool, rotation_linears: int = 0
+) -> float:
     """Matmul FLOPs of one stage-1 step counted from the shapes (XLA's cost analysis counts
     the scan over layers once, so it misses 29 of SmolLM2's 30 layers): forward through the
     layers' linears, attention (QK and PV over the full T×T, as computed) and lm_head; the
     backward twice the layers' and attention's (dx and dW) and once lm_head's (dx: the table
     is float); remat's second forward of the layers; R1 rotating every linear weight forward
-    and its gradient backward (R2 and the elementwise work left out)."""
+    and its gradient backward (R2 and the elementwise work left out). `rotation_linears`:
+    the hidden × hidden linears per layer that hold R1 online (Gemma 3's two; R1 then rotates
+    fewer weights than counted, so its term is an upper bound there)."""
     d, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     linear_params = cfg.num_layers * (2 * d * q + 2 * d * kv + 3 * d * inter)
+    linear_params += cfg.num_layers * rotation_linears * d * d
     layers = 2 * tokens * linear_params
     attention = cfg.num_layers * 2 * 2 * tokens * cfg.num_heads * seq_len * hd
     head = 2 * tokens * d * cfg.vocab_size
@@ -170,9 +180,10 @@ def main() -> int:
         steps=max(args.steps, 1), batch_size=args.batch_size, grad_accum=args.grad_accum,
         remat=not args.no_remat, compute_dtype=args.compute_dtype,
     )  # fmt: skip
-    plan = stage1_plan(build_plan(config, cfg.num_layers), config)
+    # the graph Quant.npu trains: Gemma 3's has a rotation linear after each pre-norm
+    plan = stage1_plan(build_plan(config, cfg.num_layers, graph=rotated_graph(cfg)), config)
     ids = tokenize_documents(load_documents("wiki", "calib"), model.tokenizer)
-    base = fuse_norms(model.params, cfg)
+    base = fuse_norms(add_rotation_linears(model.params, cfg), cfg)
     r1, r2 = randomized_hadamard_rotations(cfg, jax.random.key(0))
     calib = sample_windows(ids, args.seq_len, 2, jax.random.key(1))
     state = calibrate(apply_rotations(base, cfg, r1, r2), cfg, plan, calib)
@@ -209,11 +220,14 @@ def main() -> int:
         else None
     )
     tokens = int(np.prod(shape))
-    matmul_flops = step_matmul_flops(cfg, tokens, args.seq_len, not args.no_remat)
+    online = len(rotation_linears(plan.graph))
+    matmul_flops = step_matmul_flops(cfg, tokens, args.seq_len, not args.no_remat, online)
     peak = matmul_peak()
     memory, memory_source = peak_memory_bytes()
     report = {
         "model": args.model,
+        "graph": plan.to_dict().get("graph", "llama"),
+        "rotation_linears_per_layer": online,
         "step": "Quant.npu stage 1, W4A8 static fake quant, learnable input/weight scales, "
         "R1/R2 Cayley SGD",
         "batch": {

@@ -52,31 +52,42 @@ SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-# JAX's events for tracing, lowering and XLA's compile: each test's report carries the
-# seconds its process spent in them per phase (`compile_seconds_setup` ...; a persistent-cache
-# hit costs its read only; `qnpu` subprocesses are not counted), and the session's summary says
-# how much of the tests' time that was. It is the figure to cut when CI's budget is tight.
-_COMPILE_EVENTS = frozenset(
-    {
-        "/jax/core/compile/jaxpr_trace_duration",
-        "/jax/core/compile/jaxpr_to_mlir_module_duration",
-        "/jax/core/compile/backend_compile_duration",
-    }
-)
+# JAX's events for tracing, lowering and XLA's compile: each test's report carries what its
+# process spent in them per phase (`compile_trace_setup`, `compile_xla_call`, ...; a
+# persistent-cache hit's XLA figure is its read) and the cache's hits and misses (`qnpu`
+# subprocesses are not counted); the session's summary adds them up. It is the figure to cut
+# when CI's budget is tight.
+_COMPILE_PARTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    "/jax/core/compile/backend_compile_duration": "xla",
+}
+_CACHE_COUNTS = {
+    "/jax/compilation_cache/cache_hits": "hits",
+    "/jax/compilation_cache/cache_misses": "misses",
+}
 
 
 class _CompileClock:
-    """Seconds spent compiling since the last `take` (fed by a jax.monitoring listener)."""
+    """Seconds spent compiling since the last `take` (fed by jax.monitoring listeners), split
+    into tracing, lowering and XLA (a persistent-cache hit's XLA figure is its read), and the
+    cache's hits and misses."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self.figures: dict[str, float] = {}
 
     def record(self, event: str, duration: float, **_: Any) -> None:
-        if event in _COMPILE_EVENTS:
-            self.seconds += duration
+        if event in _COMPILE_PARTS:
+            part = _COMPILE_PARTS[event]
+            self.figures[part] = self.figures.get(part, 0.0) + duration
 
-    def take(self) -> float:
-        taken, self.seconds = self.seconds, 0.0
+    def count(self, event: str, **_: Any) -> None:
+        if event in _CACHE_COUNTS:
+            name = _CACHE_COUNTS[event]
+            self.figures[name] = self.figures.get(name, 0.0) + 1
+
+    def take(self) -> dict[str, float]:
+        taken, self.figures = self.figures, {}
         return taken
 
 
@@ -86,39 +97,47 @@ _compile_clock = pytest.StashKey[_CompileClock]()
 def pytest_configure(config: pytest.Config) -> None:
     clock = _CompileClock()
     jax.monitoring.register_event_duration_secs_listener(clock.record)
+    jax.monitoring.register_event_listener(clock.count)
     config.stash[_compile_clock] = clock
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
     # before the report is made, so that it carries the figure (xdist sends it to the controller)
-    seconds = item.config.stash[_compile_clock].take()
-    item.user_properties.append((f"compile_seconds_{call.when}", round(seconds, 3)))
+    for name, value in item.config.stash[_compile_clock].take().items():
+        item.user_properties.append((f"compile_{name}_{call.when}", round(value, 3)))
     yield
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    tests: dict[str, list[float]] = {}
+    seconds: dict[str, float] = {}  # nodeid -> setup + call + teardown
+    figures: dict[str, dict[str, float]] = {}  # nodeid -> trace, lower, xla, hits, misses
     for reports in terminalreporter.stats.values():
         for report in reports:
             if not isinstance(report, pytest.TestReport):
                 continue
-            row = tests.setdefault(report.nodeid, [0.0, 0.0])
-            row[1] += report.duration
+            seconds[report.nodeid] = seconds.get(report.nodeid, 0.0) + report.duration
             if report.when == "teardown":  # it carries the three phases' figures
-                props = dict(report.user_properties)
-                row[0] = sum(float(props.get(f"compile_seconds_{w}", 0.0)) for w in
-                             ("setup", "call", "teardown"))  # fmt: skip
-    if not tests:
+                row = figures.setdefault(report.nodeid, {})
+                for key, value in report.user_properties:
+                    if key.startswith("compile_"):
+                        name = key.split("_")[1]
+                        row[name] = row.get(name, 0.0) + float(value)
+    if not seconds:
         return
-    compiling, total = (sum(r[i] for r in tests.values()) for i in (0, 1))
+    parts = ("trace", "lower", "xla")
+    compiling = {n: sum(f.get(p, 0.0) for p in parts) for n, f in figures.items()}
+    part = {p: sum(f.get(p, 0.0) for f in figures.values()) for p in (*parts, "hits", "misses")}
+    total, spent = sum(seconds.values()), sum(compiling.values())
     terminalreporter.write_line(
-        f"compiling (trace, lower, XLA) in the test processes: {compiling:.0f} s of the "
-        f"tests' {total:.0f} s ({compiling / max(total, 1e-9):.0%})"
+        f"compiling (trace, lower, XLA) in the test processes: {spent:.0f} s of the "
+        f"tests' {total:.0f} s ({spent / max(total, 1e-9):.0%}): trace {part['trace']:.0f} s, "
+        f"lower {part['lower']:.0f} s, XLA or cache read {part['xla']:.0f} s; persistent "
+        f"cache {part['hits']:.0f} hits, {part['misses']:.0f} misses"
     )
-    top = sorted(tests.items(), key=lambda kv: -kv[1][0])[:15]
-    for nodeid, (c, t) in top:
-        terminalreporter.write_line(f"  {c:7.1f} s compiling of {t:7.1f} s  {nodeid}")
+    top = sorted(compiling.items(), key=lambda kv: -kv[1])[:15]
+    for nodeid, c in top:
+        terminalreporter.write_line(f"  {c:7.1f} s compiling of {seconds[nodeid]:7.1f} s  {nodeid}")
 
 
 @pytest.fixture(autouse=True, scope="module")

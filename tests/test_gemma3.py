@@ -798,3 +798,36 @@ def test_folded_norms_r1_and_r2_leave_the_real_model_unchanged(gemma):
     lifted = fuse_norms(add_rotation_linears(params, cfg), cfg)
     got = forward(apply_rotations(lifted, cfg, r1, r2), tokens, cfg=cfg)
     assert float(jnp.max(jnp.abs(got - ref))) <= 1e-3 * float(jnp.max(jnp.abs(ref)))
+
+
+def test_stage1_memory_plan_models_gemma3_on_its_rotation_graph():
+    """Step 8: `qnpu plan-memory` plans Gemma 3's stage 1 on the graph Quant.npu trains (a
+    rotation linear after each pre-norm): the abstract params and quantizer state have the
+    shapes the real fused params and calibration give, and XLA's analysis of that step grows
+    with the window (the real 270M at 2 x 512: docs/results.md)."""
+    from qnpu_jax.ir.graph import GEMMA3_ROTATION_GRAPH
+    from qnpu_jax.memory_plan import MemorySetting, abstract_params, abstract_state, stage1_memory
+    from qnpu_jax.mesh import make_mesh
+    from qnpu_jax.models.llama import init_random_params
+    from qnpu_jax.pipeline import calibrate
+    from qnpu_jax.pipeline.config import QuantizeConfig
+    from qnpu_jax.pipeline.recipes import config_stage1_plan
+    from qnpu_jax.quant import default_plan
+    from qnpu_jax.transforms import add_rotation_linears, fuse_norms
+
+    cfg = _gemma_cfg()
+    fused = fuse_norms(add_rotation_linears(init_random_params(cfg, jax.random.key(0)), cfg), cfg)
+    shapes = jax.tree.map(lambda a: a.shape, abstract_params(cfg))
+    assert shapes == jax.tree.map(lambda a: a.shape, fused)
+    assert shapes["layers"]["attn_in_proj"] == (cfg.num_layers, cfg.hidden_size, cfg.hidden_size)
+    made = default_plan(cfg.num_layers, w_bits=4, a_bits=8, graph=GEMMA3_ROTATION_GRAPH)
+    plan = config_stage1_plan(made, QuantizeConfig())
+    assert "layers/attn_in_proj" in dict(plan.entries)
+    windows = np.asarray(jax.random.randint(jax.random.key(1), (1, 8), 0, cfg.vocab_size))
+    real = jax.tree.map(lambda a: (a.shape, str(a.dtype)), calibrate(fused, cfg, plan, windows))
+    fake = jax.tree.map(lambda a: (a.shape, str(a.dtype)), abstract_state(plan, cfg))
+    assert real == fake
+    mesh = make_mesh()
+    short = stage1_memory(cfg, mesh, MemorySetting(seq_len=8, batch_size=1, grad_accum=1))
+    long = stage1_memory(cfg, mesh, MemorySetting(seq_len=64, batch_size=1, grad_accum=1))
+    assert 0 < short["total_bytes_per_device"] < long["total_bytes_per_device"]
