@@ -153,7 +153,8 @@ class Step:
 
 
 # The steps that read only the model's own graph (its tensors, taps, norms' readers and the
-# residual stream's writers); the others smooth, equalize or train through LLaMA's graph
+# residual stream's writers; up→down smoothing: the gated MLP's up_proj and down_proj, which
+# every graph names alike); the others equalize or add paths through LLaMA's graph
 # (`check_llama_graph`).
 ANY_GRAPH_STEPS = frozenset(
     {
@@ -163,6 +164,7 @@ ANY_GRAPH_STEPS = frozenset(
         "fuse_norms",
         "hadamard_rotations",
         "choose_rotation",
+        "smooth_mlp",
         "stage1",
         "gptq",
     }
