@@ -715,6 +715,27 @@ def test_a_rotation_linear_after_each_pre_norm_lets_r1_rotate_gemma3_exactly():
         assert {t.name: t.bits for t in g.layer_acts}.keys() >= {"o_out", "down_out"}
         assert {t.bits for t in g.layer_acts if t.name in ("o_out", "down_out")} == {"16"}
     assert {t.bits for t in GRAPH.layer_acts if t.name in ("o_out", "down_out")} == {"8"}
+    # the rotation linears hold R1: at least 8-bit weights. A Hadamard R1 is exact on any grid,
+    # one that stage 1 moved (a Cayley step away) is not at 4 bits per row
+    from qnpu_jax.quant import default_plan
+    from qnpu_jax.rotation import random_hadamard
+
+    w4 = default_plan(3, w_bits=4, a_bits=8, graph=GEMMA3_ROTATION_GRAPH)
+    assert [w4.get(f"layers/{n}").bits for n in (*online, "q_proj", "up_proj")] == [8, 8, 4, 4]
+    w16 = default_plan(3, w_bits=16, a_bits=16, graph=GEMMA3_ROTATION_GRAPH)
+    assert w16.get("layers/attn_in_proj").bits == 16
+
+    from conftest import load_script
+
+    row_error = load_script("rotation_weight_error").row_grid_error  # the run's measure
+    h = np.asarray(random_hadamard(64, jax.random.key(0)), np.float64)
+    skew = np.asarray(jax.random.normal(jax.random.key(1), (64, 64)), np.float64) * 0.01
+    skew = skew - skew.T
+    eye = np.eye(64)
+    moved = h @ np.linalg.solve(eye - skew, eye + skew)  # Cayley: still orthogonal
+    np.testing.assert_allclose(moved.T @ moved, eye, atol=1e-12)
+    assert row_error(h, 4) == 0.0
+    assert row_error(moved, 4) > 0.02 and row_error(moved, 8) < 0.1 * row_error(moved, 4)
     cfg, params, tokens, ref = _tiny_with_perturbed_gains()
     lifted = add_rotation_linears(params, cfg)
     assert graph_of(cfg, params) is GEMMA3_GRAPH
