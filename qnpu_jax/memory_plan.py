@@ -25,7 +25,7 @@ import numpy as np
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import read_text
-from qnpu_jax.ir.graph import EMBED_TABLE, LM_HEAD, layer_widths
+from qnpu_jax.ir.graph import EMBED_TABLE, LM_HEAD, ROTATION_WEIGHTS, Graph, layer_widths
 from qnpu_jax.limits import MAX_CONFIG_BYTES
 from qnpu_jax.mesh import MeshConfig, check_batch, describe, make_mesh
 from qnpu_jax.models.config import ModelConfig
@@ -97,11 +97,11 @@ def abstract_params(cfg: ModelConfig, dtype: str = "float32") -> Any:
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)), shapes)
 
 
-def _weight_shape(path: str, cfg: ModelConfig) -> tuple[int, ...]:
+def _weight_shape(path: str, cfg: ModelConfig, graph: Graph) -> tuple[int, ...]:
 
     group, name = state_key(path)
     if group == "layers":
-        return layer_param_shapes(cfg, rotated_graph(cfg))[name]
+        return layer_param_shapes(cfg, graph)[name]
     return (cfg.vocab_size, cfg.hidden_size)
 
 
@@ -115,7 +115,7 @@ def abstract_state(plan: QuantPlan, cfg: ModelConfig) -> Any:
         layers = cfg.num_layers if is_layer_path(path) else None
         lead = (layers,) if layers is not None else ()
         if is_weight(path) and tq.axis is not None:
-            shape = _weight_shape(path, cfg)
+            shape = _weight_shape(path, cfg, plan.graph)
             axis = tq.axis % len(shape)
             scale_shape = (*lead, *(n if a == axis else 1 for a, n in enumerate(shape)))
             if tq.block is not None:  # one scale per row and block of inputs
@@ -210,8 +210,13 @@ def stage1_memory(cfg: ModelConfig, mesh: Any, setting: MemorySetting) -> dict[s
         "total_bytes_per_device": total,
         "total_gib_per_device": total / GIB,
         "base_params_gib_whole_model": base_bytes / GIB,
+        # the model's own: less a tied table's second copy and the rotation linears stage 1 adds
         "parameters": sum(int(np.prod(s.shape)) for s in jax.tree.leaves(params))
-        - (cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0),
+        - (cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0)
+        - sum(
+            int(np.prod(params["layers"][n].shape))
+            for n in ROTATION_WEIGHTS.get(cfg.architecture, ())
+        ),
     }
 
 

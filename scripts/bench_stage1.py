@@ -51,20 +51,20 @@ from qnpu_jax.transforms import (
 
 
 def step_matmul_flops(
-    cfg: Any, tokens: int, seq_len: int, remat: bool, rotation_linears: int = 0
+    cfg: Any, tokens: int, seq_len: int, remat: bool, online_linears: int = 0
 ) -> float:
     """Matmul FLOPs of one stage-1 step counted from the shapes (XLA's cost analysis counts
     the scan over layers once, so it misses 29 of SmolLM2's 30 layers): forward through the
     layers' linears, attention (QK and PV over the full T×T, as computed) and lm_head; the
     backward twice the layers' and attention's (dx and dW) and once lm_head's (dx: the table
     is float); remat's second forward of the layers; R1 rotating every linear weight forward
-    and its gradient backward (R2 and the elementwise work left out). `rotation_linears`:
+    and its gradient backward (R2 and the elementwise work left out). `online_linears`:
     the hidden × hidden linears per layer that hold R1 online (Gemma 3's two; R1 then rotates
     fewer weights than counted, so its term is an upper bound there)."""
     d, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     linear_params = cfg.num_layers * (2 * d * q + 2 * d * kv + 3 * d * inter)
-    linear_params += cfg.num_layers * rotation_linears * d * d
+    linear_params += cfg.num_layers * online_linears * d * d
     layers = 2 * tokens * linear_params
     attention = cfg.num_layers * 2 * 2 * tokens * cfg.num_heads * seq_len * hd
     head = 2 * tokens * d * cfg.vocab_size

@@ -3,9 +3,10 @@
 On a model whose R1 is online (Gemma 3: a rotation linear after each pre-norm holds R1, so R1
 is a weight the NPU stores), the rotation linear's weight is R1ᵀ [out, in]. A randomized
 Hadamard R1 has ±1/√n in every entry and sits exactly on any symmetric per-row grid; once
-stage 1 moved it, it does not. This reports ‖Q(W) − W‖ / ‖W‖ (symmetric, per row, max |w| at
-the top code) at each of `--bits` for the run's R1 and for a Hadamard of the same size; for an
-orthogonal W it is also the relative error of the rotated output for any input.
+stage 1 moved it, it does not. This reports ‖Q(W) − W‖_F / ‖W‖_F (symmetric, per row, max |w|
+at the top code, not the run's learned scales) at each of `--bits` for the run's R1 and for a
+Hadamard of the same size: for an orthogonal W, the RMS relative error of the rotated output
+over isotropic inputs (a given input's error lies between E's extreme singular values).
 
     python scripts/rotation_weight_error.py --run runs/gemma3-w4a8 \
         --json reports/rotation_weight_error_gemma3.json
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from qnpu_jax.environment import environment_info, script_command
@@ -25,7 +27,7 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.pipeline.quantized_model import restore_learned
 from qnpu_jax.quant.fake_quant import dynamic_fake_quant
-from qnpu_jax.rotation import random_hadamard
+from qnpu_jax.rotation import orthogonality_error, random_hadamard
 
 
 def row_grid_error(w: np.ndarray, bits: int) -> float:
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "run": str(args.run),
         "size": n,
-        "orthogonality_error": float(np.abs(weight.T @ weight - np.eye(n)).max()),
+        "orthogonality_error": float(orthogonality_error(jnp.asarray(r1))),
         "largest_entry_from_hadamard": float(np.abs(np.abs(weight) - n**-0.5).max()),
         "learned": {str(b): row_grid_error(weight, b) for b in args.bits},
         "hadamard": {str(b): row_grid_error(hadamard, b) for b in args.bits},

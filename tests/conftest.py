@@ -54,8 +54,9 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 # JAX's events for tracing, lowering and XLA's compile: each test's report carries what its
 # process spent in them per phase (`compile_trace_setup`, `compile_xla_call`, ...; a
-# persistent-cache hit's XLA figure is its read) and the cache's hits and misses (`qnpu`
-# subprocesses are not counted); the session's summary adds them up. It is the figure to cut
+# persistent-cache hit's XLA figure is its read) and the cache's hits and misses (JAX counts a
+# miss when it writes the entry: every one here, the threshold is 0; `qnpu` subprocesses are not
+# counted); the session's summary adds them up. It is the figure to cut
 # when CI's budget is tight.
 _COMPILE_PARTS = {
     "/jax/core/compile/jaxpr_trace_duration": "trace",
@@ -133,7 +134,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         f"compiling (trace, lower, XLA) in the test processes: {spent:.0f} s of the "
         f"tests' {total:.0f} s ({spent / max(total, 1e-9):.0%}): trace {part['trace']:.0f} s, "
         f"lower {part['lower']:.0f} s, XLA or cache read {part['xla']:.0f} s; persistent "
-        f"cache {part['hits']:.0f} hits, {part['misses']:.0f} misses"
+        f"cache {part['hits']:.0f} hits, {part['misses']:.0f} misses written"
     )
     top = sorted(compiling.items(), key=lambda kv: -kv[1])[:15]
     for nodeid, c in top:

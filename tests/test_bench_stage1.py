@@ -31,6 +31,11 @@ def test_step_matmul_flops_of_smollm2_at_two_windows(bench):
     flops = bench.step_matmul_flops(cfg, 1024, 512, remat=True)
     assert flops == pytest.approx(1.375e12, rel=0.001)
     assert bench.step_matmul_flops(cfg, 1024, 512, remat=False) < flops
+    # two hidden x hidden rotation linears a layer (Gemma 3's online R1): 2·tokens·Δ forward,
+    # twice backward, once more for remat, and R1 rotating Δ more weights (4·d·Δ)
+    delta = 30 * 2 * 576 * 576
+    online = bench.step_matmul_flops(cfg, 1024, 512, remat=True, online_linears=2)
+    assert online - flops == pytest.approx(4 * 2 * 1024 * delta + 4 * 576 * delta)
 
 
 def test_thunk_kinds(bench):

@@ -851,17 +851,26 @@ def test_stage1_memory_plan_models_gemma3_on_its_rotation_graph():
     assert real == fake
     setting = MemorySetting(seq_len=8, batch_size=1, grad_accum=1)
     planned = stage1_memory(cfg, make_mesh(), setting)
-    # the arguments hold the base params (the rotation linears' too) and the quantizer state
+    # the arguments hold the base params, the rotation linears' too, and the quantizer state
     base = sum(int(np.prod(a.shape)) * 4 for a in jax.tree.leaves(fused))
     assert planned["bytes_per_device"]["arguments"] > base
+    rotations = 2 * cfg.num_layers * cfg.hidden_size**2  # not the model's own parameters
+    assert planned["parameters"] == base // 4 - rotations - cfg.vocab_size * cfg.hidden_size
 
 
 def test_up_down_smoothing_on_gemma3_leaves_the_model_unchanged():
     """Step 5's recipes: up→down smoothing (the W4A8 default's) runs on Gemma 3's rotation
     graph. GeGLU's up_proj output multiplies gelu(gate) channel by channel, so scaling its rows
     by 1/s and down_proj's columns by s is the same function, as on LLaMA's SwiGLU."""
+    from qnpu_jax.ir.graph import GEMMA3_ROTATION_GRAPH, SMOOTHED_LINEARS, OpKind
     from qnpu_jax.models.load import LoadedModel
     from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
+
+    # the step reads the pair by LLaMA's names: Gemma's down_proj reads gelu(gate) ⊙ up_proj
+    up, down = SMOOTHED_LINEARS
+    io = GEMMA3_ROTATION_GRAPH.linear_io
+    (product,) = [op for op in GEMMA3_ROTATION_GRAPH.layer if op.out_name == io[down][0]]
+    assert product.kind == OpKind.MUL and io[up][1] in product.ins
 
     cfg, params, tokens, ref = _tiny_with_perturbed_gains()
     ids = np.asarray(jax.random.randint(jax.random.key(7), (256,), 0, cfg.vocab_size))

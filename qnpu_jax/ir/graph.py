@@ -100,8 +100,8 @@ def op_kind(value: Any, what: str) -> OpKind:
 # The default bit-width of a tensor: a plan option (`w_bits`, `a_bits`, `kv_bits`,
 # `down_in_bits` for the unrotated input), fixed bits, or the softmax output's fixed encoding.
 # A rotation linear's weight (`with_rotation_linears`) is R1 itself: `w_bits`, but at least 8
-# (a Hadamard R1 is exact on any grid; a learned one is not: 5.2% off at 4 bits per row, 0.27%
-# at 8, docs/results.md, session 44).
+# (a Hadamard R1 is exact on a symmetric per-row max-abs grid of any bits; a learned one is
+# not: 5.2% off at 4 bits per row, 0.27% at 8, docs/results.md, session 44).
 UNROTATED_ROLE = "unrotated"
 SOFTMAX_ROLE = "softmax"  # 16-bit unsigned, scale 1/65535 (docs/design.md §3)
 ROTATION_ROLE = "rotation"
