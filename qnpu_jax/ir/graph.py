@@ -99,13 +99,9 @@ def op_kind(value: Any, what: str) -> OpKind:
 
 # The default bit-width of a tensor: a plan option (`w_bits`, `a_bits`, `kv_bits`,
 # `down_in_bits` for the unrotated input), fixed bits, or the softmax output's fixed encoding.
-# A rotation linear's weight (`with_rotation_linears`) is R1 itself: `w_bits`, but at least 8
-# (a Hadamard R1 is exact on a symmetric per-row max-abs grid of any bits; a learned one is
-# not: 5.2% off at 4 bits per row, 0.27% at 8, docs/results.md, session 44).
 UNROTATED_ROLE = "unrotated"
 SOFTMAX_ROLE = "softmax"  # 16-bit unsigned, scale 1/65535 (docs/design.md §3)
-ROTATION_ROLE = "rotation"
-BITS_ROLES = ("weight", "act", "kv", UNROTATED_ROLE, "8", "16", SOFTMAX_ROLE, ROTATION_ROLE)
+BITS_ROLES = ("weight", "act", "kv", UNROTATED_ROLE, "8", "16", SOFTMAX_ROLE)
 
 
 # The width of an activation (its last axis), by the model dimension it has.
@@ -262,10 +258,8 @@ def _t(name: str, hf: str, bits: str, width: str = "hidden") -> Tensor:
     return Tensor(name, hf, bits, width)
 
 
-def _linear(
-    ins: str, out: Tensor, weight: str, hf_module: str, bias: str = "", weight_bits: str = "weight"
-) -> Op:
-    w = Tensor(weight, f"{hf_module}.weight", weight_bits)
+def _linear(ins: str, out: Tensor, weight: str, hf_module: str, bias: str = "") -> Op:
+    w = Tensor(weight, f"{hf_module}.weight", "weight")
     return Op(OpKind.LINEAR, (ins,), out, f"layers.{weight}", weight=w, bias=bias)
 
 
@@ -480,8 +474,8 @@ def with_rotation_linears(graph: Graph) -> Graph:
     at the norm output's old bits. R1 rotates that output (an online rotation on the NPU,
     issue 54: docs/design.md, "Gemma 3's residual stream"), so the linear holds R1 and its
     readers R1ᵀ; the residual stream, the tables and the post-norms stay as they are. The
-    linear's weight is named `<norm output>_proj`, at `w_bits` but at least 8 (ROTATION_ROLE);
-    it starts as the identity (`transforms.add_rotation_linears`)."""
+    linear's weight is named `<norm output>_proj`; it starts as the identity
+    (`transforms.add_rotation_linears`)."""
     stream = graph.stream_values
     readers = {i for i, _ in graph.linear_io.values()}
     layer: list[Op] = []
@@ -497,8 +491,7 @@ def with_rotation_linears(graph: Graph) -> Graph:
         layer.append(dataclasses.replace(op, out=dataclasses.replace(op.out, bits="16")))
         hf = op.out.hf.rsplit(".", 1)[0]
         out = _t(f"{op.out_name}_rot", f"{hf}.rotation.output", op.out.bits)
-        weight = f"{op.out_name}_proj"
-        layer.append(_linear(op.out_name, out, weight, f"{hf}.rotation", weight_bits=ROTATION_ROLE))
+        layer.append(_linear(op.out_name, out, f"{op.out_name}_proj", f"{hf}.rotation"))
         renamed[op.out_name] = out.name
     return Graph(layer=tuple(layer), model=graph.model, layer_input=graph.layer_input)
 

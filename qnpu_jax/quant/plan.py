@@ -31,7 +31,6 @@ from qnpu_jax.ir.graph import (
     MUXQ_MAX_EXP,
     NAMED_GRAPHS,
     PROBS,
-    ROTATION_ROLE,
     SIMULATIONS,
     SOFTMAX_ROLE,
     UNROTATED_INPUT,
@@ -450,7 +449,6 @@ def _default_table(
     w_bits: int, a_bits: int, kv_bits: int, down_in_bits: int, graph: Graph = GRAPH
 ) -> list[tuple[str, TensorQuant]]:
     bits_of = {"weight": w_bits, "act": a_bits, "kv": kv_bits, UNROTATED_ROLE: down_in_bits}
-    bits_of[ROTATION_ROLE] = max(w_bits, 8)  # R1 itself (ir.graph.ROTATION_ROLE)
     paths = all_paths(graph)
     tensors = (*graph.layer_tensors, *graph.global_tensors)
     return [
