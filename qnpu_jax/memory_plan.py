@@ -25,7 +25,7 @@ import numpy as np
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.files import read_text
-from qnpu_jax.ir.graph import EMBED_TABLE, LM_HEAD, ROTATION_WEIGHTS, Graph, layer_widths
+from qnpu_jax.ir.graph import ROTATION_WEIGHTS, Graph, layer_widths
 from qnpu_jax.limits import MAX_CONFIG_BYTES
 from qnpu_jax.mesh import MeshConfig, check_batch, describe, make_mesh
 from qnpu_jax.models.config import ModelConfig
@@ -33,17 +33,16 @@ from qnpu_jax.models.llama import (
     MATMUL_DTYPES,
     init_random_params,
     layer_param_shapes,
-    rotated_graph,
 )
 from qnpu_jax.models.taps import state_entry
 from qnpu_jax.pipeline.config import QuantizeConfig
+from qnpu_jax.pipeline.quantized_model import Transforms
 from qnpu_jax.pipeline.recipes import config_stage1_plan
 from qnpu_jax.pipeline.stage1 import Stage1Config, init_train_state, make_train_step
 from qnpu_jax.quant import default_plan
 from qnpu_jax.quant.plan import QuantPlan, is_weight
 from qnpu_jax.quant.spec import check_block
 from qnpu_jax.quant.state import is_layer_path, state_key
-from qnpu_jax.transforms import add_rotation_linears
 
 SHIPPED_ARCHITECTURES = "architectures"  # package data: HF config.json files, by name
 BASE_DTYPES = ("float32", "bfloat16")
@@ -84,16 +83,21 @@ def model_architecture(spec: str) -> ModelConfig:
         raise QnpuError(f"{where}: {e}") from e
 
 
-def abstract_params(cfg: ModelConfig, dtype: str = "float32") -> Any:
-    """ShapeDtypeStructs of the fused float params stage 1 starts from (an explicit lm_head,
-    as `fuse_norms` gives, and the rotation linears of a model whose R1 is online:
-    `transforms.add_rotation_linears`), in `dtype`."""
+def stage1_transforms(cfg: ModelConfig) -> Transforms:
+    """The transforms stage 1 starts from: norms fused and an R1 (its value is the run's; a
+    plan needs only that there is one). Their `apply(rotate=False)` is the base stage 1 rotates
+    on the fly and their `graph` the one it trains (Gemma 3's with its rotation linears)."""
+    return Transforms(fused_norms=True, r1=jnp.eye(cfg.hidden_size, dtype=jnp.float32))
 
+
+def abstract_params(cfg: ModelConfig, dtype: str = "float32") -> Any:
+    """ShapeDtypeStructs of the float params stage 1 starts from (`stage1_transforms`: fused
+    norms with an explicit lm_head, and the rotation linears of a model whose R1 is online),
+    in `dtype`."""
+    start = stage1_transforms(cfg)
     shapes = jax.eval_shape(
-        lambda: add_rotation_linears(init_random_params(cfg, jax.random.key(0)), cfg)
+        lambda: start.apply(init_random_params(cfg, jax.random.key(0)), cfg, rotate=False)
     )
-    if LM_HEAD not in shapes:
-        shapes[LM_HEAD] = shapes[EMBED_TABLE]
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)), shapes)
 
 
@@ -161,7 +165,7 @@ class MemorySetting:
 
 def stage1_memory(cfg: ModelConfig, mesh: Any, setting: MemorySetting) -> dict[str, Any]:
     """XLA's memory analysis of the stage-1 train step of `cfg` on `mesh`, per device, on the
-    graph Quant.npu trains (`rotated_graph`: Gemma 3's with its rotation linears)."""
+    graph Quant.npu trains (`stage1_transforms`: Gemma 3's with its rotation linears)."""
 
     check_batch(mesh, setting.batch_size, "batch_size")
     config = Stage1Config(
@@ -176,7 +180,7 @@ def stage1_memory(cfg: ModelConfig, mesh: Any, setting: MemorySetting) -> dict[s
             cfg.num_layers,
             w_bits=setting.w_bits,
             a_bits=setting.a_bits,
-            graph=rotated_graph(cfg),
+            graph=stage1_transforms(cfg).graph(cfg),
         ),
         QuantizeConfig.of(w_bits=setting.w_bits, a_bits=setting.a_bits),
     )

@@ -35,19 +35,15 @@ from qnpu_jax.data import load_documents, sample_windows, tokenize_documents
 from qnpu_jax.environment import environment_info, matmul_peak, script_command
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.ir.graph import SIMULATIONS, rotation_linears
-from qnpu_jax.models.llama import MATMUL_DTYPES, rotated_graph
+from qnpu_jax.models.llama import MATMUL_DTYPES
 from qnpu_jax.models.load import load_model
 from qnpu_jax.pipeline import calibrate
 from qnpu_jax.pipeline.config import QuantizeConfig
+from qnpu_jax.pipeline.quantized_model import Transforms
 from qnpu_jax.pipeline.recipes import build_plan
 from qnpu_jax.pipeline.recipes import config_stage1_plan as stage1_plan
 from qnpu_jax.pipeline.stage1 import Stage1Config, init_train_state, make_train_step
-from qnpu_jax.transforms import (
-    add_rotation_linears,
-    apply_rotations,
-    fuse_norms,
-    randomized_hadamard_rotations,
-)
+from qnpu_jax.transforms import apply_rotations, randomized_hadamard_rotations
 
 
 def step_matmul_flops(
@@ -180,11 +176,13 @@ def main() -> int:
         steps=max(args.steps, 1), batch_size=args.batch_size, grad_accum=args.grad_accum,
         remat=not args.no_remat, compute_dtype=args.compute_dtype,
     )  # fmt: skip
-    # the graph Quant.npu trains: Gemma 3's has a rotation linear after each pre-norm
-    plan = stage1_plan(build_plan(config, cfg.num_layers, graph=rotated_graph(cfg)), config)
-    ids = tokenize_documents(load_documents("wiki", "calib"), model.tokenizer)
-    base = fuse_norms(add_rotation_linears(model.params, cfg), cfg)
     r1, r2 = randomized_hadamard_rotations(cfg, jax.random.key(0))
+    # what stage 1 starts from, as the pipeline's stage 1 builds it: the base it rotates on the
+    # fly and the graph it trains (Gemma 3's has a rotation linear after each pre-norm)
+    start = Transforms(r1=r1, r2=r2, fused_norms=True)
+    plan = stage1_plan(build_plan(config, cfg.num_layers, graph=start.graph(cfg)), config)
+    ids = tokenize_documents(load_documents("wiki", "calib"), model.tokenizer)
+    base = start.apply(model.params, cfg, rotate=False)
     calib = sample_windows(ids, args.seq_len, 2, jax.random.key(1))
     state = calibrate(apply_rotations(base, cfg, r1, r2), cfg, plan, calib)
     train_state = init_train_state(r1, r2, state, plan, s1)

@@ -56,8 +56,8 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 # process spent in them per phase (`compile_trace_setup`, `compile_xla_call`, ...; a
 # persistent-cache hit's XLA figure is its read) and the cache's hits and misses (JAX counts a
 # miss when it writes the entry: every one here, the threshold is 0; `qnpu` subprocesses are not
-# counted); the session's summary adds them up. It is the figure to cut
-# when CI's budget is tight.
+# counted); the session's summary adds them up. It is the figure to cut when CI's budget is
+# tight.
 _COMPILE_PARTS = {
     "/jax/core/compile/jaxpr_trace_duration": "trace",
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",

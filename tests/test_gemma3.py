@@ -824,8 +824,7 @@ def test_stage1_memory_plan_models_gemma3_on_its_rotation_graph():
     """Step 8: `qnpu plan-memory` plans Gemma 3's stage 1 on the graph Quant.npu trains (a
     rotation linear after each pre-norm): the abstract params and quantizer state have the
     shapes the real fused params and calibration give, and XLA's analysis of that step holds
-    them
-    (the real 270M at 2 x 512: docs/results.md)."""
+    them (the real 270M at 2 x 512: docs/results.md)."""
     from qnpu_jax.ir.graph import GEMMA3_ROTATION_GRAPH
     from qnpu_jax.memory_plan import MemorySetting, abstract_params, abstract_state, stage1_memory
     from qnpu_jax.mesh import make_mesh
