@@ -422,6 +422,9 @@ def test_quant_npu_runs_on_gemma3_through_the_rotation_linears(tiny_hf, tmp_path
     args = ["quantize", "--model", str(directory), "--method", "quantnpu", "--bits", "w8a8"]
     sets = ["seq_len=32", "calib_windows=4", "eval_windows=2", "stage1.steps=2"]
     sets += ["stage1.batch_size=1", "weight_rounding=gptq"]  # GPTQ: >= 96 tokens (down_proj)
+    # scales learned in log space: with linear ones two steps took some rotation-linear rows'
+    # weight scales to the floor (1e-8; `qnpu export` then refuses their multipliers)
+    sets += ["stage1.scale_param=log"]
     assert main([*args, *(a for x in sets for a in ("--set", x)), "--out", str(out)]) == 0
     plan = json.loads((out / "plan.json").read_text())
     assert plan["graph"] == "gemma3-rotation-linears"
@@ -445,6 +448,16 @@ def test_quant_npu_runs_on_gemma3_through_the_rotation_linears(tiny_hf, tmp_path
     layers, d = TINY["num_hidden_layers"], TINY["hidden_size"]
     assert run.model.params()["layers"]["attn_in_proj"].shape == (layers, d, d)
     assert {"attn_in_proj", "mlp_in_proj", "down_proj"} <= set(run.model.weight_codes)
+    # its integer artifact: the rotation linears as integer linears, GPTQ's codes, both engines
+    # bit for bit (`qnpu export`)
+    from qnpu_jax.export.int_model import load_int_model
+
+    art = tmp_path / "artifact"
+    export = ["export", "--run", str(out), "--out", str(art), "--max-context", "64"]
+    assert main([*export, "--prefill-chunk", "16"]) == 0
+    int_model = load_int_model(art)
+    assert int_model.t("layers.attn_in_proj.weight").shape == (TINY["num_hidden_layers"], d, d)
+    _engines_agree_on_gemma3(int_model, run.model, np.asarray(tiny_hf[2][:1]))
     cost = tmp_path / "cost.json"
     assert main(["cost", "--run", str(out), "--prefill", "16", "--json", str(cost)]) == 0
     macs = json.loads(cost.read_text())["phases"]["prefill"]["macs"]
@@ -886,3 +899,64 @@ def test_up_down_smoothing_on_gemma3_leaves_the_model_unchanged():
     scale = float(jnp.max(jnp.abs(ref)))
     got = forward(smoothed.params(), tokens, cfg=cfg)
     assert float(jnp.max(jnp.abs(got - ref))) <= 1e-5 * scale
+
+
+def _engines_agree_on_gemma3(int_model, model, ids):
+    """Both integer engines run Gemma 3's artifact bit for bit and near the fake-quant model,
+    its sliding layers in their window with the local RoPE tables: without them (every layer
+    read as global) the same artifact gives other logits."""
+    import dataclasses
+
+    from conftest import engines_agree_with_fake_quant
+
+    from qnpu_jax.ir.graph import LOCAL_ROPE
+    from qnpu_jax.runtime import emulator as E
+    from qnpu_jax.runtime.engines import open_engine
+
+    window = TINY["sliding_window"]
+    assert ids.shape[1] > window + 8  # queries whose window drops keys
+    engines_agree_with_fake_quant(int_model, model, ids)
+    # the emulator's probabilities: a sliding layer gives no key at or past `window` positions
+    # behind its query any weight, the global layer does (the JAX engine agrees bit for bit)
+    trace: dict = {}
+    E.run_chunk(int_model, ids, E.new_cache(int_model, 1), trace)
+    probs = np.stack(trace["probs"])  # [L, B, Hkv, G, T, S]
+    p = len(int_model.graph["prefix_tokens"])
+    queries = p + np.arange(ids.shape[1])[:, None]
+    old = np.arange(probs.shape[-1])[None, :] <= queries - window  # [T, S]
+    for layer, sliding in enumerate(int_model.model["layer_types"]):
+        behind = probs[layer][..., old]
+        assert (behind == 0).all() if sliding == "sliding_attention" else (behind > 0).any()
+    assert f"{LOCAL_ROPE}.cos" in int_model.tensors
+    every_global = dataclasses.replace(int_model, model={**int_model.model, "layer_types": []})
+    for engine in ("emulator", "jax"):
+        windowed = np.asarray(open_engine(engine, int_model).prefill(ids)[0])
+        unwindowed = np.asarray(open_engine(engine, every_global).prefill(ids)[0])
+        assert (windowed != unwindowed).any(), engine
+
+
+def test_gemma3_integer_artifact_runs_bit_exact_on_both_engines(tiny_hf, tmp_path):
+    """Gemma 3's graph as an integer artifact (W8A8, BOS sink prefix): its GELU by LUT, the
+    post-norms as integer RMSNorms, the q/k head norms, √hidden folded into the embedding's
+    row scales, the scores scaled by query_pre_attn_scalar, the sliding layers' window and
+    RoPE tables; the emulator and the JAX engine agree bit for bit and track the fake-quant
+    model. The artifact validates against Gemma's graph, not LLaMA's."""
+    from qnpu_jax.export.exporter import export_quantized
+    from qnpu_jax.export.int_model import load_int_model
+    from qnpu_jax.ir.graph import GEMMA3_GRAPH
+    from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
+
+    directory, _, ids, _ = tiny_hf
+    fp = load_model(str(directory))
+    windows = np.asarray(ids, np.int32)
+    data = Calibration(windows.reshape(-1), windows)
+    recipe = chain(steps.plan(w_bits=8, a_bits=8), steps.calibrate())
+    model = recipe(QuantizedModel.from_float(fp, prefix="bos"), data)
+    assert model.require_plan().graph is GEMMA3_GRAPH
+    art = load_int_model(
+        export_quantized(model, tmp_path / "art", fp.tokenizer, max_context=64, prefill_chunk=16)
+    )
+    ops = [op["op"] for op in art.graph["ops"]["layer"]]
+    layers = TINY["num_hidden_layers"]
+    assert ops.count("rmsnorm") == 4 and len(art.t("layers.gelu.lut")) == layers
+    _engines_agree_on_gemma3(art, model, windows[:1])

@@ -29,6 +29,7 @@ from qnpu_jax.ir.graph import (
     GRAPH,
     HEAD_NORM_MAX,
     LAYER_ONLY_KINDS,
+    LOCAL_ROPE,
     LOGITS_SCALE,
     MODEL_ONLY_KINDS,
     NORM_FRACTION_BITS,
@@ -43,8 +44,8 @@ from qnpu_jax.ir.graph import (
 from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import (
     Params,
-    check_llama_graph,
     forward_tapped,
+    graph_of,
     init_cache,
     lm_head_weight,
     rope_tables,
@@ -121,8 +122,16 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (Gemma's gelu_pytorch_tanh; `jax.nn.gelu(approximate=True)`)."""
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
 # The real function of each LUT op of the graph, in float64 (LUTs are built offline).
-LUT_FUNCTIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"silu": _silu}
+LUT_FUNCTIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "silu": _silu,
+    "gelu_tanh": _gelu_tanh,
+}
 
 
 def _narrow(a: np.ndarray) -> np.ndarray:
@@ -589,7 +598,9 @@ def _attention_consts(x: _Export, op: Op) -> None:
     q_in, k_in, v_in = op.ins
     scores, probs = (t.name for t in op.inner)
     t = x.tensors
-    real = x.scales(q_in) * x.scales(k_in) / math.sqrt(x.cfg.head_dim) / x.scales(scores)
+    # scores · (query_pre_attn_scalar or head_dim)^-0.5 (Gemma 3 names its own scalar)
+    root = math.sqrt(x.cfg.query_pre_attn_scalar or x.cfg.head_dim)
+    real = x.scales(q_in) * x.scales(k_in) / root / x.scales(scores)
     t["layers.scores.M"], t["layers.scores.shift"] = _requant(real, "layers.scores")
     exp_luts = []
     for i in range(x.n):
@@ -667,7 +678,9 @@ def _embed_consts(x: _Export, op: Op) -> None:
     x.tensors[f"{op.const}.table"] = _weight_codes(
         x.np_params[table], s_rows, np.zeros_like(s_rows), tq.spec(), table
     )
-    m, sh = _requant(s_rows[:, 0].astype(np.float64) / x.outer[op.out_name].scale, table)
+    # Gemma scales the rows by √hidden (`ModelConfig.embed_scale`): folded into each row's scale
+    real = s_rows[:, 0].astype(np.float64) * x.cfg.embed_scale / x.outer[op.out_name].scale
+    m, sh = _requant(real, table)
     x.tensors[f"{op.const}.M"], x.tensors[f"{op.const}.shift"] = m, sh
 
 
@@ -725,14 +738,14 @@ def export_model(
     prefill_chunk: int = 64,
     tokenizer_info: Mapping[str, Any] | None = None,
     source: Mapping[str, Any] | None = None,
-    graph: Graph = GRAPH,
+    graph: Graph | None = None,
     prefix_params: Params | None = None,
 ) -> ExportedModel:
     """The integer artifact of a fake-quant model (`params` as the fake-quant forward uses
-    them: fused and rotated for rotated methods): the constants of each op of `graph`.
-    `prefix_params`: what the offline sink prefix runs on where not `params`
-    (`QuantizedModel.prefix_params`)."""
-    check_llama_graph(cfg, "the integer export")
+    them: fused and rotated for rotated methods): the constants of each op of `graph` (None:
+    the graph `params` are the weights of, `graph_of`). `prefix_params`: what the offline
+    sink prefix runs on where not `params` (`QuantizedModel.prefix_params`)."""
+    graph = graph_of(cfg, params) if graph is None else graph
     n = cfg.num_layers
     if plan.num_layers != n:
         raise QnpuError(f"plan has {plan.num_layers} layers, the model {n}")
@@ -757,6 +770,11 @@ def export_model(
             raise QnpuError(f"the exporter has no {op.kind.value!r} op in the model")
         build(x, op)
     x.tensors["rope.cos"], x.tensors["rope.sin"] = rope_tables(cfg, max_context)
+    if any(cfg.sliding_layers):  # Gemma 3's sliding layers rotate at their own base
+        local = dataclasses.replace(cfg, rope=cfg.local_rope)
+        x.tensors[f"{LOCAL_ROPE}.cos"], x.tensors[f"{LOCAL_ROPE}.sin"] = rope_tables(
+            local, max_context
+        )
     _check_multipliers(x.tensors)
     for act, entry in x.muxq.items():  # the producer shifts MUXQ channels exp bits further
         producer = graph.producer(act)

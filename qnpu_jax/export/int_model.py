@@ -21,9 +21,7 @@ from qnpu_jax.ir.graph import (
     CHANNEL_INPUTS,
     FORMAT_GRAPH,
     FORMAT_GRAPH_CHANNELS,
-    GLOBAL_ACTS,
     GRAPH,
-    LAYER_ACTS,
     LOGITS_SCALE,
     MUXQ_MAX_EXP,
     NORM_FRACTION_BITS,
@@ -31,10 +29,11 @@ from qnpu_jax.ir.graph import (
     ROPE_FRACTION_BITS,
     SHADOW_RANGE,
     WEIGHT_CODE_RANGE,
+    Graph,
     OpKind,
+    artifact_graph,
     channel_mask,
     expected_tensors,
-    graph_ops,
     layer_widths,
     model_widths,
     op_kind,
@@ -121,8 +120,9 @@ class IntModel:
         return w32[layer], float(absmax[layer])
 
 
-def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], where: str) -> None:
-    """The graph is the one this emulator implements and every tensor has its shape/dtype."""
+def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], where: str) -> Graph:
+    """The graph is one the engines implement (`artifact_graph`: the model's architecture's)
+    and every tensor has its shape/dtype; that graph."""
     graph = manifest.get("graph")
     model = manifest.get("model")
     if not isinstance(graph, dict) or not isinstance(model, dict):
@@ -141,7 +141,6 @@ def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], whe
             "graph.weight_zero_points), and only it"
         )
     _check_channel_entries(graph, where)
-    _check_weight_zero_entries(graph, where)
     ops = graph.get("ops")
     if not isinstance(ops, dict):
         raise QnpuError(f"{where}: graph has no op list")
@@ -150,15 +149,18 @@ def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], whe
             if not isinstance(op, dict):
                 raise QnpuError(f"{where}: unknown op {op!r} in the {part} op list")
             op_kind(op.get("op"), f"{where}: the {part} op list has an unknown op")
-    if ops != graph_ops():
-        raise QnpuError(f"{where}: the op list differs from graph {FORMAT_GRAPH}")
-    if list(graph.get("layer_activations", [])) != list(LAYER_ACTS) or list(
+    try:
+        layer_graph = artifact_graph(model, ops)
+    except QnpuError as e:
+        raise QnpuError(f"{where}: {e}") from None
+    _check_weight_zero_entries(graph, layer_graph, where)
+    if list(graph.get("layer_activations", [])) != [t.name for t in layer_graph.layer_acts] or list(
         graph.get("global_activations", [])
-    ) != list(GLOBAL_ACTS):
+    ) != [t.name for t in layer_graph.global_acts]:
         raise QnpuError(f"{where}: activation tables differ from graph {FORMAT_GRAPH}")
     _check_constants(manifest, where)
     try:
-        expected = expected_tensors(model, graph)
+        expected = expected_tensors(model, graph, layer_graph)
     except (KeyError, TypeError) as e:
         raise QnpuError(f"{where}: incomplete model config or graph: {e}") from e
     missing = sorted(set(expected) - set(tensors))
@@ -181,13 +183,15 @@ def validate_graph(manifest: dict[str, Any], tensors: dict[str, np.ndarray], whe
                 f"{where}: {const}.weight_zero_point must lie in {list(WEIGHT_CODE_RANGE)} "
                 "(int8 weight codes)"
             )
-    for op in GRAPH.ops(OpKind.LUT):
-        j = LAYER_ACTS.index(op.ins[0])
+    acts = [t.name for t in layer_graph.layer_acts]
+    for op in layer_graph.ops(OpKind.LUT):
+        j = acts.index(op.ins[0])
         span = tensors["layers.act.qmax"][:, j] - tensors["layers.act.qmin"][:, j] + 1
         if (span != tensors[f"{op.const}.lut"].shape[1]).any():
             raise QnpuError(
                 f"{where}: {op.const}.lut's length does not match the {op.ins[0]} range"
             )
+    return layer_graph
 
 
 def _check_channel_entries(graph: dict[str, Any], where: str) -> None:
@@ -208,10 +212,10 @@ def _check_channel_entries(graph: dict[str, Any], where: str) -> None:
             raise QnpuError(f"{where}: graph muxq {name!r}: exp 1..{MUXQ_MAX_EXP}, channels >= 1")
 
 
-def _check_weight_zero_entries(graph: dict[str, Any], where: str) -> None:
+def _check_weight_zero_entries(graph: dict[str, Any], layer_graph: Graph, where: str) -> None:
     """graph.weight_zero_points: distinct layer linears (their constants' prefix)."""
     consts = graph.get("weight_zero_points") or []
-    linears = [op.const for op in GRAPH.ops(OpKind.LINEAR)]
+    linears = [op.const for op in layer_graph.ops(OpKind.LINEAR)]
     if (
         not isinstance(consts, list)
         or len(set(consts)) != len(consts)
@@ -263,7 +267,7 @@ def shadow_bounds(model: IntModel, name: str) -> tuple[np.ndarray, np.ndarray] |
     mask = model._mask("shadow", name)
     if mask is None:
         return None
-    j = LAYER_ACTS.index(name)
+    j = list(model.graph["layer_activations"]).index(name)
     lo = model.tensors["layers.act.qmin"][:, j : j + 1].astype(np.int64)
     hi = model.tensors["layers.act.qmax"][:, j : j + 1].astype(np.int64)
     return np.where(mask, SHADOW_RANGE[0], lo), np.where(mask, SHADOW_RANGE[1], hi)
@@ -316,11 +320,13 @@ def _check_constants(manifest: dict[str, Any], where: str) -> None:
             raise QnpuError(f"{where}: tokenizer {key} {tid!r} is not a token id < {vocab}")
 
 
-def lpbq_blocks(encodings: Mapping[str, Any], where: str) -> dict[str, int]:
-    """{linear const: block size} of the LPBQ linears the manifest's encodings declare (one
-    block size for every layer of a linear)."""
+def lpbq_blocks(
+    encodings: Mapping[str, Any], where: str, layer_graph: Graph = GRAPH
+) -> dict[str, int]:
+    """{linear const: block size} of the LPBQ linears of `layer_graph` the manifest's
+    encodings declare (one block size for every layer of a linear)."""
     out: dict[str, int] = {}
-    for op in GRAPH.layer:
+    for op in layer_graph.layer:
         if op.kind != OpKind.LINEAR:
             continue
         entries = [e for k, e in encodings.items() if k.endswith(f".{op.weight_name}")]
@@ -377,9 +383,9 @@ def load_int_model(path: Path | str) -> IntModel:
     """Read and validate an artifact directory (hashes, dtypes, shapes, op list); LPBQ
     weights come folded into int8 codes (`lpbq_weights`)."""
     art: Artifact = read_artifact(Path(path))
-    validate_graph(art.manifest, art.tensors, str(path))
+    layer_graph = validate_graph(art.manifest, art.tensors, str(path))
     tensors = {k: np.ascontiguousarray(v).reshape(v.shape) for k, v in art.tensors.items()}
-    blocks = lpbq_blocks(art.manifest.get("encodings") or {}, str(path))
+    blocks = lpbq_blocks(art.manifest.get("encodings") or {}, str(path), layer_graph)
     tensors = lpbq_weights(tensors, blocks, str(path))
     return IntModel(
         art.path,
@@ -400,7 +406,6 @@ def artifact_tokenizer(model: IntModel) -> Any:
 def stored_tokenizer(files: Mapping[str, bytes], info: Mapping[str, Any], where: Path) -> Any:
     """The tokenizer an export stores: the file `info["file"]` among `files`, with the BOS/EOS
     ids of `info` (the manifest's "tokenizer" entry)."""
-
 
     name = info.get("file")
     if not name or name not in files:

@@ -525,6 +525,20 @@ NAMED_GRAPHS = {
 }
 
 
+def artifact_graph(model: Mapping[str, Any], ops: Any) -> Graph:
+    """The graph of an artifact whose manifest holds model config `model` and op list `ops`:
+    GRAPH for the LLaMA family; for an architecture with a graph of its own (Gemma 3), that
+    graph or its variant with rotation linears, the one `ops` is. QnpuError otherwise."""
+    arch = model.get("architecture", "llama")
+    own = ARCHITECTURE_GRAPHS.get(arch, GRAPH)
+    candidates = (own, ROTATION_GRAPHS[arch]) if arch in ROTATION_GRAPHS else (own,)
+    for graph in candidates:
+        if graph.ops_json() == ops:
+            return graph
+    name = FORMAT_GRAPH if own is GRAPH else f"{FORMAT_GRAPH} of {arch}"
+    raise QnpuError(f"the op list differs from graph {name}")
+
+
 def graph_ops() -> dict[str, list[dict[str, Any]]]:
     """The artifact's op list of the model and of one decoder layer ("in" names are
     environment values)."""
@@ -747,7 +761,7 @@ def _expect_scalar_requant(e: _Expected, op: Op) -> None:
     """RoPE and the product: one multiplier and shift per layer (RoPE: a head norm first)."""
     e.out[f"{op.const}.M"] = ((e.n,), _I32)
     e.out[f"{op.const}.shift"] = ((e.n,), _I32)
-    if op.head_norm and e.model.get("architecture") == "qwen3":
+    if op.head_norm and e.model.get("architecture") in QK_NORM_ARCHITECTURES:
         e.norm(f"{op.const}.norm", (e.n,), e.hd)
 
 
@@ -815,25 +829,28 @@ EXPECTED_MODEL: dict[OpKind, _ExpectFn] = {
 check_handlers(EXPECTED_MODEL, "expected_tensors (model ops)", LAYER_ONLY_KINDS)
 
 
-def expected_tensors(model: dict[str, Any], graph: dict[str, Any]) -> dict[str, Any]:
-    """name -> (shape, allowed dtypes) of every tensor an artifact of GRAPH must hold, op by op.
+def expected_tensors(
+    model: dict[str, Any], graph: dict[str, Any], ops: Graph = GRAPH
+) -> dict[str, Any]:
+    """name -> (shape, allowed dtypes) of every tensor an artifact of graph `ops` must hold, op
+    by op.
 
     A None dimension is free (LUT lengths follow the input's bit-width, checked when used).
-    Optional tensors (q/k/v biases, the sink prefix's K/V) are listed when the config or the
-    graph says they exist.
+    Optional tensors (q/k/v biases, the sink prefix's K/V, the sliding layers' RoPE tables)
+    are listed when the config or the graph says they exist.
     """
     n, d = model["num_layers"], model["hidden_size"]
     hd, hkv = model["head_dim"], model["num_kv_heads"]
     v = model["vocab_size"]
-    width = layer_widths(model_widths(model))
+    width = layer_widths(model_widths(model), ops)
     out: dict[str, Any] = {}
     for field in ("zero_point", "qmin", "qmax"):
-        out[f"layers.act.{field}"] = ((n, len(GRAPH.layer_acts)), _I32)
-        out[f"act.{field}"] = ((len(GRAPH.global_acts),), _I32)
+        out[f"layers.act.{field}"] = ((n, len(ops.layer_acts)), _I32)
+        out[f"act.{field}"] = ((len(ops.global_acts),), _I32)
     e = _Expected(model, graph, n, d, hd, hkv, v, width, out)
-    for op in GRAPH.layer:
+    for op in ops.layer:
         EXPECTED_LAYER[op.kind](e, op)
-    for op in GRAPH.model:
+    for op in ops.model:
         EXPECTED_MODEL[op.kind](e, op)
     for name, k in (graph.get("shadow") or {}).items():  # hot channels per layer, −1 padded
         out[f"layers.shadow.{name}.channels"] = ((n, k), _I32)
@@ -844,9 +861,27 @@ def expected_tensors(model: dict[str, Any], graph: dict[str, Any]) -> dict[str, 
         if key not in out or not const.startswith("layers."):
             raise ValueError(f"weight zero points of {const!r}, which is no layer linear")
         out[f"{const}.weight_zero_point"] = ((n, out[key][0][1]), _I32)
-    out["rope.cos"] = ((graph["max_context"], hd), ("int16",))
-    out["rope.sin"] = ((graph["max_context"], hd), ("int16",))
+    tables = ("rope", LOCAL_ROPE) if any(sliding_layers(model)) else ("rope",)
+    for table in tables:
+        out[f"{table}.cos"] = ((graph["max_context"], hd), ("int16",))
+        out[f"{table}.sin"] = ((graph["max_context"], hd), ("int16",))
     return out
+
+
+# The architectures with a per-head RMSNorm of q and k before RoPE (q_norm / k_norm)
+QK_NORM_ARCHITECTURES = ("qwen3", "gemma3")
+# The sliding-window layers' RoPE tables (`<LOCAL_ROPE>.cos` / `.sin`; Gemma 3's local base)
+LOCAL_ROPE = "rope_local"
+# a layer's attention (a model config's `layer_types` entry): over every key before the
+# query, or over the last `sliding_window` of them
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+
+
+def sliding_layers(model: Mapping[str, Any]) -> tuple[bool, ...]:
+    """Whether each layer of an artifact's model config attends in a sliding window of
+    `model["sliding_window"]` keys (Gemma 3's `layer_types`); none when it has no types."""
+    types = model.get("layer_types") or ()
+    return tuple(t == SLIDING_ATTENTION for t in types) or (False,) * int(model["num_layers"])
 
 
 def check_room(filled: int, new: int, max_context: int) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.ir.graph import FULL_ATTENTION, QK_NORM_ARCHITECTURES, SLIDING_ATTENTION
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 # transformers' class of each architecture (config.json "architectures")
@@ -25,7 +26,6 @@ ARCHITECTURE_CLASSES = {
 # its "gemma3" model_type is the multimodal model, refused)
 HF_MODEL_TYPES = {"gemma3_text": "gemma3"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 # Gemma 3's defaults (transformers' Gemma3TextConfig, llama.cpp's hparams): every 6th layer is
 # global, the sliding layers' RoPE base
@@ -225,7 +225,7 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         """Per-head RMSNorm of q and k before RoPE (q_norm / k_norm, gains [head_dim]): Qwen3,
         Gemma 3."""
-        return self.architecture in ("qwen3", "gemma3")
+        return self.architecture in QK_NORM_ARCHITECTURES
 
     @property
     def q_size(self) -> int:

@@ -25,6 +25,7 @@ from qnpu_jax.ir.graph import (
     HEAD_NORM_MAX,
     LAYER_INPUT,
     LAYER_ONLY_KINDS,
+    LOCAL_ROPE,
     LOGITS_RANGE,
     MODEL_ONLY_KINDS,
     PROBS,
@@ -33,6 +34,7 @@ from qnpu_jax.ir.graph import (
     check_handlers,
     check_room,
     op_kind,
+    sliding_layers,
 )
 from qnpu_jax.runtime.interface import IntegerEngine, KVCache, check_cache_batch, check_tokens
 
@@ -271,7 +273,10 @@ def _attention(
     z_s, lo_s, hi_s = _act(model, layer, SCORES)
     m_s, sh_s = model.t("layers.scores.M")[layer], model.t("layers.scores.shift")[layer]
     scores = requantize(acc, m_s, sh_s, z_s, lo_s, hi_s)
-    allowed = np.arange(end)[None, :] <= (start + np.arange(t))[:, None]  # [T, S]
+    keys, queries = np.arange(end)[None, :], (start + np.arange(t))[:, None]
+    allowed = keys <= queries  # [T, S]
+    if sliding_layers(m)[layer]:  # Gemma 3: the last sliding_window keys, the query's included
+        allowed &= keys > queries - int(m["sliding_window"])
     probs = softmax_codes(scores, allowed, model.t("layers.softmax.exp_lut")[layer])
     if trace is not None:
         trace.setdefault(SCORES, []).append(scores)
@@ -393,7 +398,8 @@ def _run_layer(
 ) -> Value:
     env: dict[str, Value] = {LAYER_INPUT: x}
     f, k = model.graph["norm_fraction_bits"], model.graph["norm_unit_bits"]
-    cos, sin = model.t("rope.cos")[positions], model.t("rope.sin")[positions]
+    table = LOCAL_ROPE if sliding_layers(model.model)[layer] else "rope"
+    cos, sin = model.t(f"{table}.cos")[positions], model.t(f"{table}.sin")[positions]
     r = _LayerRun(model, layer, cache, start, cos, sin, (f, k), trace)
     for op in model.graph["ops"]["layer"]:
         out = _bounds(model, layer, op["out"])

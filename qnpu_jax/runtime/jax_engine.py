@@ -41,6 +41,7 @@ from qnpu_jax.ir.graph import (
     HEAD_NORM_MAX,
     LAYER_INPUT,
     LAYER_ONLY_KINDS,
+    LOCAL_ROPE,
     LOGITS_RANGE,
     MODEL_ONLY_KINDS,
     SCORES,
@@ -48,6 +49,7 @@ from qnpu_jax.ir.graph import (
     check_handlers,
     check_room,
     op_kind,
+    sliding_layers,
 )
 from qnpu_jax.quant.requantize import requantize_jax
 from qnpu_jax.runtime.interface import IntegerEngine, KVCache, check_cache_batch, check_tokens
@@ -103,6 +105,10 @@ class IntSpec:
     bounds: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
     # every layer's score codes lie within ±2^29: the softmax may work in int32
     narrow_scores: bool = False
+    # Gemma 3: whether each layer attends over the last `sliding_window` keys only (and
+    # rotates by the `rope_local` tables); () when no layer does
+    sliding: tuple[bool, ...] = ()
+    sliding_window: int = 0
 
     def plans(self, key: str, k: int) -> tuple[tuple[DotPlan, ...], tuple[int, ...]]:
         """How the matmul `key` with a contraction of `k` runs: its distinct plans (see
@@ -183,6 +189,8 @@ def int_spec(model: IntModel, matmul: str = "f32") -> IntSpec:
             layer_acts=tuple(str(a) for a in g["layer_activations"]),
             global_acts=tuple(str(a) for a in g["global_activations"]),
             matmul=matmul,
+            sliding=sliding_layers(m) if any(sliding_layers(m)) else (),
+            sliding_window=int(m.get("sliding_window") or 0),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise QnpuError(f"incomplete model config or graph: {e}") from e
@@ -461,6 +469,7 @@ def _attention(
     layer: jax.Array,
     positions: jax.Array,
     window: int,
+    sliding: jax.Array | None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     hd, hkv, hq = spec.head_dim, spec.num_kv_heads, spec.num_heads
     b, t, _ = q[0].shape
@@ -481,6 +490,9 @@ def _attention(
     acc = _dot(spec, "scores", "btkgd,bksd->bkgts", qc, kc)
     keys = jnp.arange(window, dtype=positions.dtype)
     allowed = keys[None, :] <= positions[:, None]  # [T, S]: key position <= query position
+    if sliding is not None:  # Gemma 3: the last sliding_window keys, the query's included
+        recent = keys[None, :] > positions[:, None] - spec.sliding_window
+        allowed &= recent | ~sliding
     rq = (c["scores.M"], c["scores.shift"], *acts(SCORES))
     scores = requantize_jax(acc, *rq)
     # requantization is monotone, so the largest score is the requantized largest
@@ -528,6 +540,7 @@ class _LayerRun:
     cos: jax.Array
     sin: jax.Array
     window: int
+    sliding: jax.Array | None  # this layer attends in a sliding window (None: no layer does)
 
 
 Consts = Mapping[str, jax.Array]
@@ -550,7 +563,9 @@ def _run_rope(r: _LayerRun, op: OpSpec, ins: list[Value], c: Consts, out: Act) -
 
 def _run_attention(r: _LayerRun, op: OpSpec, ins: list[Value], c: Consts, out: Act) -> jax.Array:
     q, k, v = ins
-    y, r.cache = _attention(r.spec, q, k, v, c, r.act, out, r.cache, r.layer, r.positions, r.window)
+    y, r.cache = _attention(
+        r.spec, q, k, v, c, r.act, out, r.cache, r.layer, r.positions, r.window, r.sliding
+    )
     return y
 
 
@@ -593,9 +608,11 @@ def _layer(
     cos: jax.Array,
     sin: jax.Array,
     window: int,
+    sliding: jax.Array | None,
 ) -> tuple[Value, tuple[jax.Array, jax.Array]]:
     """One decoder layer: the layer op list interpreted over this layer's constants; `cache`
-    holds every layer's K/V, `layer` says which are this one's."""
+    holds every layer's K/V, `layer` says which are this one's; `sliding`, whether it attends
+    in a sliding window (`cos`/`sin` are its own tables' rows)."""
     zp, qmin, qmax = lc["act.zero_point"], lc["act.qmin"], lc["act.qmax"]
 
     def act(name: str) -> Act:
@@ -604,7 +621,7 @@ def _layer(
             return zp[j], lc[f"shadow.{name}.qmin"], lc[f"shadow.{name}.qmax"]
         return zp[j], qmin[j], qmax[j]
 
-    r = _LayerRun(spec, lc, act, cache, layer, positions, cos, sin, window)
+    r = _LayerRun(spec, lc, act, cache, layer, positions, cos, sin, window, sliding)
     env: dict[str, Value] = {LAYER_INPUT: x}
     for op in spec.layer_ops:  # `int_spec` admits only LAYER_OPS' kinds
         out = act(op.out)
@@ -630,6 +647,7 @@ class _ModelRun:
     cos: jax.Array
     sin: jax.Array
     window: int
+    local: tuple[jax.Array, jax.Array] | None  # the sliding layers' cos/sin rows
 
     def act(self, name: str) -> Act:
         g = self.consts.globals
@@ -656,16 +674,23 @@ def _run_layers(m: _ModelRun, op: OpSpec, env: dict[str, Value]) -> Value:
     layer_consts = {k: v for k, v in m.consts.layers.items() if not k.startswith("prefix.")}
 
     def body(
-        carry: tuple[Value, jax.Array, jax.Array], xs: tuple[dict[str, jax.Array], jax.Array]
+        carry: tuple[Value, jax.Array, jax.Array],
+        xs: tuple[dict[str, jax.Array], jax.Array, jax.Array],
     ) -> tuple[tuple[Value, jax.Array, jax.Array], None]:
         x, ck, cv = carry
-        lc, layer = xs
-        x, (ck, cv) = _layer(spec, x, lc, (ck, cv), layer, m.positions, m.cos, m.sin, m.window)
+        lc, layer, is_sliding = xs
+        cos, sin, sliding = m.cos, m.sin, None
+        if m.local is not None:  # Gemma 3: the sliding layers' tables and window
+            cos = jnp.where(is_sliding, m.local[0], m.cos)
+            sin = jnp.where(is_sliding, m.local[1], m.sin)
+            sliding = is_sliding
+        x, (ck, cv) = _layer(spec, x, lc, (ck, cv), layer, m.positions, cos, sin, m.window, sliding)
         return (x, ck, cv), None
 
     layers = jnp.arange(spec.num_layers, dtype=jnp.int32)
+    flags = jnp.asarray(spec.sliding or (False,) * spec.num_layers)
     (x, m.cache_k, m.cache_v), _ = jax.lax.scan(
-        body, (env[op.ins[0]], m.cache_k, m.cache_v), (layer_consts, layers)
+        body, (env[op.ins[0]], m.cache_k, m.cache_v), (layer_consts, layers, flags)
     )
     return x
 
@@ -716,9 +741,13 @@ def _int_forward(
     g = consts.globals
     t = tokens.shape[1]
     positions = jnp.asarray(start, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
-    cos = jnp.take(g["rope.cos"], positions, axis=0, mode="clip").astype(I64)
-    sin = jnp.take(g["rope.sin"], positions, axis=0, mode="clip").astype(I64)
-    m = _ModelRun(consts, tokens, cache_k, cache_v, positions, cos, sin, window)
+
+    def rows(table: str) -> jax.Array:
+        return jnp.take(g[table], positions, axis=0, mode="clip").astype(I64)
+
+    cos, sin = rows("rope.cos"), rows("rope.sin")
+    local = (rows(f"{LOCAL_ROPE}.cos"), rows(f"{LOCAL_ROPE}.sin")) if spec.sliding else None
+    m = _ModelRun(consts, tokens, cache_k, cache_v, positions, cos, sin, window, local)
     env: dict[str, Value] = {}
     for op in spec.model_ops:  # `int_spec` admits only MODEL_OPS' kinds
         env[op.out] = MODEL_OPS[op.op](m, op, env)
