@@ -458,6 +458,16 @@ def test_quant_npu_runs_on_gemma3_through_the_rotation_linears(tiny_hf, tmp_path
     int_model = load_int_model(art)
     assert int_model.t("layers.attn_in_proj.weight").shape == (TINY["num_hidden_layers"], d, d)
     _engines_agree_on_gemma3(int_model, run.model, np.asarray(tiny_hf[2][:1]))
+    # the same on the run's own evaluation text (scripts/artifact_agreement.py): bit for bit,
+    # the integer NLL near the fake-quant one
+    from conftest import load_script
+
+    written = tmp_path / "agreement.json"
+    agreement = ["--run", str(out), "--out", str(tmp_path / "art2"), "--seq-len", "24"]
+    assert load_script("artifact_agreement").main([*agreement, "--json", str(written)]) == 0
+    rows = json.loads(written.read_text())["rows"]
+    assert len(rows) == 2 and all(r["bit_exact"] for r in rows)
+    assert all(abs(r["nll_integer"] / r["nll_fake_quant"] - 1) < 0.05 for r in rows), rows
     cost = tmp_path / "cost.json"
     assert main(["cost", "--run", str(out), "--prefill", "16", "--json", str(cost)]) == 0
     macs = json.loads(cost.read_text())["phases"]["prefill"]["macs"]

@@ -505,9 +505,9 @@ def rotation_linears(graph: Graph) -> tuple[str, ...]:
     return tuple(w for w, (i, o) in graph.linear_io.items() if i in norms and o in inputs)
 
 
-# Gemma 3 (text): the float forward, the params' layout, the HF names, plans, calibration and
-# the fake-quant forward read it; the integer export does not yet (the module tables below
-# are GRAPH's, LLaMA's semantics).
+# Gemma 3 (text): the float forward, the params' layout, the HF names, plans, calibration,
+# the fake-quant forward and the integer artifact read it (the module tables below are
+# GRAPH's, LLaMA's semantics: the ONNX export and the outlier paths).
 GEMMA3_GRAPH = _gemma3_graph()
 # Gemma 3 with a linear after each pre-norm: the graph R1 rotates (online, at the linears'
 # inputs: its post-norms' weighted outputs join the residual, which R1 cannot rotate)
