@@ -97,6 +97,14 @@ def op_kind(value: Any, what: str) -> OpKind:
         raise QnpuError(f"{what} {value!r}: no such op kind ({', '.join(OpKind)})") from None
 
 
+# The architectures with a per-head RMSNorm of q and k before RoPE (q_norm / k_norm)
+QK_NORM_ARCHITECTURES = ("qwen3", "gemma3")
+# The sliding-window layers' RoPE tables (`<LOCAL_ROPE>.cos` / `.sin`; Gemma 3's local base)
+LOCAL_ROPE = "rope_local"
+# a layer's attention (a model config's `layer_types` entry): over every key before the
+# query, or over the last `sliding_window` of them
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+
 # The default bit-width of a tensor: a plan option (`w_bits`, `a_bits`, `kv_bits`,
 # `down_in_bits` for the unrotated input), fixed bits, or the softmax output's fixed encoding.
 UNROTATED_ROLE = "unrotated"
@@ -866,15 +874,6 @@ def expected_tensors(
         out[f"{table}.cos"] = ((graph["max_context"], hd), ("int16",))
         out[f"{table}.sin"] = ((graph["max_context"], hd), ("int16",))
     return out
-
-
-# The architectures with a per-head RMSNorm of q and k before RoPE (q_norm / k_norm)
-QK_NORM_ARCHITECTURES = ("qwen3", "gemma3")
-# The sliding-window layers' RoPE tables (`<LOCAL_ROPE>.cos` / `.sin`; Gemma 3's local base)
-LOCAL_ROPE = "rope_local"
-# a layer's attention (a model config's `layer_types` entry): over every key before the
-# query, or over the last `sliding_window` of them
-FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
 def sliding_layers(model: Mapping[str, Any]) -> tuple[bool, ...]:

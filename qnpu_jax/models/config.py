@@ -12,7 +12,12 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
-from qnpu_jax.ir.graph import FULL_ATTENTION, QK_NORM_ARCHITECTURES, SLIDING_ATTENTION
+from qnpu_jax.ir.graph import (
+    FULL_ATTENTION,
+    QK_NORM_ARCHITECTURES,
+    SLIDING_ATTENTION,
+    sliding_layers,
+)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 # transformers' class of each architecture (config.json "architectures")
@@ -193,9 +198,7 @@ class ModelConfig:
     @property
     def sliding_layers(self) -> tuple[bool, ...]:
         """Whether each layer attends in a sliding window (`sliding_window` keys)."""
-        if not self.layer_types:
-            return (False,) * self.num_layers
-        return tuple(t == SLIDING_ATTENTION for t in self.layer_types)
+        return sliding_layers({"layer_types": self.layer_types, "num_layers": self.num_layers})
 
     @property
     def local_rope(self) -> RopeConfig:

@@ -189,7 +189,7 @@ def int_spec(model: IntModel, matmul: str = "f32") -> IntSpec:
             layer_acts=tuple(str(a) for a in g["layer_activations"]),
             global_acts=tuple(str(a) for a in g["global_activations"]),
             matmul=matmul,
-            sliding=sliding_layers(m) if any(sliding_layers(m)) else (),
+            sliding=sliding if any(sliding := sliding_layers(m)) else (),
             sliding_window=int(m.get("sliding_window") or 0),
         )
     except (KeyError, TypeError, ValueError) as e:
