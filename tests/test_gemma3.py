@@ -359,19 +359,18 @@ def test_quantized_paths_refuse_gemma():
 def test_a_recipe_gemma_cannot_take_is_refused_before_the_load(
     tiny_hf, tiny_cfg, tmp_path, capsys, monkeypatch
 ):
-    """`qnpu quantize` reads the model's config alone first: a method whose steps train or
-    equalize through LLaMA's graph fails in seconds, before the weights load, and leaves no
-    run."""
+    """`qnpu quantize` reads the model's config alone first: a recipe whose steps equalize
+    through LLaMA's graph fails in seconds, before the weights load, and leaves no run."""
     from qnpu_jax.cli import main
     from qnpu_jax.pipeline import run as run_module
-    from qnpu_jax.pipeline.config import QuantizeConfig
+    from qnpu_jax.pipeline.config import QuantizeConfig, load_config
     from qnpu_jax.pipeline.recipes import for_config
 
     directory = tiny_hf[0]
     monkeypatch.setattr(run_module, "load_model", lambda spec: pytest.fail(f"loaded {spec}"))
     refused = [
         ("mobilequant", [], "equalize"),
-        ("quarot", ["--set", "shadow_outliers=99.9"], "shadow_outliers"),
+        ("quarot", ["--set", "equalize=0.5"], "equalize"),
     ]
     for method, extra, steps in refused:
         out = tmp_path / method
@@ -385,6 +384,8 @@ def test_a_recipe_gemma_cannot_take_is_refused_before_the_load(
     for_config(rtn).check_graph(_gemma_cfg())  # plan, promote, calibrate: Gemma's graph
     for method in ("quarot", "spinquant", "quantnpu"):  # fold, rotate, smooth, stage 1
         for_config(rtn.replace(method=method, smooth_mlp=0.5)).check_graph(_gemma_cfg())
+    shipped = load_config("smollm2-135m-quantnpu-w8a8")  # stage 1, promotions, shadow outliers
+    for_config(shipped.replace(model=str(directory))).check_graph(_gemma_cfg())
     for_config(rtn.replace(method="mobilequant")).check_graph(tiny_cfg)  # LLaMA's graph
     # what it may take runs through: the sensitivity scan's promotion, calibration, evaluation
     monkeypatch.undo()
@@ -468,6 +469,31 @@ def test_quant_npu_runs_on_gemma3_through_the_rotation_linears(tiny_hf, tmp_path
     rows = json.loads(written.read_text())["rows"]
     assert len(rows) == 2 and all(r["bit_exact"] for r in rows)
     assert all(abs(r["nll_integer"] / r["nll_fake_quant"] - 1) < 0.05 for r in rows), rows
+    # its ONNX and AIMET hand-off: the rotation linears are MatMuls with encodings of their own;
+    # the float graph is the float forward of its (GPTQ-rounded) weights, the QDQ graph the
+    # fake-quant model
+    from qnpu_jax.models.taps import tapped_forward
+    from qnpu_jax.runtime.onnx_run import OnnxModel
+
+    onnx_dir = tmp_path / "onnx"
+    export = ["export", "--run", str(out), "--format", "onnx", "--max-context", "40"]
+    assert main([*export, "--prefill-chunk", "8", "--out", str(onnx_dir)]) == 0
+    enc = json.loads((onnx_dir / "model.encodings").read_text())
+    rotation = "model.layers.0.input_layernorm.rotation"
+    assert f"{rotation}.weight" in {e["name"] for e in enc["param_encodings"]}
+    assert f"{rotation}.output" in {e["name"] for e in enc["activation_encodings"]}
+    ids = np.asarray(tiny_hf[2][:1])
+    ref, _ = tapped_forward(
+        run.model.params(), None, jnp.asarray(ids), cfg=run.model.cfg, taps=None,
+        prefix=run.model.prefix,
+    )  # fmt: skip
+    _assert_logits(OnnxModel(onnx_dir).logits(ids[0], prefill=16), np.asarray(ref[0]))
+    nll_qdq = OnnxModel(onnx_dir, qdq=True).token_nll(ids).mean()
+    assert abs(nll_qdq / np.log(run.model.perplexity(ids)["ppl"]) - 1) < 0.01
+    aimet = tmp_path / "aimet"
+    assert main(["export", "--run", str(out), "--format", "aimet", "--out", str(aimet)]) == 0
+    written = json.loads((aimet / "quantnpu.encodings").read_text())
+    assert f"{rotation}.weight" in {e["name"] for e in written["param_encodings"]}
     cost = tmp_path / "cost.json"
     assert main(["cost", "--run", str(out), "--prefill", "16", "--json", str(cost)]) == 0
     macs = json.loads(cost.read_text())["phases"]["prefill"]["macs"]
@@ -945,7 +971,20 @@ def _engines_agree_on_gemma3(int_model, model, ids):
         assert (windowed != unwindowed).any(), engine
 
 
-def test_gemma3_integer_artifact_runs_bit_exact_on_both_engines(tiny_hf, tmp_path):
+@pytest.fixture(scope="module")
+def rtn_w8a8(tiny_hf):
+    """The tiny Gemma 3, RTN W8A8 with a BOS sink prefix, calibrated on the test sequences."""
+    from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
+
+    directory, _, ids, _ = tiny_hf
+    fp = load_model(str(directory))
+    windows = np.asarray(ids, np.int32)
+    data = Calibration(windows.reshape(-1), windows)
+    recipe = chain(steps.plan(w_bits=8, a_bits=8), steps.calibrate())
+    return recipe(QuantizedModel.from_float(fp, prefix="bos"), data), fp.tokenizer
+
+
+def test_gemma3_integer_artifact_runs_bit_exact_on_both_engines(tiny_hf, rtn_w8a8, tmp_path):
     """Gemma 3's graph as an integer artifact (W8A8, BOS sink prefix): its GELU by LUT, the
     post-norms as integer RMSNorms, the q/k head norms, √hidden folded into the embedding's
     row scales, the scores scaled by query_pre_attn_scalar, the sliding layers' window and
@@ -954,19 +993,109 @@ def test_gemma3_integer_artifact_runs_bit_exact_on_both_engines(tiny_hf, tmp_pat
     from qnpu_jax.export.exporter import export_quantized
     from qnpu_jax.export.int_model import load_int_model
     from qnpu_jax.ir.graph import GEMMA3_GRAPH
-    from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
 
-    directory, _, ids, _ = tiny_hf
-    fp = load_model(str(directory))
-    windows = np.asarray(ids, np.int32)
-    data = Calibration(windows.reshape(-1), windows)
-    recipe = chain(steps.plan(w_bits=8, a_bits=8), steps.calibrate())
-    model = recipe(QuantizedModel.from_float(fp, prefix="bos"), data)
+    model, tokenizer = rtn_w8a8
     assert model.require_plan().graph is GEMMA3_GRAPH
     art = load_int_model(
-        export_quantized(model, tmp_path / "art", fp.tokenizer, max_context=64, prefill_chunk=16)
+        export_quantized(model, tmp_path / "art", tokenizer, max_context=64, prefill_chunk=16)
     )
     ops = [op["op"] for op in art.graph["ops"]["layer"]]
     layers = TINY["num_hidden_layers"]
     assert ops.count("rmsnorm") == 4 and len(art.t("layers.gelu.lut")) == layers
-    _engines_agree_on_gemma3(art, model, windows[:1])
+    _engines_agree_on_gemma3(art, model, np.asarray(tiny_hf[2][:1], np.int32))
+
+
+def test_gemma3_onnx_export_float_qdq_and_aimet(tiny_hf, rtn_w8a8, tmp_path):
+    """`qnpu export --format onnx` of Gemma 3 (the RTN W8A8 model, BOS prefix; chunks of 8
+    over sequences past the window of 5): the float graphs give transformers' logits, in
+    prefill chunks and in decode steps; the QDQ graph's NLL is within 1.5% of the integer
+    artifact's and 1% of the fake-quant model's; AIMET QuantSim loads model.encodings onto
+    model.onnx with one enabled quantizer per entry and scores within 0.5% of the QDQ graph.
+    The sliding layers' mask and RoPE tables are the graph's own: with every layer global
+    the float graph no longer gives transformers' logits."""
+    import onnx
+    import onnxruntime as ort
+
+    from qnpu_jax.export.exporter import export_quantized
+    from qnpu_jax.export.int_model import load_int_model
+    from qnpu_jax.export.onnx_export import LOCAL_ROPE, OnnxPlan, build_graph, export_onnx
+    from qnpu_jax.runtime.engines import open_engine
+    from qnpu_jax.runtime.onnx_run import OnnxModel, aimet_quantsim
+
+    _, hf, ids, _ = tiny_hf
+    model, tokenizer = rtn_w8a8
+    windows = np.asarray(ids, np.int32)
+    out = export_onnx(model, tmp_path / "onnx", tokenizer, chunk=8, max_context=40)
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    tables = {t.name for t in graph.initializer}
+    assert {"rope.cos_table", f"{LOCAL_ROPE}.cos_table"} <= tables
+    with torch.no_grad():  # transformers on the prefix and the tokens
+        bos = np.full((len(ids), 1), TINY["bos_token_id"])
+        ref = hf(torch.tensor(np.concatenate([bos, ids], 1))).logits.numpy()[:, 1:]
+    om = OnnxModel(out)
+    for prefill in (T, 16, 11):  # all prefill; then decode steps
+        _assert_logits(om.logits(ids[0], prefill=prefill), ref[0])
+    # the same weights with every layer global: other logits past the window
+    cfg = dataclasses.replace(model.cfg, layer_types=(), sliding_window=None)
+    every_global = build_graph(model.params(), cfg, OnnxPlan(8, 40), name="global")
+    assert f"{LOCAL_ROPE}.cos_table" not in {t.name for t in every_global.graph.initializer}
+    session = ort.InferenceSession(every_global.SerializeToString())
+    far = OnnxModel(out, sessions={"prefill": session}).logits(ids[0])
+    window = TINY["sliding_window"]
+    assert np.abs(far[window:] - ref[0, window:]).max() > 1e-2
+    qdq = OnnxModel(out, qdq=True)
+    nll_qdq, top_qdq = qdq.token_nll_argmax(windows)
+    art = export_quantized(model, tmp_path / "art", tokenizer, max_context=64, prefill_chunk=16)
+    nll_int = np.asarray(open_engine("jax", load_int_model(art)).token_nll(windows))
+    assert abs(nll_qdq.mean() / nll_int.mean() - 1) < 0.015
+    assert abs(nll_qdq.mean() / float(np.log(model.perplexity(windows)["ppl"])) - 1) < 0.01
+    session, loaded = aimet_quantsim(out)
+    enc = json.loads((out / "model.encodings").read_text())
+    assert loaded["quantizers"] == len(enc["activation_encodings"]) + len(enc["param_encodings"])
+    names = {e["name"] for e in enc["activation_encodings"]}
+    assert "model.layers.0.post_feedforward_layernorm.output" in names  # Gemma's own tensors
+    assert "model.layers.0.mlp.act_fn.output" in names
+    sim = OnnxModel(out, qdq=True, sessions={"prefill": session})
+    nll_sim, top_sim = sim.token_nll_argmax(windows)
+    assert (top_sim == top_qdq).mean() >= 0.9
+    assert abs(nll_sim.mean() / nll_qdq.mean() - 1) < 0.005
+
+
+def test_outlier_paths_run_on_gemma3(tiny_hf, tmp_path):
+    """mllm-NPU's shadow outliers (on QuaRot's rotation graph) and MUXQ (on RTN) of Gemma 3's
+    down_proj input (GELU(gate)·up): `qnpu quantize` picks channels in every layer at 8 bits,
+    the integer artifact runs them bit for bit on both engines near the fake-quant model, and
+    the ONNX export's QDQ graph scores within 1% of it."""
+    from conftest import engines_agree_with_fake_quant
+
+    from qnpu_jax.cli import main
+    from qnpu_jax.export.int_model import load_int_model
+    from qnpu_jax.pipeline.run import load_run
+    from qnpu_jax.runtime.onnx_run import OnnxModel
+
+    directory, _, ids, _ = tiny_hf
+    ids = np.asarray(ids[:1])
+    sets = ["seq_len=24", "calib_windows=4", "eval_windows=2", "prefix=bos"]
+    cases = {
+        "shadow": ("quarot", ["shadow_outliers=99", "shadow_keep=1.0"]),
+        "muxq": ("rtn", ["muxq_exp=2", "muxq_threshold=0.5"]),
+    }
+    for name, (method, extra) in cases.items():
+        run = tmp_path / name / "run"
+        args = ["quantize", "--model", str(directory), "--method", method, "--bits", "w8a8"]
+        args += [a for x in (*sets, *extra) for a in ("--set", x)]
+        assert main([*args, "--out", str(run), "--no-progress"]) == 0
+        model = load_run(run).model
+        tq = model.require_plan().get("layers/down_in")
+        channels = tq.shadow_channels if name == "shadow" else tq.muxq_channels
+        eight = [i for i in range(model.cfg.num_layers) if tq.bits_for_layer(i) == 8]
+        assert eight and all(len(channels[i]) for i in eight), channels
+        art = tmp_path / name / "art"
+        export = ["export", "--run", str(run), "--max-context", "64", "--prefill-chunk", "16"]
+        assert main([*export, "--out", str(art)]) == 0
+        engines_agree_with_fake_quant(load_int_model(art), model, ids)
+        onnx_dir = tmp_path / name / "onnx"
+        export = ["export", "--run", str(run), "--format", "onnx", "--max-context", "40"]
+        assert main([*export, "--prefill-chunk", "8", "--out", str(onnx_dir)]) == 0
+        nll_qdq = OnnxModel(onnx_dir, qdq=True).token_nll(ids).mean()
+        assert abs(nll_qdq / np.log(model.perplexity(ids)["ppl"]) - 1) < 0.01

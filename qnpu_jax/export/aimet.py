@@ -153,7 +153,7 @@ def _numbers(tensor: str, key: str, value: object) -> list[float]:
     return [float(v) for v in value]
 
 
-def _checked(tensor: str, entry: object) -> dict[str, Any]:
+def _checked(tensor: str, entry: object, graph: Graph = GRAPH) -> dict[str, Any]:
     """Validate one table entry; QnpuError naming the tensor on anything malformed."""
     if not isinstance(entry, Mapping):
         raise QnpuError(f"{tensor}: encoding entry must be a mapping, got {type(entry).__name__}")
@@ -177,7 +177,7 @@ def _checked(tensor: str, entry: object) -> dict[str, Any]:
     axis = entry["axis"]
     if axis is not None and (isinstance(axis, bool) or axis != 0):
         raise QnpuError(f"{tensor}: axis must be 0 (per output row) or None, got {axis!r}")
-    if axis is not None and not is_param(tensor):
+    if axis is not None and not is_param(tensor, graph):
         raise QnpuError(f"{tensor}: per-channel (axis 0) encodings are only exported for weights")
     scale = _numbers(tensor, "scale", entry["scale"])
     zero_point = _numbers(tensor, "zero_point", entry["zero_point"])
@@ -332,7 +332,7 @@ def aimet_encodings(
     for tensor in encodings:
         _parse(tensor, n)
     ordered = sorted(encodings, key=lambda t: _parse(t, n))
-    checked = {t: _checked(t, encodings[t]) for t in ordered}
+    checked = {t: _checked(t, encodings[t], graph) for t in ordered}
     if version == "1.0.0":
         acts: list[dict[str, Any]] = []
         params: list[dict[str, Any]] = []
@@ -393,8 +393,9 @@ def write_aimet(
     *,
     version: str = "1.0.0",
     names: str = "hf",
+    graph: Graph = GRAPH,
 ) -> Path:
-    """Write `aimet_encodings(encodings, version=..., names=...)` to `path` atomically (the
-    file for `qnn-onnx-converter --quantization_overrides`)."""
-    obj = aimet_encodings(encodings, version=version, names=names)
+    """Write `aimet_encodings(encodings, version=..., names=..., graph=...)` to `path`
+    atomically (the file for `qnn-onnx-converter --quantization_overrides`)."""
+    obj = aimet_encodings(encodings, version=version, names=names, graph=graph)
     return write_bytes_atomic(Path(path), _dump(obj))

@@ -390,11 +390,10 @@ def encodings_table(
     return table
 
 
-def run_encodings(
-    plan: QuantPlan, state: QuantState, cfg: ModelConfig, graph: Graph = GRAPH
-) -> dict[str, Any]:
-    """The encodings table of a run (what `export_model` puts in the manifest and the AIMET
-    file carries), without building the integer tensors."""
+def run_encodings(plan: QuantPlan, state: QuantState, cfg: ModelConfig) -> dict[str, Any]:
+    """The encodings table of a run over its plan's graph (what `export_model` puts in the
+    manifest and the AIMET file carries), without building the integer tensors."""
+    graph = plan.graph
     _check_plan(plan, cfg.num_layers, graph, integer=False)
     state = effective_state(plan, state)
     acts, outer = _activation_encodings(plan, state, cfg.num_layers, graph)
@@ -863,8 +862,9 @@ def export_run_aimet(run_dir: Path, out_dir: Path, *, version: str = "1.0.0") ->
     target = out / f"{Path(run_dir).resolve().name}.encodings"
     check_encodings_destination(target)
     model = load_run(Path(run_dir)).model
-    encodings = run_encodings(model.require_plan(), model.require_state(), model.cfg)
-    return write_aimet(target, encodings, version=version)
+    plan = model.require_plan()
+    encodings = run_encodings(plan, model.require_state(), model.cfg)
+    return write_aimet(target, encodings, version=version, graph=plan.graph)
 
 
 def check_export_destination(run_dir: Path | str, out_dir: Path | str) -> None:

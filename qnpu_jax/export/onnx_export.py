@@ -65,6 +65,7 @@ from qnpu_jax.ir.graph import (
     GRAPH,
     KV_TENSORS,
     LAYER_ONLY_KINDS,
+    LOCAL_ROPE,
     MODEL_ONLY_KINDS,
     Graph,
     Op,
@@ -73,8 +74,8 @@ from qnpu_jax.ir.graph import (
     layer_widths,
 )
 from qnpu_jax.models.llama import (
-    check_llama_graph,
     forward_tapped,
+    graph_of,
     init_cache,
     lm_head_weight,
     rope_inv_freq,
@@ -401,39 +402,64 @@ class _Writer:
     quantized tensor is produced under its ONNX name (`aimet_name`); with QDQ its readers get
     the QuantizeLinear → DequantizeLinear value instead."""
 
-    def __init__(self, params: Any, cfg: Any, plan: OnnxPlan) -> None:
+    def __init__(self, params: Any, cfg: Any, plan: OnnxPlan, graph: Graph = GRAPH) -> None:
 
         self.p = _np_params(params)
-        self.cfg, self.plan, self.b = cfg, plan, _Builder()
+        self.cfg, self.plan, self.graph, self.b = cfg, plan, graph, _Builder()
         self.branches: dict[str, str] = {}  # outlier input -> its overflow or Aux value
         c, s, hd = plan.chunk, plan.max_context, cfg.head_dim
         self.groups = cfg.num_heads // cfg.num_kv_heads
         self.heads = {"q": cfg.num_heads, "kv": cfg.num_kv_heads}
         b = self.b
-        inv = rope_inv_freq(cfg.rope, hd)
-        angles = np.arange(s, dtype=np.float32)[:, None] * inv[None, :]
-        angles = np.concatenate([angles, angles], axis=-1).astype(np.float32)
-        axis2 = b.const([2], np.int64)
-        self.cos, self.sin = (
-            b.node(
-                "Unsqueeze",
-                [
-                    b.node("Gather", [b.const(f(angles), name=f"rope.{n}_table"), "position_ids"]),
-                    axis2,
-                ],
-                f"rope.{n}",
-            )
-            for n, f in (("cos", np.cos), ("sin", np.sin))
-        )
+        # each layer's RoPE tables and mask: the global ones, or (Gemma 3) its sliding
+        # window's, with the local RoPE base
+        self.sliding = cfg.sliding_layers
+        self.tables = {False: self._rope_tables(cfg.rope, "rope")}
         # query rows are (group, position): row g·C + c attends to cache positions <= its own
         qpos = b.node("Tile", ["position_ids", b.const([1, self.groups], np.int64)])
         qpos = self.reshape(qpos, 1, 1, self.groups * c, 1)
         kpos = b.const(np.arange(s).reshape(1, 1, 1, s), np.int64, "cache.positions")
         allowed = b.node("LessOrEqual", [kpos, qpos])
-        self.mask = b.node("Where", [allowed, b.const(0.0), b.const(MASKED)], "attention.mask")
+        self.masks = {False: self._mask(allowed, "attention.mask")}
+        if any(self.sliding):  # and after the query's window start: q − window < key
+            self.tables[True] = self._rope_tables(cfg.local_rope, LOCAL_ROPE)
+            start = b.node("Sub", [qpos, b.const(cfg.sliding_window, np.int64)])
+            recent = b.node("And", [allowed, b.node("Greater", [kpos, start])])
+            self.masks[True] = self._mask(recent, "attention.sliding_mask")
         idx = self.reshape("position_ids", 1, 1, c, 1)
         shape = b.const([1, cfg.num_kv_heads, c, hd], np.int64)
         self.write_index = b.node("Expand", [idx, shape], "cache.write_index")
+
+    def _rope_tables(self, rope: Any, name: str) -> tuple[str, str]:
+        """The chunk's cos/sin [1, C, 1, hd] gathered from float32 tables of `rope` over
+        the context (`{name}.cos_table`), as the float forward computes them."""
+        b = self.b
+        inv = rope_inv_freq(rope, self.cfg.head_dim)
+        angles = np.arange(self.plan.max_context, dtype=np.float32)[:, None] * inv[None, :]
+        angles = np.concatenate([angles, angles], axis=-1).astype(np.float32)
+        axis2 = b.const([2], np.int64)
+        cos, sin = (
+            b.node(
+                "Unsqueeze",
+                [
+                    b.node(
+                        "Gather", [b.const(f(angles), name=f"{name}.{n}_table"), "position_ids"]
+                    ),
+                    axis2,
+                ],
+                f"{name}.{n}",
+            )
+            for n, f in (("cos", np.cos), ("sin", np.sin))
+        )
+        return cos, sin
+
+    def _mask(self, allowed: str, name: str) -> str:
+        b = self.b
+        return b.node("Where", [allowed, b.const(0.0), b.const(MASKED)], name)
+
+    def name(self, ours: str) -> str:
+        """The ONNX (AIMET "hf") name of our tensor `ours` of this writer's graph."""
+        return aimet_name(ours, "hf", self.graph)
 
     def reshape(self, x: str, *dims: int) -> str:
         return self.b.node("Reshape", [x, self.b.const(list(dims), np.int64)])
@@ -447,7 +473,7 @@ class _Writer:
         QuantizeLinear → DequantizeLinear value on the tensor's one grid. A MUXQ input is the
         Body (`_body`); shadow channels are added back by the linear that reads them
         (`_shadow_path`), so here they are clamped like every other channel."""
-        name = aimet_name(ours)
+        name = self.name(ours)
         muxq = self.plan.outliers.get(ours, {}).get("muxq")
         if muxq is not None:
             self._body(ours, muxq)
@@ -460,7 +486,7 @@ class _Writer:
     def _body(self, ours: str, muxq: Mapping[str, Any]) -> None:
         """MUXQ's Body: the unshifted value times 2^-exp on the outlier channels (exact in
         float), on the tensor's per-tensor grid; the linear reading it adds the Aux term."""
-        name = aimet_name(ours)
+        name = self.name(ours)
         m = 1.0 / _muxq_multipliers(muxq, self._width(ours))
         self.b.node("Mul", [unshifted(name), self.b.const(m, name=f"{name}_shift")], name)
 
@@ -475,7 +501,7 @@ class _Writer:
             return self._shadow_nodes(ours, x, made, i)
 
     def _shadow_nodes(self, ours: str, x: str, made: tuple[Op, list[str]], i: int) -> str:
-        b, name = self.b, aimet_name(ours)
+        b, name = self.b, self.name(ours)
         hot = b.const(self.plan.outliers[ours]["shadow_channels"], np.int64, f"{name}_hot")
         op, ins = made
         again = f"{name}_recomputed"
@@ -520,7 +546,7 @@ class _Writer:
         bias (the shadow path's or MUXQ's Aux) and the side that adds it; `rows(channels)`
         gives it those input rows of the weight, an initializer of their own on the weight's
         grid (AIMET refuses a weight that two kinds of op read)."""
-        b, w_name = self.b, aimet_name(w_ours)
+        b, w_name = self.b, self.name(w_ours)
         w_t = np.ascontiguousarray(w.T)
         entry = self.entry(w_ours)
         grid = self.plan.weight_grids.get(w_ours)
@@ -554,7 +580,7 @@ class _Writer:
         e = self.plan.outliers.get(ours)
         if e is None:
             return None
-        b, name = self.b, aimet_name(ours)
+        b, name = self.b, self.name(ours)
         if "shadow_channels" in e:
             if ours not in self.branches:  # once for all the linears reading it
                 self.branches[ours] = self._shadow_path(ours, x, made[op.ins[0]], i)
@@ -579,11 +605,17 @@ class _Writer:
         return aux_term
 
     def rope(
-        self, x: str, heads: int, out: str, head_norm: tuple[np.ndarray, str] | None = None
+        self,
+        i: int,
+        x: str,
+        heads: int,
+        out: str,
+        head_norm: tuple[np.ndarray, str] | None = None,
     ) -> None:
-        """RoPE of x [1, C, heads·hd] per head, after the per-head RMSNorm `head_norm`
-        (gain [hd], its name) when the model has one (Qwen3; the normalized value is float:
-        the integer graph keeps it in a 16-bit intermediate, no quantized tensor)."""
+        """RoPE of layer i's x [1, C, heads·hd] per head (the layer's tables), after the
+        per-head RMSNorm `head_norm` (gain [hd], its name) when the model has one (Qwen3,
+        Gemma 3; the normalized value is float: the integer graph keeps it in a 16-bit
+        intermediate, no quantized tensor)."""
         from onnx import helper
 
         b, hd = self.b, self.cfg.head_dim
@@ -599,11 +631,13 @@ class _Writer:
             )
         )
         rotated = b.node("Concat", [b.node("Neg", [second]), first], axis=-1)
-        b.node("Add", [b.node("Mul", [x4, self.cos]), b.node("Mul", [rotated, self.sin])], out)
+        cos, sin = self.tables[self.sliding[i]]
+        b.node("Add", [b.node("Mul", [x4, cos]), b.node("Mul", [rotated, sin])], out)
 
     def attention(self, i: int, op: Op, q: str, k: str, v: str, out: str) -> None:
         """Write the chunk's K/V into the caches (present_*), then causal GQA attention over
-        them; scores and probabilities are quantized tensors of their own."""
+        them (in its window in a sliding layer); scores and probabilities are quantized
+        tensors of their own."""
         b, c, hd = self.b, self.plan.chunk, self.cfg.head_dim
         hkv, g = self.cfg.num_kv_heads, self.groups
         cache = {}
@@ -622,10 +656,13 @@ class _Writer:
         kt = b.node("Transpose", [cache["key"]], perm=[0, 1, 3, 2])
         raw = b.node("MatMul", [self.reshape(qg, 1, hkv, g * c, hd), kt])
         scores = f"layers.{i}.{scores_t.name}"
-        b.node("Div", [raw, b.const(np.float32(math.sqrt(hd)))], aimet_name(scores))
-        masked = b.node("Add", [self.read(scores), self.mask])
+        if self.cfg.query_pre_attn_scalar is None:  # q·k / √hd, as the float forward
+            b.node("Div", [raw, b.const(np.float32(math.sqrt(hd)))], self.name(scores))
+        else:  # q·k · query_pre_attn_scalar^-0.5 (Gemma 3)
+            b.node("Mul", [raw, b.const(np.float32(self.cfg.attn_scale))], self.name(scores))
+        masked = b.node("Add", [self.read(scores), self.masks[self.sliding[i]]])
         probs = f"layers.{i}.{probs_t.name}"
-        b.node("Softmax", [masked], aimet_name(probs), axis=-1)
+        b.node("Softmax", [masked], self.name(probs), axis=-1)
         ctx = b.node("MatMul", [self.read(probs), cache["value"]])
         ctx = b.node("Transpose", [self.reshape(ctx, 1, hkv, g, c, hd)], perm=[0, 3, 1, 2, 4])
         b.node("Reshape", [ctx, b.const([1, c, hkv * g * hd], np.int64)], out)
@@ -637,7 +674,7 @@ class _Writer:
         for op in graph.layer:
             ins = [env[name] for name in op.ins]
             ours = f"layers.{i}.{op.out_name}"
-            out = aimet_name(ours)
+            out = self.name(ours)
             if "muxq" in self.plan.outliers.get(ours, {}):
                 out = unshifted(out)
             self.emit(i, op, ins, out, made)
@@ -678,7 +715,7 @@ def _rope_nodes(w: _Writer, i: int, op: Op, ins: list[str], out: str, made: Made
     if op.head_norm in layers:
         gain_name = f"model.layers.{i}.self_attn.{op.head_norm}.weight"
         norm = (layers[op.head_norm][i], gain_name)
-    w.rope(ins[0], w.heads[op.heads], out, norm)
+    w.rope(i, ins[0], w.heads[op.heads], out, norm)
 
 
 def _attention_nodes(w: _Writer, i: int, op: Op, ins: list[str], out: str, made: Made) -> None:
@@ -692,10 +729,32 @@ def _binary_nodes(w: _Writer, i: int, op: Op, ins: list[str], out: str, made: Ma
 
 
 def _lut_nodes(w: _Writer, i: int, op: Op, ins: list[str], out: str, made: Made) -> None:
-    if op.fn != "silu":
+    emit = LUT_NODES.get(op.fn)
+    if emit is None:
         fn = f" ({op.fn})" if op.fn else ""
         raise QnpuError(f"the ONNX exporter does not know the layer op {op.kind.value!r}{fn}")
-    w.b.node("Mul", [ins[0], w.b.node("Sigmoid", [ins[0]])], out)
+    emit(w.b, ins[0], out)
+
+
+def _silu_nodes(b: _Builder, x: str, out: str) -> None:
+    b.node("Mul", [x, b.node("Sigmoid", [x])], out)
+
+
+def _gelu_tanh_nodes(b: _Builder, x: str, out: str) -> None:
+    """x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³))), in primitive ops (jax.nn.gelu's
+    approximate form, transformers' gelu_pytorch_tanh)."""
+    cube = b.node("Mul", [b.node("Mul", [x, x]), x])
+    inner = b.node("Add", [x, b.node("Mul", [cube, b.const(np.float32(0.044715))])])
+    arg = b.node("Mul", [inner, b.const(np.float32(math.sqrt(2 / math.pi)))])
+    one_plus = b.node("Add", [b.node("Tanh", [arg]), b.const(np.float32(1.0))])
+    b.node("Mul", [b.node("Mul", [x, b.const(np.float32(0.5))]), one_plus], out)
+
+
+# The ONNX nodes of each elementwise function a LUT op computes (`Op.fn`)
+LUT_NODES: dict[str, Callable[[_Builder, str, str], None]] = {
+    "silu": _silu_nodes,
+    "gelu_tanh": _gelu_tanh_nodes,
+}
 
 
 # The ONNX nodes of each layer op (`_Writer.emit`).
@@ -723,7 +782,7 @@ def _layers_nodes(w: _Writer, graph: Graph, op: Op, x: str) -> str:
 
 
 def _final_norm_nodes(w: _Writer, graph: Graph, op: Op, x: str) -> str:
-    out = aimet_name(op.out_name)
+    out = w.name(op.out_name)
     w.rmsnorm(x, w.p[op.gain], f"{_module(out)}.weight", out)
     return w.read(op.out_name)
 
@@ -752,14 +811,13 @@ def build_graph(params: Any, cfg: Any, plan: OnnxPlan, *, name: str, graph: Grap
     fused, rotations and smoothing in the weights). Every op kind of `graph` is translated;
     an op this exporter does not know is refused by name.
     """
-    check_llama_graph(cfg, "the ONNX export")
     from onnx import TensorProto, helper
 
     c, s = plan.chunk, plan.max_context
     cache_shape = [1, cfg.num_kv_heads, s, cfg.head_dim]
     inputs = [
         helper.make_tensor_value_info(
-            aimet_name(embed_output(graph)), TensorProto.FLOAT, [1, c, cfg.hidden_size]
+            aimet_name(embed_output(graph), "hf", graph), TensorProto.FLOAT, [1, c, cfg.hidden_size]
         ),
         helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, c]),
     ]
@@ -772,7 +830,7 @@ def build_graph(params: Any, cfg: Any, plan: OnnxPlan, *, name: str, graph: Grap
             outputs.append(
                 helper.make_tensor_value_info(f"present_{kind}.{i}", TensorProto.FLOAT, cache_shape)
             )
-    writer = _Writer(params, cfg, plan)
+    writer = _Writer(params, cfg, plan, graph)
     writer.model(graph)
     return _model(writer.b, inputs, outputs, name)
 
@@ -810,7 +868,7 @@ def _model(b: _Builder, inputs: list[Any], outputs: list[Any], name: str) -> Any
 
 
 def onnx_encodings(
-    table: Mapping[str, Any], num_layers: int, version: str = "1.0.0"
+    table: Mapping[str, Any], num_layers: int, version: str = "1.0.0", graph: Graph = GRAPH
 ) -> dict[str, Any]:
     """The AIMET encodings of `table` named by the ONNX tensors (`aimet_name`, "hf"): every
     tensor but the embedding table, which the host reads (its codes and scales are files of
@@ -824,7 +882,7 @@ def onnx_encodings(
         for k, e in table.items()
         if k != embed_table()
     }
-    obj = aimet_encodings(inside, version=version, names="hf")
+    obj = aimet_encodings(inside, version=version, names="hf", graph=graph)
     acts = obj["activation_encodings"]
 
     def add(name: str, entries: Any) -> None:
@@ -835,17 +893,19 @@ def onnx_encodings(
 
     for i in range(num_layers):
         for kind, tensor in CACHE_TENSORS.items():
-            source = aimet_name(f"layers.{i}.{tensor}")
+            source = aimet_name(f"layers.{i}.{tensor}", "hf", graph)
             for side in ("past", "present"):
                 add(f"{side}_{kind}.{i}", entries_of_obj(obj, source))
     params = obj["param_encodings"]
     for ours, e in outliers.items():
         if "shadow_channels" in e:
-            name = overflow_name(aimet_name(ours))
-            one = aimet_encodings({ours: overflow_entry(e)}, version=version, names="hf")
-            add(name, entries_of_obj(one, aimet_name(ours)))
-        for reader in reader_weights(ours):
-            weight = aimet_name(reader)
+            name = overflow_name(aimet_name(ours, "hf", graph))
+            one = aimet_encodings(
+                {ours: overflow_entry(e)}, version=version, names="hf", graph=graph
+            )
+            add(name, entries_of_obj(one, aimet_name(ours, "hf", graph)))
+        for reader in reader_weights(ours, graph):
+            weight = aimet_name(reader, "hf", graph)
             if isinstance(params, list):
                 source = next(p for p in params if p["name"] == weight)
                 params.append({**copy.deepcopy(source), "name": rows_name(weight)})
@@ -854,10 +914,11 @@ def onnx_encodings(
     return obj
 
 
-def reader_weights(ours: str) -> list[str]:
-    """Our names of the weights of the linears that read input tensor `ours` (`layers.i.X`)."""
+def reader_weights(ours: str, graph: Graph = GRAPH) -> list[str]:
+    """Our names of the weights of the linears of `graph` that read input tensor `ours`
+    (`layers.i.X`)."""
     _, i, tensor = ours.split(".")
-    ops = (op for op in GRAPH.layer if op.kind == OpKind.LINEAR and op.ins[0] == tensor)
+    ops = (op for op in graph.layer if op.kind == OpKind.LINEAR and op.ins[0] == tensor)
     return [f"layers.{i}.{op.weight_name}" for op in ops]
 
 
@@ -871,9 +932,12 @@ def entries_of_obj(obj: Mapping[str, Any], name: str) -> Any:
 
 def embedding_files(model: Any, table: Mapping[str, Any]) -> dict[str, bytes]:
     """The embedding table as the host looks rows up: float (float graphs) and its integer
-    codes with per-row scales (QDQ graphs: row = codes · scale, the fake-quant rows)."""
+    codes with per-row scales (QDQ graphs: row = codes · scale, the fake-quant rows). The
+    graphs' input is the embedding op's output, so a model's embedding scale (Gemma 3's
+    √hidden) is in the float rows and in the row scales, not in the codes."""
     name = embed_table()
     w = np.asarray(model.params()[name], np.float32)
+    times = np.float32(model.cfg.embed_scale)
     entry = table[name]
     bits = int(entry["bits"])
     scale = np.asarray(entry["scale"], np.float32)
@@ -884,9 +948,9 @@ def embedding_files(model: Any, table: Mapping[str, Any]) -> dict[str, bytes]:
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     codes = np.clip(np.rint(w * inv), lo, hi).astype(np.int8 if bits <= 8 else np.int16)
     return {
-        EMBED_FILES["float"]: _npy_bytes(w),
+        EMBED_FILES["float"]: _npy_bytes(w * times),
         EMBED_FILES["codes"]: _npy_bytes(codes),
-        EMBED_FILES["scale"]: _npy_bytes(scale),
+        EMBED_FILES["scale"]: _npy_bytes(scale * times),
     }
 
 
@@ -1081,6 +1145,7 @@ def export_onnx(
     say("the encodings and the transformed weights")
     table = run_encodings(model.require_plan(), model.require_state(), cfg)
     params = model.params()
+    graph = graph_of(cfg, params)
     files: dict[str, bytes] = {}
     for kind in ("float", "qdq"):
         say(f"the {kind} graphs: prefill of {chunk} tokens and decode, {max_context} positions")
@@ -1094,13 +1159,13 @@ def export_onnx(
                 {} if kind == "qdq" else table,
             )
             graphs[GRAPH_FILES[(kind, role)]] = build_graph(
-                params, cfg, plan, name=f"{kind}_{role}"
+                params, cfg, plan, name=f"{kind}_{role}", graph=graph
             )
         if kind == "qdq":
             pairs = activation_matmuls(graphs[GRAPH_FILES[(kind, "prefill")]].graph)
         files |= serialize(graphs, DATA_FILES[kind])
     encodings: dict[str, Any] = {"file": ENCODINGS_FILE, "version": version}
-    files[ENCODINGS_FILE] = _json_bytes(onnx_encodings(table, cfg.num_layers, version))
+    files[ENCODINGS_FILE] = _json_bytes(onnx_encodings(table, cfg.num_layers, version, graph))
     say("the sink prefix's K/V, the embeddings and the tokenizer")
     files[PREFIX_FILE] = _npy_bytes(prefix_kv(model))
     files |= embedding_files(model, table)

@@ -167,6 +167,8 @@ ANY_GRAPH_STEPS = frozenset(
         "smooth_mlp",
         "stage1",
         "gptq",
+        "shadow_outliers",
+        "muxq",
     }
 )
 
