@@ -514,8 +514,8 @@ def rotation_linears(graph: Graph) -> tuple[str, ...]:
 
 
 # Gemma 3 (text): the float forward, the params' layout, the HF names, plans, calibration,
-# the fake-quant forward and the integer artifact read it (the module tables below are
-# GRAPH's, LLaMA's semantics: the ONNX export and the outlier paths).
+# the fake-quant forward, the outlier steps, the integer artifact and the ONNX export read it
+# (the module tables below are GRAPH's, LLaMA's semantics: equalization reads them).
 GEMMA3_GRAPH = _gemma3_graph()
 # Gemma 3 with a linear after each pre-norm: the graph R1 rotates (online, at the linears'
 # inputs: its post-norms' weighted outputs join the residual, which R1 cannot rotate)
