@@ -880,7 +880,7 @@ def onnx_encodings(
     inside = {
         k: {f: v for f, v in e.items() if f not in OUTLIER_KEYS} if k in outliers else e
         for k, e in table.items()
-        if k != embed_table()
+        if k != embed_table(graph)
     }
     obj = aimet_encodings(inside, version=version, names="hf", graph=graph)
     acts = obj["activation_encodings"]
@@ -1183,8 +1183,8 @@ def export_onnx(
             "graphs": {f"{k}_{r}": f for (k, r), f in GRAPH_FILES.items()},
             "encodings": encodings,
             "prefix_kv": PREFIX_FILE,
-            "input": aimet_name(embed_output()),
-            "embedding": {**EMBED_FILES, "table": aimet_name(embed_table())},
+            "input": aimet_name(embed_output(graph), "hf", graph),
+            "embedding": {**EMBED_FILES, "table": aimet_name(embed_table(graph), "hf", graph)},
             "activation_matmuls": pairs,
             "float_weights": "gptq_codes" if model.weight_codes else "transformed",
         },
