@@ -326,6 +326,8 @@ def test_error_budget_groups_drop_what_they_name(tiny_cfg):
     assert outputs == dropped["linear_outputs"]
     inputs = set().union(*(dropped[k] for k in sets["inputs"]))
     assert inputs == dropped["rotated_inputs"] and dropped["attn_out"] == {"layers/attn_out"}
+    weights = set().union(*(dropped[k] for k in sets["weights"]))
+    assert weights == dropped["weights"] and dropped["up_proj"] == {"layers/up_proj"}
     assert set().union(*map(set, sets.values())) == set(eb.groups())
     # on Gemma 3's rotation graph the rotated inputs are the rotation linears' outputs (its
     # pre-norms' outputs are 16-bit, read by those linears), and their outputs are outputs
@@ -334,6 +336,7 @@ def test_error_budget_groups_drop_what_they_name(tiny_cfg):
     gemma = eb.group_sets(GEMMA3_ROTATION_GRAPH)
     assert gemma["inputs"] == ("attn_in_rot", "attn_out", "mlp_in_rot")
     assert {"attn_in_rot", "o_out", "down_out"} <= set(gemma["outputs"])
+    assert {"attn_in_proj", "mlp_in_proj", "up_proj"} <= set(gemma["weights"])  # R1's alone
     assert set().union(*map(set, gemma.values())) == set(eb.groups(GEMMA3_ROTATION_GRAPH))
 
 

@@ -4,7 +4,9 @@ Each row drops one group from the run's plan (those tensors stay float, every ot
 is the run's) and evaluates the fake-quant model on the `wiki` eval split: the closer a row
 comes to float, the more that group costs. Groups: all weights (activations only), all
 activations (weights only), the down_proj input, the linear outputs, the rotated linear
-inputs, the K/V cache; `--rows outputs`: each linear output alone.
+inputs, the K/V cache; `--rows outputs`: each linear output alone; `--rows inputs`: each
+rotated linear input alone; `--rows weights`: each layer weight alone (with Gemma 3's rotation
+linears, `attn_in_proj` and `mlp_in_proj`, which hold R1).
 
     qnpu study error_budget --run runs/smollm2-135m-quantnpu-w4a8 --eval-windows 32 \
         --json reports/error_budget.json
@@ -35,6 +37,7 @@ def groups(graph: Graph = GRAPH) -> dict[str, tuple[str, Callable[[str], bool]]]
     """key -> (label, predicate on a plan path: True = this tensor goes back to float), for a
     plan over `graph` (its linear outputs and rotated inputs: Gemma 3's rotation linears)."""
     outputs, inputs = graph.linear_outputs, rotated_inputs_of(graph)
+    weights = tuple(t.name for t in graph.layer_weights)
     return {
         "weights": (
             "linear weights float (activations only)",
@@ -45,8 +48,9 @@ def groups(graph: Graph = GRAPH) -> dict[str, tuple[str, Callable[[str], bool]]]
         "linear_outputs": ("linear outputs float", lambda p: _name(p) in outputs),
         "rotated_inputs": ("rotated linear inputs float", lambda p: _name(p) in inputs),
         "kv": ("K/V cache float", lambda p: _name(p) in KV_TENSORS and p.startswith("layers/")),
-        **{  # each linear output or rotated input alone (their groups split up)
-            name: (f"{name} float", _is_path(f"layers/{name}")) for name in (*outputs, *inputs)
+        **{  # each linear output, rotated input or weight alone (their groups split up)
+            name: (f"{name} float", _is_path(f"layers/{name}"))
+            for name in (*outputs, *inputs, *weights)
         },
     }
 
@@ -59,6 +63,7 @@ def group_sets(graph: Graph = GRAPH) -> dict[str, tuple[str, ...]]:
         ),
         "outputs": graph.linear_outputs,
         "inputs": rotated_inputs_of(graph),
+        "weights": tuple(t.name for t in graph.layer_weights),
     }  # fmt: skip
 
 
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(group_sets()),
         default="groups",
         help="groups: the tensor groups; outputs: each linear output alone; inputs: each "
-        "rotated linear input alone",
+        "rotated linear input alone; weights: each layer weight alone",
     )
     args = parser.parse_args(argv)
 
