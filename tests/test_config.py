@@ -175,6 +175,17 @@ def test_shipped_configs_name_only_data_a_user_has():
         assert "shared/" not in resource.read_text(), name
 
 
+def test_gemma3_w4a8_config_is_smollm2s_default_with_gemmas_keys():
+    """Gemma 3's W4A8 config differs from SmolLM2's default in exactly the keys its results
+    name (docs/results.md); a change to SmolLM2's default must be carried over or refused."""
+    from qnpu_jax.pipeline.config import load_config
+
+    gemma = load_config("gemma3-270m-quantnpu-w4a8")
+    keys = ["model=gemma3-270m", "mixed_precision=1.0", "stage1.scale_param=log"]
+    assert gemma == load_config("smollm2-135m-quantnpu-w4a8", [*keys, "stage1.lr_scale=10"])
+    assert gemma != load_config("smollm2-135m-quantnpu-w4a8", keys)
+
+
 def test_wikitext2_is_read_from_qnpu_data_dir_or_a_clear_error(tmp_path, monkeypatch):
     from qnpu_jax.data import load_documents
     from qnpu_jax.data.locations import WIKITEXT2_HF, wikitext2_spec
