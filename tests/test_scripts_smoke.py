@@ -337,6 +337,10 @@ def test_error_budget_groups_drop_what_they_name(tiny_cfg):
     assert gemma["inputs"] == ("attn_in_rot", "attn_out", "mlp_in_rot")
     assert {"attn_in_rot", "o_out", "down_out"} <= set(gemma["outputs"])
     assert {"attn_in_proj", "mlp_in_proj", "up_proj"} <= set(gemma["weights"])  # R1's alone
+    # a weight's name is no activation's (each row drops the one path it names; a rotation
+    # linear's output is also the next linears' rotated input: one tensor, one row)
+    assert set(gemma["weights"]).isdisjoint({*gemma["outputs"], *gemma["inputs"]})
+    assert eb.groups(GEMMA3_ROTATION_GRAPH)["mlp_in_proj"][1]("layers/mlp_in_proj")
     assert set().union(*map(set, gemma.values())) == set(eb.groups(GEMMA3_ROTATION_GRAPH))
 
 
