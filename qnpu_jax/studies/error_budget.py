@@ -36,8 +36,8 @@ def _is_path(target: str) -> Callable[[str], bool]:
 def groups(graph: Graph = GRAPH) -> dict[str, tuple[str, Callable[[str], bool]]]:
     """key -> (label, predicate on a plan path: True = this tensor goes back to float), for a
     plan over `graph` (its linear outputs and rotated inputs: Gemma 3's rotation linears)."""
-    outputs, inputs = graph.linear_outputs, rotated_inputs_of(graph)
-    weights = tuple(t.name for t in graph.layer_weights)
+    rows = group_sets(graph)  # the per-tensor rows' names, one source for both
+    outputs, inputs = rows["outputs"], rows["inputs"]
     return {
         "weights": (
             "linear weights float (activations only)",
@@ -50,7 +50,7 @@ def groups(graph: Graph = GRAPH) -> dict[str, tuple[str, Callable[[str], bool]]]
         "kv": ("K/V cache float", lambda p: _name(p) in KV_TENSORS and p.startswith("layers/")),
         **{  # each linear output, rotated input or weight alone (their groups split up)
             name: (f"{name} float", _is_path(f"layers/{name}"))
-            for name in (*outputs, *inputs, *weights)
+            for name in (*outputs, *inputs, *rows["weights"])
         },
     }
 
