@@ -512,9 +512,10 @@ def test_quant_npu_runs_on_gemma3_through_the_rotation_linears(tiny_hf, tmp_path
 @pytest.mark.parametrize("simulation", ["fake", "device"])
 def test_sixteen_bit_fake_quant_equals_float_on_gemma3s_graph(simulation):
     """Plans, calibration and the tapped forward read Gemma 3's graph: its tensors (the GELU
-    LUT's output, both post-norms) are in the plan, and at 16 bits everywhere the fake-quant
-    model (float ops, or the device's integer softmax and Q14 RoPE tables, both RoPE bases and
-    the sliding window) is float's within 16-bit rounding."""
+    LUT's output, both post-norms) are in the plan, its 16-bit down_proj outputs need no scan,
+    and at 16 bits everywhere the fake-quant model (float ops, or the device's integer softmax
+    and Q14 RoPE tables, both RoPE bases and the sliding window) is float's within 16-bit
+    rounding."""
     from qnpu_jax.models.llama import init_random_params
     from qnpu_jax.models.load import LoadedModel
     from qnpu_jax.models.taps import FakeQuantTaps, tapped_forward
@@ -529,6 +530,13 @@ def test_sixteen_bit_fake_quant_equals_float_on_gemma3s_graph(simulation):
     model = chain(steps.plan(w_bits=8, a_bits=8, simulation=simulation))(start, data)
     paths = {p for p, _ in model.require_plan().entries}
     assert {"layers/gelu_out", "layers/attn_post", "layers/mlp_post"} <= paths
+    # the down_proj outputs are 16-bit in Gemma's graph (a post-norm's input), so the
+    # down_out scan (`down_out_mixed_precision`) is skipped, not run at 16 bits against 16
+    assert model.require_plan().get("layers/down_out").bits == 16
+    after = steps.promote("down_out", 0.1)(model, data)
+    assert after.steps[-1].info["skipped"] == "layers/down_out is planned at 16 bits: no scan"
+    assert after.steps[-1].info["promoted_layers"] == []
+    assert after.require_plan().get("layers/down_out").layer_bits == (16,) * cfg.num_layers
     assert "layers/silu_out" not in paths
     sixteen = model.require_plan().with_entries(
         (p, dataclasses.replace(t, bits=16)) for p, t in model.require_plan().entries

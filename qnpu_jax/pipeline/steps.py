@@ -391,25 +391,39 @@ def promote(tensor: str, fraction: float) -> tuple[StepFn, str]:
         planned = current.get(f"layers/{tensor}")
         if planned is None:
             raise QnpuError(f"promote: the plan does not quantize layers/{tensor}")
-        scan = tensor_sensitivity(
-            place_params(ctx.mesh, m.unrounded_params()),  # the new plan drops GPTQ's codes
-            m.cfg,
-            data.windows,
-            tensor,
-            bits=planned.bits,
-            prefix=m.prefix,
-            mesh=ctx.mesh,
-        )
-        # a promotion the plan already holds is replaced, not added to
-        bits = mixed_layer_bits(scan.ratios, fraction, planned.bits)
+        info: dict[str, Any]
+        if planned.bits >= 16:
+            # e.g. Gemma 3's down_out (ir.graph): every layer ends at 16 bits whatever a scan
+            # at 16 bits would measure, so none runs
+            bits: Sequence[int] = (planned.bits,) * m.cfg.num_layers
+            info = {
+                "ratios": [],
+                "bits_measured": None,
+                "fraction": fraction,
+                "promoted_layers": [],
+                "layer_bits": list(bits),
+                "skipped": f"layers/{tensor} is planned at {planned.bits} bits: no scan",
+            }
+        else:
+            scan = tensor_sensitivity(
+                place_params(ctx.mesh, m.unrounded_params()),  # the new plan drops GPTQ's codes
+                m.cfg,
+                data.windows,
+                tensor,
+                bits=planned.bits,
+                prefix=m.prefix,
+                mesh=ctx.mesh,
+            )
+            # a promotion the plan already holds is replaced, not added to
+            bits = mixed_layer_bits(scan.ratios, fraction, planned.bits)
+            info = {
+                "ratios": list(scan.ratios),
+                "bits_measured": scan.bits,
+                "fraction": fraction,
+                "promoted_layers": [i for i, b in enumerate(bits) if b == 16],
+                "layer_bits": list(bits),
+            }
         rule = QuantRule(pattern=f"layers/{tensor}", layer_bits=tuple(bits))
-        info = {
-            "ratios": list(scan.ratios),
-            "bits_measured": scan.bits,
-            "fraction": fraction,
-            "promoted_layers": [i for i, b in enumerate(bits) if b == 16],
-            "layer_bits": list(bits),
-        }
         return m.replace(plan=current.apply([rule]), state=None, weight_codes=None), info
 
     return fn, f"sensitivity scan (eq. 4) of layers/{tensor}"
