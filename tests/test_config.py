@@ -152,6 +152,49 @@ def test_config_show_prints_every_key_with_its_meaning_and_reads_back(tmp_path, 
     assert "unknown config key" in capsys.readouterr().err
 
 
+def test_a_config_names_its_base_and_changes_keys_of_it(tmp_path, monkeypatch, capsys):
+    """`base: NAME|FILE`: the named config with the file's keys over it (stage1 and mesh key
+    by key), a file base relative to the file that names it; cycles, depth and a base that
+    names nothing are clear errors. `config show` prints it resolved, with no base key."""
+    from qnpu_jax.cli import main
+    from qnpu_jax.pipeline.config import MAX_BASE_DEPTH, load_config
+
+    shipped = "smollm2-135m-quantnpu-w4a8"
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "a.yaml").write_text(f"base: {shipped}\nseed: 3\nstage1:\n  steps: 5\n")
+    (folder / "b.yaml").write_text("base: a.yaml\nrules: []\n")
+    monkeypatch.chdir(tmp_path)  # b names a.yaml beside itself, not in the working directory
+    want = load_config(shipped, ["seed=3", "stage1.steps=5"])
+    assert load_config(folder / "a.yaml") == want
+    assert load_config(folder / "b.yaml") == want.replace(rules=())
+    assert main(["config", "show", str(folder / "b.yaml")]) == 0
+    shown = capsys.readouterr().out
+    assert "base" not in [line.split(":")[0] for line in shown.splitlines()]
+    (folder / "shown.yaml").write_text(shown)
+    assert load_config(folder / "shown.yaml") == want.replace(rules=())
+    # errors name the problem
+    (folder / "c.yaml").write_text("base: d.yaml\n")
+    (folder / "d.yaml").write_text("base: c.yaml\n")
+    with pytest.raises(QnpuError, match=r"c\.yaml: its base keys form a cycle: .*c\.yaml -> "):
+        load_config(folder / "c.yaml")
+    (folder / "e.yaml").write_text("base: 3\n")
+    with pytest.raises(QnpuError, match="base must name a shipped config or a YAML file, got 3"):
+        load_config(folder / "e.yaml")
+    (folder / "f.yaml").write_text("base: no-such\n")
+    with pytest.raises(QnpuError, match="config file not found: no-such"):
+        load_config(folder / "f.yaml")
+    (folder / "g.yaml").write_text(f"base: {shipped}\nbogus: 1\n")
+    with pytest.raises(QnpuError, match=r"g\.yaml: .*bogus"):
+        load_config(folder / "g.yaml")
+    for i in range(MAX_BASE_DEPTH + 1):
+        (folder / f"deep{i}.yaml").write_text(f"base: deep{i + 1}.yaml\n" if i < MAX_BASE_DEPTH
+                                              else f"base: {shipped}\n")  # fmt: skip
+    with pytest.raises(QnpuError, match=f"more than {MAX_BASE_DEPTH} configs deep"):
+        load_config(folder / "deep0.yaml")
+    assert load_config(folder / "deep2.yaml") == load_config(shipped)
+
+
 def test_quantize_prints_the_settings_it_chose_before_it_starts(tmp_path, capsys):
     from qnpu_jax.cli import main
 
@@ -176,14 +219,31 @@ def test_shipped_configs_name_only_data_a_user_has():
 
 
 def test_gemma3_w4a8_config_is_smollm2s_default_with_gemmas_keys():
-    """Gemma 3's W4A8 config differs from SmolLM2's default in exactly the keys its results
-    name (docs/results.md); a change to SmolLM2's default must be carried over or refused."""
+    """Gemma 3's W4A8 config is SmolLM2's default (its `base`) with exactly the keys its
+    results name (docs/results.md): a change to SmolLM2's default reaches it."""
     from qnpu_jax.pipeline.config import load_config
 
     gemma = load_config("gemma3-270m-quantnpu-w4a8")
     keys = ["model=gemma3-270m", "mixed_precision=1.0", "stage1.scale_param=log"]
     assert gemma == load_config("smollm2-135m-quantnpu-w4a8", [*keys, "stage1.lr_scale=10"])
     assert gemma != load_config("smollm2-135m-quantnpu-w4a8", keys)
+
+
+def test_gemma3_w8a8_config_is_smollm2s_w8a8_with_gemmas_keys():
+    """Gemma 3's W8A8 config is SmolLM2's W8A8 default (its `base`) with Gemma's W4A8 keys and
+    without the two steps that have nothing to act on in Gemma's plan (no 8-bit down_proj
+    input for the shadow paths; every down_proj output at 16 bits already): docs/results.md."""
+    from qnpu_jax.pipeline.config import key_defaults, load_config
+
+    gemma = load_config("gemma3-270m-quantnpu-w8a8")
+    keys = ["model=gemma3-270m", "mixed_precision=1.0", "stage1.scale_param=log"]
+    keys += ["stage1.lr_scale=10"]
+    unset = [
+        f"{key}={'null' if key_defaults()[key] is None else key_defaults()[key]}"
+        for key in ("shadow_outliers", "shadow_keep", "down_out_mixed_precision")
+    ]
+    assert gemma == load_config("smollm2-135m-quantnpu-w8a8", [*keys, *unset])
+    assert gemma != load_config("smollm2-135m-quantnpu-w8a8", keys)
 
 
 def test_wikitext2_is_read_from_qnpu_data_dir_or_a_clear_error(tmp_path, monkeypatch):

@@ -655,12 +655,63 @@ def load_yaml(text: str, where: str) -> Any:
     return data
 
 
-def read_config_data(spec: str | Path) -> tuple[str, dict[str, Any]]:
+BASE_KEY = "base"  # a config's key naming the config it changes (`read_config_data`)
+MAX_BASE_DEPTH = 8
+
+
+def _merged(base: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
+    """`own`'s keys over `base`'s; `stage1` and `mesh` mappings are merged key by key (a
+    `rules` list, like any other value, replaces the base's)."""
+    out = dict(base)
+    for key, value in own.items():
+        below = out.get(key)
+        if key in ("stage1", "mesh") and isinstance(below, Mapping) and isinstance(value, Mapping):
+            out[key] = {**below, **value}
+        else:
+            out[key] = value
+    return out
+
+
+def _base_spec(base: Any, where: str, folder: Path | None) -> str | Path:
+    """What `base: VALUE` of the config at `where` names: a YAML file, relative to the
+    folder of the file that names it (`folder`; None for a shipped config), else a shipped
+    config's name."""
+    if not isinstance(base, str) or not base.strip():
+        raise QnpuError(
+            f"{where}: {BASE_KEY} must name a shipped config or a YAML file, got {shown(base)}"
+        )
+    if folder is not None and (folder / base).is_file():
+        return folder / base
+    return base
+
+
+def read_config_data(spec: str | Path, chain: tuple[str, ...] = ()) -> tuple[str, dict[str, Any]]:
     """(where, mapping) of a config: a YAML (or JSON) file of at most MAX_CONFIG_BYTES, or a
-    shipped config's name."""
+    shipped config's name. A config with `base: NAME|FILE` is that config with its own keys
+    over it (`_merged`), up to MAX_BASE_DEPTH configs deep; `chain` names the configs that
+    led here, so a cycle is refused."""
+    where, data, folder = _read_one_config(spec)
+    seen = str(Path(where).resolve()) if folder is not None else where
+    if seen in chain:
+        cycle = " -> ".join((*chain[chain.index(seen) :], seen))
+        raise QnpuError(f"{chain[0]}: its {BASE_KEY} keys form a cycle: {cycle}")
+    if BASE_KEY not in data:
+        return where, data
+    if len(chain) + 1 >= MAX_BASE_DEPTH:
+        raise QnpuError(f"{where}: more than {MAX_BASE_DEPTH} configs deep in {BASE_KEY} keys")
+    base = _base_spec(data[BASE_KEY], where, folder)
+    _, below = read_config_data(base, (*chain, seen))
+    return where, _merged(below, {k: v for k, v in data.items() if k != BASE_KEY})
+
+
+def _read_one_config(spec: str | Path) -> tuple[str, dict[str, Any], Path | None]:
+    """(where, mapping, the file's folder or None for a shipped config) of one config file,
+    its `base` key unresolved."""
     path = Path(spec)
+    folder = None
     if path.exists() and not path.is_dir():  # a FIFO or a device is refused, never read
         where, text = str(path), read_text(path, what="config file", limit=MAX_CONFIG_BYTES)
+        folder = path.parent
     else:
         shipped = shipped_configs()
         name = str(spec).removesuffix(".yaml")
@@ -678,7 +729,7 @@ def read_config_data(spec: str | Path) -> tuple[str, dict[str, Any]]:
         )
     if not isinstance(data, dict):
         raise QnpuError(f"{where}: a config must be a mapping, got {type(data).__name__}")
-    return where, data
+    return where, data, folder
 
 
 def parse_bits(text: str) -> dict[str, int]:

@@ -17,8 +17,10 @@ from qnpu_jax.ir.graph import MUXQ_MAX_EXP
 from qnpu_jax.mesh import MeshConfig
 from qnpu_jax.models.taps import SINK_PREFIXES
 from qnpu_jax.pipeline.config import (
+    BASE_KEY,
     INIT_SCHEMES,
     KEYS,
+    MAX_BASE_DEPTH,
     MAX_CALIB_WINDOWS,
     SCOPES,
     SOURCE_SEEDS,
@@ -297,6 +299,13 @@ def reference_markdown() -> str:
         "as Python reads them (`1e-3` and `5E-4` are numbers; `inf`, `nan` and YAML's `.inf`",
         "are refused). `qnpu config show NAME|FILE` prints a config resolved, every key with",
         "its value and meaning; `qnpu quantize` prints the settings it chose before it starts.",
+        "",
+        f"`{BASE_KEY}: NAME|FILE` makes a config the named one (a shipped config, or a YAML",
+        "file relative to the file that names it) with its own keys over it: `stage1` and",
+        "`mesh` key by key, any other value (`rules` too) whole. A base may name its own base,",
+        f"up to {MAX_BASE_DEPTH} configs deep; a cycle is an error. Gemma 3's shipped",
+        "configs are SmolLM2's with a few keys changed so",
+        "(`configs/gemma3-270m-quantnpu-w4a8.yaml`).",
         "",
         "## Top level",
         "",
