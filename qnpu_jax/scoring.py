@@ -19,7 +19,13 @@ from qnpu_jax.eval import LmScorer, evaluate_tasks
 from qnpu_jax.eval.zeroshot import task_source
 from qnpu_jax.files import write_json_atomic
 from qnpu_jax.models.load import load_model
-from qnpu_jax.models.taps import FakeQuantTaps, sink_prefix, tapped_nll_argmax, tapped_token_nll
+from qnpu_jax.models.taps import (
+    FakeQuantTaps,
+    sink_prefix,
+    tapped_nll_argmax,
+    tapped_span_nll_argmax,
+    tapped_token_nll,
+)
 from qnpu_jax.pipeline.run import load_run
 
 
@@ -33,6 +39,8 @@ class Scored:
     tokenizer: Any
     max_length: int
     report: dict[str, object]
+    # both at given positions alone (`LmScorer.span_nll_argmax_fn`); None: the engine has none
+    span_nll_argmax_fn: Callable[[np.ndarray, np.ndarray], Any] | None = None
 
 
 def scored_model(
@@ -114,7 +122,7 @@ def _scored(
     prefix = tuple(prefix_ids)
     fns = {
         f: partial(f, params, state, cfg=cfg, taps=taps, prefix=prefix, prefix_params=prefix_params)
-        for f in (tapped_token_nll, tapped_nll_argmax)
+        for f in (tapped_token_nll, tapped_nll_argmax, tapped_span_nll_argmax)
     }
     return Scored(
         label=label,
@@ -123,6 +131,7 @@ def _scored(
         tokenizer=tokenizer,
         max_length=cfg.max_position_embeddings - len(prefix),
         report=report,
+        span_nll_argmax_fn=fns[tapped_span_nll_argmax],
     )
 
 
@@ -145,6 +154,7 @@ def zero_shot_report(
         nll_fn=scored.nll_fn,
         nll_argmax_fn=scored.nll_argmax_fn,
         max_length=scored.max_length,
+        span_nll_argmax_fn=scored.span_nll_argmax_fn,
     )
     results = evaluate_tasks(
         scorer,

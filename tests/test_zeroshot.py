@@ -257,6 +257,52 @@ def test_padded_batches_match_unpadded_scoring(tiny_cfg, tiny_params):
         assert a.logprob == pytest.approx(b.logprob, rel=1e-5, abs=1e-4)
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_scoring_the_continuations_alone_equals_scoring_every_position(
+    tiny_cfg, tiny_params, quantized
+):
+    """`qnpu eval`'s scorers run lm_head on each row's continuation positions only
+    (`span_nll_argmax_fn`); the log-likelihoods and greedy matches equal those of the full
+    forward, float and fake-quant (W4A8, a sink prefix), in buckets with spans of 2 to 8."""
+    import jax
+
+    from qnpu_jax.eval.zeroshot import span_width
+    from qnpu_jax.models.load import LoadedModel
+    from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
+    from qnpu_jax.scoring import scored_quantized
+
+    float_model = LoadedModel(tiny_cfg, tiny_params, None, "tiny")
+    if quantized:
+        windows = np.asarray(jax.random.randint(jax.random.key(1), (2, 16), 0, 96))
+        data = Calibration(np.arange(200) % 96, windows)
+        start = QuantizedModel.from_float(float_model, prefix=(1,))
+        model = chain(steps.plan(w_bits=4, a_bits=8), steps.calibrate())(start, data)
+        scored = scored_quantized(model, None, label="tiny", report={})
+    else:
+        from qnpu_jax.scoring import _scored
+
+        scored = _scored(tiny_params, None, None, (), tiny_cfg, None, label="tiny", report={})
+    assert scored.span_nll_argmax_fn is not None
+    full = LmScorer(scored.nll_fn, scored.nll_argmax_fn, scored.max_length)
+    span = LmScorer(scored.nll_fn, None, scored.max_length, scored.span_nll_argmax_fn)
+    rng = np.random.default_rng(0)
+    lengths = [(3, 1), (20, 4), (12, 8), (40, 2), (9, 2), (30, 1)]  # two buckets
+    requests = [
+        (rng.integers(0, 96, c).tolist(), rng.integers(0, 96, k).tolist()) for c, k in lengths
+    ]
+    # greedy matches are rare at random: make two continuations the full model's argmax
+    for i in (0, 3):
+        ctx = requests[i][0]
+        _, argmax = full.nll_argmax_fn(np.asarray([[*ctx, 0]], np.int32))
+        requests[i] = (ctx, [int(np.asarray(argmax)[0, -1])])
+    want = score_token_requests(full, requests, greedy=True, batch_size=3, progress=False)
+    got = score_token_requests(span, requests, greedy=True, batch_size=3, progress=False)
+    assert [g.greedy for g in got] == [w.greedy for w in want] and want[0].greedy
+    for g, w in zip(got, want, strict=True):
+        assert g.logprob == pytest.approx(w.logprob, rel=1e-5, abs=1e-5)
+    assert [span_width(n, 32) for n in (1, 2, 3, 4, 5, 31, 40)] == [1, 2, 4, 4, 8, 31, 31]
+
+
 def test_smollm_piqa(smollm):
     # Items picked for short lengths (two buckets); 7 and 14 are easy for SmolLM2-135M: the
     # gold solution wins by > 10 nats and by > 0.1 nat per character.

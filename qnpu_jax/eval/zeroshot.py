@@ -42,6 +42,8 @@ TASKS: tuple[str, ...] = ("piqa", "hellaswag", "arc_easy", "arc_challenge", "win
 
 # tokens [B, T] int32 -> (NLL of tokens[:, 1:] [B, T-1], argmax next-token ids [B, T-1])
 NllArgmaxFn = Callable[[np.ndarray], tuple[jax.Array, jax.Array]]
+# tokens [B, T], positions [B, K] int32 -> (NLL of tokens[b, p + 1], argmax at p) [B, K] each
+SpanNllArgmaxFn = Callable[[np.ndarray, np.ndarray], tuple[jax.Array, jax.Array]]
 
 _MIN_BUCKET = 32
 _PPL_BOOTSTRAP_ITERS = 1000
@@ -83,12 +85,15 @@ class LmScorer:
     """A model path as the evaluator sees it: float, fake-quant and integer engines all fit.
 
     `nll_fn` scores every request; `nll_argmax_fn` (one forward giving NLL and argmax) is only
-    needed for LAMBADA's greedy accuracy. `max_length` is the longest sequence the model takes.
+    needed for LAMBADA's greedy accuracy. `span_nll_argmax_fn`, where the model has one, gives
+    both at the continuation's positions alone and is used instead of the two (the head runs
+    on those positions only). `max_length` is the longest sequence the model takes.
     """
 
     nll_fn: NllFn
     nll_argmax_fn: NllArgmaxFn | None = None
     max_length: int = 2048
+    span_nll_argmax_fn: SpanNllArgmaxFn | None = None
 
     def __post_init__(self) -> None:
         if self.max_length < 2:
@@ -478,12 +483,14 @@ def score_token_requests(
     side (the harness keeps max_length + 1 tokens and drops the last, which it never scores
     from; the two differ by one context token only past the model's context). Rows are
     right-padded with token 0 to their bucket and batches are filled with padding rows, so the
-    model sees len(buckets) shapes at most.
+    model sees len(buckets) shapes at most. With the scorer's `span_nll_argmax_fn` each row
+    is scored at its continuation's positions only, K of them a row in a bucket (`span_width`).
     """
     if batch_size < 1:
         raise QnpuError(f"batch_size must be positive, got {batch_size}")
-    nll_argmax_fn = scorer.nll_argmax_fn if greedy else None
-    if greedy and nll_argmax_fn is None:
+    span_fn = scorer.span_nll_argmax_fn
+    nll_argmax_fn = scorer.nll_argmax_fn if greedy and span_fn is None else None
+    if greedy and span_fn is None and nll_argmax_fn is None:
         raise QnpuError("greedy accuracy needs an LmScorer with nll_argmax_fn")
     max_length = scorer.max_length
     buckets = length_buckets(max_length)
@@ -510,11 +517,30 @@ def score_token_requests(
     with tqdm(total=len(seqs), desc=desc, unit="req", disable=not progress) as bar:
         for bucket in sorted(by_bucket):
             members = by_bucket[bucket]
+            width = span_width(max(n_conts[i] for i in members), bucket)
             for start in range(0, len(members), batch_size):
                 rows = members[start : start + batch_size]
                 tokens = np.zeros((batch_size, bucket), dtype=np.int32)
                 for r, i in enumerate(rows):
                     tokens[r, : len(seqs[i])] = seqs[i]
+                if span_fn is not None:
+                    # row r's c predictions sit at T-1-c .. T-2; the rest repeat T-2
+                    at = np.zeros((batch_size, width), dtype=np.int32)
+                    for r, i in enumerate(rows):
+                        t, c = len(seqs[i]), n_conts[i]
+                        at[r] = np.minimum(t - 1 - c + np.arange(width), t - 2)
+                    nll_j, argmax_j = span_fn(tokens, at)
+                    span_nll = np.asarray(nll_j, dtype=np.float64)
+                    span_argmax = np.asarray(argmax_j)
+                    for r, i in enumerate(rows):
+                        t, c = len(seqs[i]), n_conts[i]
+                        if not np.isfinite(span_nll[r, :c]).all():
+                            raise QnpuError(f"{desc}: non-finite NLL in request {i}")
+                        logprobs[i] = -float(span_nll[r, :c].sum())
+                        if greedy:
+                            matches[i] = bool((span_argmax[r, :c] == seqs[i][t - c :]).all())
+                    bar.update(len(rows))
+                    continue
                 if nll_argmax_fn is not None:
                     nll_j, argmax_j = nll_argmax_fn(tokens)
                     argmax = np.asarray(argmax_j)
@@ -536,6 +562,12 @@ def score_token_requests(
         RequestScore(logprob=float(lp), greedy=bool(m), n_tokens=c)
         for lp, m, c in zip(logprobs, matches, n_conts, strict=True)
     ]
+
+
+def span_width(longest: int, bucket: int) -> int:
+    """Positions scored a row in a bucket whose longest continuation has `longest` tokens:
+    the next power of two (one compiled shape a bucket, as without spans), at most bucket-1."""
+    return min(1 << max(longest - 1, 0).bit_length(), bucket - 1)
 
 
 # ----------------------------------------------------------------------------- metrics

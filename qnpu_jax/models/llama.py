@@ -464,6 +464,7 @@ def forward_tapped(
     residual_rotation: jax.Array | None = None,
     graph: Graph | None = None,
     teacher: Params | None = None,
+    head_at: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache, Any]:
     """Run `tokens` [B, T] at positions start..start+T-1, writing K/V into `cache`.
 
@@ -479,6 +480,9 @@ def forward_tapped(
     the next layer reads, and the per-layer aux gains "block_error", the mean squared
     difference of the tapped layer's output from the teacher's. `cache` then also holds the
     teacher's "teacher_k"/"teacher_v". The logits are the teacher's.
+    `head_at` [B, K]: lm_head runs on those positions of each row alone (the logits are
+    [B, K, V]); scoring a few tokens of each row, that saves most of a forward whose V·D head
+    outweighs its layers (Gemma 3: 262,144 x 640 against ~100M layer weights).
 
     Returns float32 logits [B, T, V], the updated cache and the taps' auxiliary output
     ({"layers": stacked per-layer aux, **outer aux}). Prefill, decode, full-sequence forward,
@@ -566,6 +570,8 @@ def forward_tapped(
     x = outer_tap(norm_op.out_name, rms_norm(x, params[norm_op.gain], cfg.rms_norm_eps))
     if residual_rotation is not None:
         x = x @ residual_rotation.T
+    if head_at is not None:
+        x = jnp.take_along_axis(x, head_at[..., None], axis=1)
     logits = linear(
         x,
         outer_tap(head_op.weight.name if head_op.weight else "", lm_head_weight(params)),
@@ -593,12 +599,16 @@ def forward(params: Params, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array
     return logits
 
 
-def next_token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Negative log-likelihood [B, T-1] of tokens[:, 1:] under logits[:, :-1]."""
-    logits = logits[:, :-1].astype(jnp.float32)
-    target = tokens[:, 1:]
+def target_nll(logits: jax.Array, target: jax.Array) -> jax.Array:
+    """Negative log-likelihood [...] of the ids `target` [...] under `logits` [..., V]."""
+    logits = logits.astype(jnp.float32)
     picked = jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0]
     return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def next_token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Negative log-likelihood [B, T-1] of tokens[:, 1:] under logits[:, :-1]."""
+    return target_nll(logits[:, :-1], tokens[:, 1:])
 
 
 @partial(jax.jit, static_argnames="cfg")

@@ -41,6 +41,7 @@ from qnpu_jax.models.llama import (
     next_token_nll,
     no_aux,
     no_tap,
+    target_nll,
 )
 from qnpu_jax.quant.fake_quant import (
     dynamic_fake_quant,
@@ -284,6 +285,7 @@ def tapped_forward(
     graph: Graph | None = None,
     teacher: Params | None = None,
     prefix_params: Params | None = None,
+    head_at: jax.Array | None = None,
 ) -> tuple[jax.Array, Any]:
     """Full-sequence forward under `taps`: logits [B, T, V] and the taps' auxiliary output.
 
@@ -297,6 +299,7 @@ def tapped_forward(
     `prefix_params`: the float params the offline prefix runs on, where `params` hold
     weights rounded off the grid's nearest codes (GPTQ's; default: `params`, whose weights
     the prefix then takes in float since its taps quantize only the K/V cache).
+    `head_at` [B, K]: logits [B, K, V] at those positions of `tokens` only (`forward_tapped`).
     """
     b, t = tokens.shape
     n = len(prefix)
@@ -334,6 +337,7 @@ def tapped_forward(
         residual_rotation=residual_rotation,
         graph=graph,
         teacher=teacher,
+        head_at=head_at,
     )
     return logits, aux
 
@@ -385,6 +389,37 @@ def tapped_nll_argmax(
         prefix_params=prefix_params,
     )
     return next_token_nll(logits, tokens), jnp.argmax(logits[:, :-1], axis=-1)
+
+
+@partial(jax.jit, static_argnames=("cfg", "taps", "prefix", "graph"))
+def tapped_span_nll_argmax(
+    params: Params,
+    tap_state: Any,
+    tokens: jax.Array,
+    head_at: jax.Array,
+    *,
+    cfg: ModelConfig,
+    taps: Any,
+    prefix: tuple[int, ...] = (),
+    graph: Graph | None = None,
+    prefix_params: Params | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """`tapped_nll_argmax` at K positions of each row [B, K] (`head_at`, each < T-1): the NLL
+    of tokens[b, head_at[b, k] + 1] and the argmax there, with lm_head run on those positions
+    alone (zero-shot scoring reads a few continuation tokens of each row)."""
+    logits, _ = tapped_forward(
+        params,
+        tap_state,
+        tokens,
+        cfg=cfg,
+        taps=taps,
+        prefix=prefix,
+        graph=graph,
+        prefix_params=prefix_params,
+        head_at=head_at,
+    )
+    target = jnp.take_along_axis(tokens, head_at + 1, axis=1)
+    return target_nll(logits, target), jnp.argmax(logits, axis=-1)
 
 
 @dataclasses.dataclass(frozen=True)
