@@ -154,8 +154,9 @@ def test_config_show_prints_every_key_with_its_meaning_and_reads_back(tmp_path, 
 
 def test_a_config_names_its_base_and_changes_keys_of_it(tmp_path, monkeypatch, capsys):
     """`base: NAME|FILE`: the named config with the file's keys over it (stage1 and mesh key
-    by key), a file base relative to the file that names it; cycles, depth and a base that
-    names nothing are clear errors. `config show` prints it resolved, with no base key."""
+    by key), a file base found beside the file that names it, never in the working directory,
+    a name among the shipped configs only; cycles, depth and a base that names nothing are
+    clear errors naming the chain. `config show` prints it resolved, with no base key."""
     from qnpu_jax.cli import main
     from qnpu_jax.pipeline.config import MAX_BASE_DEPTH, load_config
 
@@ -163,17 +164,19 @@ def test_a_config_names_its_base_and_changes_keys_of_it(tmp_path, monkeypatch, c
     folder = tmp_path / "configs"
     folder.mkdir()
     (folder / "a.yaml").write_text(f"base: {shipped}\nseed: 3\nstage1:\n  steps: 5\n")
-    (folder / "b.yaml").write_text("base: a.yaml\nrules: []\n")
+    (folder / "b.yaml").write_text("base: a.yaml\nrules: []\nmesh:\n  data: 1\n")
+    (folder / "m.yaml").write_text("base: b.yaml\nmesh: 1x2\n")
     monkeypatch.chdir(tmp_path)  # b names a.yaml beside itself, not in the working directory
     want = load_config(shipped, ["seed=3", "stage1.steps=5"])
     assert load_config(folder / "a.yaml") == want
-    assert load_config(folder / "b.yaml") == want.replace(rules=())
+    assert load_config(folder / "b.yaml") == want.replace(rules=(), mesh=_mesh(1, None))
+    assert load_config(folder / "m.yaml").mesh == _mesh(1, 2)  # "1x2" over {data: 1}
     assert main(["config", "show", str(folder / "b.yaml")]) == 0
     shown = capsys.readouterr().out
     assert "base" not in [line.split(":")[0] for line in shown.splitlines()]
     (folder / "shown.yaml").write_text(shown)
-    assert load_config(folder / "shown.yaml") == want.replace(rules=())
-    # errors name the problem
+    assert load_config(folder / "shown.yaml") == load_config(folder / "b.yaml")
+    # errors name the problem, and the config that named it
     (folder / "c.yaml").write_text("base: d.yaml\n")
     (folder / "d.yaml").write_text("base: c.yaml\n")
     with pytest.raises(QnpuError, match=r"c\.yaml: its base keys form a cycle: .*c\.yaml -> "):
@@ -182,10 +185,18 @@ def test_a_config_names_its_base_and_changes_keys_of_it(tmp_path, monkeypatch, c
     with pytest.raises(QnpuError, match="base must name a shipped config or a YAML file, got 3"):
         load_config(folder / "e.yaml")
     (folder / "f.yaml").write_text("base: no-such\n")
-    with pytest.raises(QnpuError, match="config file not found: no-such"):
+    with pytest.raises(QnpuError, match=r"f\.yaml: base 'no-such' is not a shipped config"):
         load_config(folder / "f.yaml")
-    (folder / "g.yaml").write_text(f"base: {shipped}\nbogus: 1\n")
-    with pytest.raises(QnpuError, match=r"g\.yaml: .*bogus"):
+    (tmp_path / "x.yaml").write_text("seed: 7\n")  # in the working directory only
+    (folder / "h.yaml").write_text("base: x.yaml\n")
+    with pytest.raises(QnpuError, match=r"h\.yaml: base 'x\.yaml': no .*configs/x\.yaml"):
+        load_config(folder / "h.yaml")
+    (folder / "i.yaml").write_text(f"base: {shipped}.yaml\n")
+    with pytest.raises(QnpuError, match=r"named without \.yaml"):
+        load_config(folder / "i.yaml")
+    (folder / "bad.yaml").write_text(f"base: {shipped}\nbogus: 1\n")
+    (folder / "g.yaml").write_text("base: bad.yaml\n")
+    with pytest.raises(QnpuError, match=r"g\.yaml, on base .*bad\.yaml, on base .*: .*bogus"):
         load_config(folder / "g.yaml")
     for i in range(MAX_BASE_DEPTH + 1):
         (folder / f"deep{i}.yaml").write_text(f"base: deep{i + 1}.yaml\n" if i < MAX_BASE_DEPTH
@@ -193,6 +204,12 @@ def test_a_config_names_its_base_and_changes_keys_of_it(tmp_path, monkeypatch, c
     with pytest.raises(QnpuError, match=f"more than {MAX_BASE_DEPTH} configs deep"):
         load_config(folder / "deep0.yaml")
     assert load_config(folder / "deep2.yaml") == load_config(shipped)
+
+
+def _mesh(data, fsdp):
+    from qnpu_jax.mesh import MeshConfig
+
+    return MeshConfig(data=data, fsdp=fsdp)
 
 
 def test_quantize_prints_the_settings_it_chose_before_it_starts(tmp_path, capsys):

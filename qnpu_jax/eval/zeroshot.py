@@ -484,14 +484,17 @@ def score_token_requests(
     from; the two differ by one context token only past the model's context). Rows are
     right-padded with token 0 to their bucket and batches are filled with padding rows, so the
     model sees len(buckets) shapes at most. With the scorer's `span_nll_argmax_fn` each row
-    is scored at its continuation's positions only, K of them a row in a bucket (`span_width`).
+    is scored at its continuation's positions only, K of them a row in a bucket (`span_width`:
+    a shape per bucket and power of two).
     """
     if batch_size < 1:
         raise QnpuError(f"batch_size must be positive, got {batch_size}")
     span_fn = scorer.span_nll_argmax_fn
     nll_argmax_fn = scorer.nll_argmax_fn if greedy and span_fn is None else None
     if greedy and span_fn is None and nll_argmax_fn is None:
-        raise QnpuError("greedy accuracy needs an LmScorer with nll_argmax_fn")
+        raise QnpuError(
+            "greedy accuracy needs an LmScorer with nll_argmax_fn or span_nll_argmax_fn"
+        )
     max_length = scorer.max_length
     buckets = length_buckets(max_length)
     seqs: list[np.ndarray] = []
@@ -566,7 +569,7 @@ def score_token_requests(
 
 def span_width(longest: int, bucket: int) -> int:
     """Positions scored a row in a bucket whose longest continuation has `longest` tokens:
-    the next power of two (one compiled shape a bucket, as without spans), at most bucket-1."""
+    the next power of two, at most bucket-1 (a few compiled shapes a bucket: one per power)."""
     return min(1 << max(longest - 1, 0).bit_length(), bucket - 1)
 
 

@@ -484,7 +484,8 @@ def forward_tapped(
     [B, K, V]); scoring a few tokens of each row, that saves most of a forward whose V·D head
     outweighs its layers (Gemma 3: 262,144 x 640 against ~100M layer weights).
 
-    Returns float32 logits [B, T, V], the updated cache and the taps' auxiliary output
+    Returns float32 logits [B, T, V] ([B, K, V] with `head_at`), the updated cache and the
+    taps' auxiliary output
     ({"layers": stacked per-layer aux, **outer aux}). Prefill, decode, full-sequence forward,
     fake quantization and calibration statistics are all this one function.
     """

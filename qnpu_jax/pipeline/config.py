@@ -657,14 +657,19 @@ def load_yaml(text: str, where: str) -> Any:
 
 BASE_KEY = "base"  # a config's key naming the config it changes (`read_config_data`)
 MAX_BASE_DEPTH = 8
+_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 def _merged(base: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
-    """`own`'s keys over `base`'s; `stage1` and `mesh` mappings are merged key by key (a
-    `rules` list, like any other value, replaces the base's)."""
+    """`own`'s keys over `base`'s; `stage1` and `mesh` are merged key by key (a mesh given as
+    "DATAxFSDP" counts as its mapping), any other value (a `rules` list too) replaces the
+    base's."""
     out = dict(base)
     for key, value in own.items():
         below = out.get(key)
+        if key == "mesh":
+            below = _mesh_config(below).to_dict() if isinstance(below, str) else below
+            value = _mesh_config(value).to_dict() if isinstance(value, str) else value
         if key in ("stage1", "mesh") and isinstance(below, Mapping) and isinstance(value, Mapping):
             out[key] = {**below, **value}
         else:
@@ -672,25 +677,42 @@ def _merged(base: Mapping[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _base_spec(base: Any, where: str, folder: Path | None) -> str | Path:
-    """What `base: VALUE` of the config at `where` names: a YAML file, relative to the
-    folder of the file that names it (`folder`; None for a shipped config), else a shipped
-    config's name."""
+def _base_spec(base: Any, where: str, folder: Path | None) -> Path | str:
+    """What `base: VALUE` of the config at `where` names: a YAML file (VALUE ends in .yaml,
+    .yml or .json, or holds a "/") in the folder of the file that names it (`folder`; a
+    shipped config, folder None, names shipped configs only), else a shipped config."""
     if not isinstance(base, str) or not base.strip():
         raise QnpuError(
             f"{where}: {BASE_KEY} must name a shipped config or a YAML file, got {shown(base)}"
         )
-    if folder is not None and (folder / base).is_file():
-        return folder / base
+    shipped = shipped_configs()
+    if base.endswith(_FILE_SUFFIXES) or "/" in base:
+        path = None if folder is None else folder / base
+        if path is None or not path.is_file():
+            looked = "a shipped config names only shipped ones" if path is None else f"no {path}"
+            hint = " (a shipped config is named without .yaml)" if base[:-5] in shipped else ""
+            raise QnpuError(f"{where}: {BASE_KEY} {base!r}: {looked}{hint}")
+        return path
+    if base not in shipped:
+        raise QnpuError(
+            f"{where}: {BASE_KEY} {base!r} is not a shipped config (a file is named by its "
+            f"path, ending in .yaml; shipped: {', '.join(sorted(shipped))})"
+        )
     return base
 
 
-def read_config_data(spec: str | Path, chain: tuple[str, ...] = ()) -> tuple[str, dict[str, Any]]:
+def read_config_data(spec: str | Path) -> tuple[str, dict[str, Any]]:
     """(where, mapping) of a config: a YAML (or JSON) file of at most MAX_CONFIG_BYTES, or a
-    shipped config's name. A config with `base: NAME|FILE` is that config with its own keys
-    over it (`_merged`), up to MAX_BASE_DEPTH configs deep; `chain` names the configs that
-    led here, so a cycle is refused."""
-    where, data, folder = _read_one_config(spec)
+    shipped config's name. A config with `base: NAME|FILE` (`_base_spec`) is that config with
+    its own keys over it (`_merged`), up to MAX_BASE_DEPTH configs deep, a cycle refused;
+    `where` then names the chain ("a.yaml, on base shipped config NAME")."""
+    return _resolved(_read_one_config(spec), ())
+
+
+def _resolved(
+    read: tuple[str, dict[str, Any], Path | None], chain: tuple[str, ...]
+) -> tuple[str, dict[str, Any]]:
+    where, data, folder = read
     seen = str(Path(where).resolve()) if folder is not None else where
     if seen in chain:
         cycle = " -> ".join((*chain[chain.index(seen) :], seen))
@@ -700,27 +722,31 @@ def read_config_data(spec: str | Path, chain: tuple[str, ...] = ()) -> tuple[str
     if len(chain) + 1 >= MAX_BASE_DEPTH:
         raise QnpuError(f"{where}: more than {MAX_BASE_DEPTH} configs deep in {BASE_KEY} keys")
     base = _base_spec(data[BASE_KEY], where, folder)
-    _, below = read_config_data(base, (*chain, seen))
-    return where, _merged(below, {k: v for k, v in data.items() if k != BASE_KEY})
+    below_where, below = _resolved(_read_one_config(base, shipped=isinstance(base, str)),
+                                   (*chain, seen))  # fmt: skip
+    own = {k: v for k, v in data.items() if k != BASE_KEY}
+    return f"{where}, on base {below_where}", _merged(below, own)
 
 
-def _read_one_config(spec: str | Path) -> tuple[str, dict[str, Any], Path | None]:
-    """(where, mapping, the file's folder or None for a shipped config) of one config file,
-    its `base` key unresolved."""
+def _read_one_config(
+    spec: str | Path, shipped: bool = False
+) -> tuple[str, dict[str, Any], Path | None]:
+    """(where, mapping, the file's folder or None for a shipped config) of one config, its
+    `base` key unresolved; `shipped`: `spec` is a shipped config's name, never a file."""
     path = Path(spec)
     folder = None
-    if path.exists() and not path.is_dir():  # a FIFO or a device is refused, never read
+    if not shipped and path.exists() and not path.is_dir():  # a FIFO or a device is refused
         where, text = str(path), read_text(path, what="config file", limit=MAX_CONFIG_BYTES)
         folder = path.parent
     else:
-        shipped = shipped_configs()
+        configs = shipped_configs()
         name = str(spec).removesuffix(".yaml")
-        if "/" in str(spec) or name not in shipped:
+        if "/" in str(spec) or name not in configs:
             raise QnpuError(
                 f"config file not found: {spec} (nor a shipped config of that name; shipped: "
-                f"{', '.join(sorted(shipped))})"
+                f"{', '.join(sorted(configs))})"
             )
-        where, text = f"shipped config {name}", shipped[name].read_text()
+        where, text = f"shipped config {name}", configs[name].read_text()
     data = load_yaml(text, where)
     if data is None:
         raise QnpuError(

@@ -49,6 +49,12 @@ def relative_error_sum(
 SCANNED_TENSORS = (*LINEAR_INPUTS, *LINEAR_OUTPUTS)
 
 
+def check_scanned(name: str) -> None:
+    """Refuse a tensor eq. (4)'s scan does not measure (the linears' inputs and outputs)."""
+    if name not in SCANNED_TENSORS:
+        raise QnpuError(f"no sensitivity scan for {name!r}; known: {SCANNED_TENSORS}")
+
+
 @partial(jax.jit, static_argnames=("cfg", "prefix", "name"))
 def _layer_error_sums(
     params: Params,
@@ -89,8 +95,7 @@ def tensor_sensitivity(
 ) -> SensitivityReport:
     """Eq. (4) for every layer's tensor `name` at `bits`, static Max-Min over `windows`; on
     `mesh`, the windows split along its data axis (`batch_size` None: its size)."""
-    if name not in SCANNED_TENSORS:
-        raise QnpuError(f"no sensitivity scan for {name!r}; known: {SCANNED_TENSORS}")
+    check_scanned(name)
     tq = TensorQuant(bits=bits, init="max_min")
     plan = QuantPlan(((f"layers/{name}", tq),), cfg.num_layers)
     batch_size = batch_size or data_size(mesh)

@@ -40,7 +40,7 @@ from qnpu_jax.models.llama import Params
 from qnpu_jax.models.taps import state_entry
 from qnpu_jax.pipeline.calibrate import calibrate as calibrate_state
 from qnpu_jax.pipeline.calibrate import channel_absmax, collect_activation_stats
-from qnpu_jax.pipeline.mixed_precision import mixed_layer_bits, tensor_sensitivity
+from qnpu_jax.pipeline.mixed_precision import check_scanned, mixed_layer_bits, tensor_sensitivity
 from qnpu_jax.pipeline.outlier_paths import choose_muxq, choose_shadows, shadow_summary
 from qnpu_jax.pipeline.quantized_model import QuantizedModel
 from qnpu_jax.pipeline.run_dir import RunDir
@@ -382,9 +382,12 @@ def plan(
 def promote(tensor: str, fraction: float) -> tuple[StepFn, str]:
     """Eq. (4)'s sensitivity scan of the per-layer activation `tensor` on the current model,
     at the tensor's base bits in the plan, then the top `fraction` of layers at 16 bits and
-    the others at the base bits (a per-layer-bits rule on the plan)."""
+    the others at the base bits (a per-layer-bits rule on the plan). A tensor planned at 16
+    bits (Gemma 3's down_out) is at 16 bits in every layer whatever the scan says: it gets
+    that rule without a scan, and its info says so (`skipped`, no layer promoted)."""
     if not 0.0 < fraction <= 1.0:
         raise QnpuError(f"promote: fraction must be in (0, 1], got {fraction}")
+    check_scanned(tensor)
 
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
         current = m.require_plan()
