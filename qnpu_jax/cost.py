@@ -609,20 +609,20 @@ def config_plan(
     promotions take the right number of layers (which ones is the scan's: only the counts
     matter here); shadow or MUXQ channels, chosen in calibration, are not in it."""
     loaded = load_config(config, overrides)
+    where = f"config {config}" if config else "the default config"
     cfg = architecture(model or loaded.model)
     n = cfg.num_layers
     ranked = [float(n - i) for i in range(n)]  # which layers is the scan's: only counts matter
-
-    def base_bits(tensor: str) -> int:  # the down_proj input and output are 8-bit tensors
-        return 8 if tensor in (UNROTATED_INPUT, UNROTATED_OUTPUT) else loaded.bits.a
-
-    promoted = {
-        tensor: mixed_layer_bits(ranked, share, base_bits(tensor))
-        for tensor, share in loaded.promoted().items()
-    }
-    rotated = loaded.method in ROTATING_METHODS
-    plan = build_plan(loaded, n, promoted, graph=rotated_graph(cfg) if rotated else graph_of(cfg))
-    where = f"config {config}" if config else "the default config"
+    graph = rotated_graph(cfg) if loaded.method in ROTATING_METHODS else graph_of(cfg)
+    # a scan promotes from the tensor's bits in the plan (Gemma 3's down_out: 16 already)
+    unpromoted = build_plan(loaded, n, graph=graph)
+    promoted = {}
+    for tensor, share in loaded.promoted().items():
+        planned = unpromoted.get(f"layers/{tensor}")
+        if planned is None:
+            raise QnpuError(f"{where}: its plan does not quantize layers/{tensor}")
+        promoted[tensor] = mixed_layer_bits(ranked, share, planned.bits)
+    plan = build_plan(loaded, n, promoted, graph=graph)
     what = f"{where} ({loaded.method} {loaded.bits.name})"
     if loaded.outliers.shadow_clip is not None or loaded.outliers.muxq_exp is not None:
         what += (

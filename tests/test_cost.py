@@ -94,6 +94,14 @@ def test_gemma3_costs_count_its_ops_the_262k_lm_head_and_the_sliding_window():
     # a plan over LLaMA's graph is not priced on Gemma's
     with pytest.raises(QnpuError, match="another graph than the model's"):
         cost.plan_costs(default_plan(gemma.num_layers), gemma, cost.prefill(4))
+    # a config's promotions start from the graph's bits, as the scan does: Gemma's down_proj
+    # outputs stay 16-bit in every layer under down_out_mixed_precision (it once priced 8-bit
+    # outputs in 16 of 18 layers), while its inputs take the config's share
+    priced = cost.config_plan("smollm2-135m-quantnpu-w8a8", ["model=gemma3-270m"],
+                              model_architecture)  # fmt: skip
+    down = {t: priced.plan.get(f"layers/{t}") for t in ("down_in", "down_out")}
+    assert [down["down_out"].bits_for_layer(i) for i in range(18)] == [16] * 18
+    assert sorted(down["down_in"].bits_for_layer(i) for i in range(18)) == [8] * 16 + [16] * 2
 
 
 def test_w8a8_layer_macs_equal_a_hand_count():
