@@ -936,8 +936,14 @@ def cmd_emulate(args: argparse.Namespace) -> int:
     return 0
 
 
+# the exit status when stdout's reader went away: 128 + SIGPIPE, a shell's status for a
+# command that signal ended
+READER_LEFT = 141
+
+
 def main(argv: Sequence[str] | None = None, *, exit_on_failed_write: bool = False) -> int:
-    """Run `qnpu ARGV`; 0, or 2 after printing one `qnpu: error:` line. `exit_on_failed_write`
+    """Run `qnpu ARGV`; 0, or 2 after printing one `qnpu: error:` line (READER_LEFT, quietly,
+    when stdout's reader went away). `exit_on_failed_write`
     (the `qnpu` command): after a write that failed for want of space, end the process at
     once, since orbax's writer threads still hold the other failed writes and would print
     their tracebacks at interpreter shutdown, after the error line."""
@@ -961,6 +967,8 @@ def main(argv: Sequence[str] | None = None, *, exit_on_failed_write: bool = Fals
         # a full disk: one line, not orbax's thread dumps; --data-dir: $QNPU_DATA_DIR meanwhile
         with storage_full_is_an_error(), data_dir_override(args.data_dir):
             return commands[args.command](args)
+    except BrokenPipeError:  # stdout's reader left (`qnpu configs | head`): nothing to report
+        return READER_LEFT
     except (QnpuError, OSError) as e:  # OSError: an unwritable or vanished path
         print(f"qnpu: error: {e}", file=sys.stderr)
         if exit_on_failed_write and isinstance(e, StorageFullError):
@@ -971,8 +979,16 @@ def main(argv: Sequence[str] | None = None, *, exit_on_failed_write: bool = Fals
 
 
 def command() -> None:
-    """The `qnpu` console command."""
-    sys.exit(main(exit_on_failed_write=True))
+    """The `qnpu` console command. Output piped into a reader that stops early (`| head`)
+    ends it quietly with READER_LEFT, as a command killed by SIGPIPE ends in a shell."""
+    rc = main(exit_on_failed_write=True)
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        rc = READER_LEFT
+    if rc == READER_LEFT:  # the interpreter's own flush at exit would fail again, loudly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(rc)
 
 
 if __name__ == "__main__":

@@ -107,6 +107,20 @@ def test_argument_errors_exit_non_zero():
     assert e.value.code == 2
 
 
+def test_output_into_a_reader_that_left_ends_quietly():
+    """`qnpu configs | head -1`: the reader closes the pipe before the listing is written; the
+    command ends with the status a shell gives SIGPIPE (141), printing no error or traceback."""
+    done = subprocess.Popen(
+        [sys.executable, "-c", "from qnpu_jax.cli import command; command()", "configs"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert done.stdout is not None
+    done.stdout.close()  # before the child has imported anything, so every write fails
+    _, err = done.communicate(timeout=120)
+    assert done.returncode == 141, err
+    assert err == b""
+
+
 def test_hub_id_offline_fails_fast_with_clear_message(tmp_path):
     """A real process, offline: a clear error and exit code 2, never a hang."""
     env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
