@@ -285,8 +285,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         said = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in taken.items() if v is not None)
         if said:
             print(f"{said} (the run's)", file=sys.stderr)
-    if want_ppl and (args.data is None or args.seq_len is None):
-        raise QnpuError("perplexity (task ppl) needs --data and --seq-len")
+    missing = [f for f, v in (("--data", args.data), ("--seq-len", args.seq_len)) if v is None]
+    if want_ppl and missing:
+        raise QnpuError(
+            f"perplexity (task ppl) needs {' and '.join(missing)}, e.g. --data wiki "
+            "--seq-len 512 (or --run RUN: the run's own)"
+        )
     if zero_shot:  # missing task data fails now, not after the model loads
         task_source(zero_shot, args.task_data)
     split = args.split

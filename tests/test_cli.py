@@ -75,6 +75,17 @@ def test_eval_bad_input_exits_2(args, message, capsys):
     assert err.startswith("qnpu: error:") and message in err
 
 
+@pytest.mark.parametrize(
+    ("given", "missing"),
+    [(["--data", "wiki"], "needs --seq-len,"), (["--seq-len", "64"], "needs --data,"),
+     ([], "needs --data and --seq-len,")],
+)  # fmt: skip
+def test_eval_names_the_perplexity_flag_that_is_missing(given, missing, capsys):
+    assert main(["eval", "--model", "smollm2-135m", *given, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qnpu: error: perplexity") and missing in err, err
+
+
 def test_eval_empty_text_and_unsupported_architecture(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
