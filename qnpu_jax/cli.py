@@ -45,7 +45,13 @@ from qnpu_jax.mesh import initialize_distributed
 from qnpu_jax.models.llama import generate
 from qnpu_jax.models.load import load_model
 from qnpu_jax.models.taps import SINK_PREFIXES, prefix_name
-from qnpu_jax.pipeline.config import load_config, parse_bits, read_run_config, shipped_configs
+from qnpu_jax.pipeline.config import (
+    load_config,
+    parse_bits,
+    read_run_config,
+    shipped_configs,
+    shipped_variants,
+)
 from qnpu_jax.pipeline.config_doc import settings_summary, show_config
 from qnpu_jax.pipeline.recipes import for_config
 from qnpu_jax.pipeline.run import quantize
@@ -344,6 +350,18 @@ def quantize_config(args: argparse.Namespace) -> Any:
     return load_config(args.config, args.overrides, config_updates(args))
 
 
+def variant_notes(name: str | None, model: str) -> list[str]:
+    """A line for each shipped config that changes shipped config `name` for `model` (a
+    shipped recipe run with --model on another model than its own)."""
+    if name is None or name not in shipped_configs():
+        return []
+    return [
+        f"note: shipped config {other} is this recipe with {model}'s own choices (its "
+        f"comment says which and why; `qnpu config show {other}`)"
+        for other in shipped_variants(name, model)
+    ]
+
+
 def config_updates(args: argparse.Namespace) -> dict[str, Any]:
     """The plain values --model, --method, --bits (and --mesh) put over a config."""
 
@@ -420,6 +438,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     initialize_distributed(True if args.distributed else None)
     config = quantize_config(args)
     for line in settings_summary(config, config_source(args), for_config(config)):
+        print(line, file=sys.stderr, flush=True)
+    for line in variant_notes(args.config, config.model):
         print(line, file=sys.stderr, flush=True)
     started = time.perf_counter()
     announce = announcer(started)

@@ -246,6 +246,29 @@ def test_gemma3_w4a8_config_is_smollm2s_default_with_gemmas_keys():
     assert gemma != load_config("smollm2-135m-quantnpu-w4a8", keys)
 
 
+def test_a_shipped_recipe_run_on_another_model_names_that_models_own_config(tmp_path, capsys):
+    """`qnpu quantize --config smollm2-135m-quantnpu-w4a8 --model gemma3-270m` says that a
+    shipped config (`base:` that recipe, `model:` Gemma 3) changes the recipe for Gemma 3;
+    on the config's own model, or a model without one, nothing is said."""
+    from qnpu_jax.cli import main, variant_notes
+    from qnpu_jax.pipeline.config import shipped_variants
+
+    for bits in ("w4a8", "w8a8"):
+        name = f"smollm2-135m-quantnpu-{bits}"
+        assert shipped_variants(name, "gemma3-270m") == [f"gemma3-270m-quantnpu-{bits}"]
+        assert shipped_variants(name, "smollm2-135m") == []
+    assert variant_notes("smollm2-135m-quarot-w4a8", "gemma3-270m") == []
+    assert variant_notes(None, "gemma3-270m") == []
+    argv = ["quantize", "--config", "smollm2-135m-quantnpu-w4a8", "--out", str(tmp_path / "x")]
+    # --resume on an empty --out stops the command after its settings, before any loading
+    assert main([*argv, "--model", "gemma3-270m", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "note: shipped config gemma3-270m-quantnpu-w4a8 is this recipe" in err
+    assert "holds no run" in err
+    assert main([*argv, "--resume"]) == 2
+    assert "note:" not in capsys.readouterr().err
+
+
 def test_gemma3_w8a8_config_is_smollm2s_w8a8_with_gemmas_keys():
     """Gemma 3's W8A8 config is SmolLM2's W8A8 default (its `base`) with Gemma's W4A8 keys and
     without the two steps that have nothing to act on in Gemma's plan (no 8-bit down_proj

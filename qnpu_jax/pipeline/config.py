@@ -588,6 +588,19 @@ def shipped_configs() -> dict[str, Any]:
     }
 
 
+def shipped_variants(name: str, model: str) -> list[str]:
+    """The shipped configs that change shipped config `name` for `model`: their `base` is
+    `name` and their `model` is `model` (gemma3-270m-quantnpu-w4a8 for
+    smollm2-135m-quantnpu-w4a8 and gemma3-270m). `qnpu quantize --config NAME --model MODEL`
+    names them."""
+    out = []
+    for other, resource in sorted(shipped_configs().items()):
+        data = load_yaml(resource.read_text(), f"shipped config {other}")
+        if isinstance(data, dict) and data.get(BASE_KEY) == name and data.get("model") == model:
+            out.append(other)
+    return out
+
+
 def _expanded_size(data: Any, limit: int) -> int:
     """The size of `data` with every alias expanded (each value 1, a string its length too),
     counted only until it passes `limit`: an alias bomb is never walked whole."""
