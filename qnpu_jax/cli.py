@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import os
 import re
+import select
 import shlex
 import sys
 import textwrap
@@ -293,9 +294,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
             print(f"{said} (the run's)", file=sys.stderr)
     missing = [f for f, v in (("--data", args.data), ("--seq-len", args.seq_len)) if v is None]
     if want_ppl and missing:
+        example = {"--data": "--data wiki", "--seq-len": "--seq-len 512"}
         raise QnpuError(
-            f"perplexity (task ppl) needs {' and '.join(missing)}, e.g. --data wiki "
-            "--seq-len 512 (or --run RUN: the run's own)"
+            f"perplexity (task ppl) needs {' and '.join(missing)}, e.g. "
+            f"{' '.join(example[f] for f in missing)} (a --run gives its own)"
         )
     if zero_shot:  # missing task data fails now, not after the model loads
         task_source(zero_shot, args.task_data)
@@ -352,8 +354,12 @@ def quantize_config(args: argparse.Namespace) -> Any:
 
 def variant_notes(name: str | None, model: str) -> list[str]:
     """A line for each shipped config that changes shipped config `name` for `model` (a
-    shipped recipe run with --model on another model than its own)."""
-    if name is None or name not in shipped_configs():
+    shipped recipe run with --model on another model than its own). `name` is read as
+    --config is: a file that exists is a file, not a shipped config."""
+    if name is None or "/" in name or (Path(name).exists() and not Path(name).is_dir()):
+        return []
+    name = name.removesuffix(".yaml")
+    if name not in shipped_configs():
         return []
     return [
         f"note: shipped config {other} is this recipe with {model}'s own choices (its "
@@ -965,12 +971,26 @@ def cmd_emulate(args: argparse.Namespace) -> int:
 READER_LEFT = 141
 
 
+def stdout_reader_left() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports an error on it), so
+    that a broken pipe elsewhere (a FIFO given as a path) is still reported as an error."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # replaced by an object without a descriptor, or closed
+        return False
+    if not hasattr(select, "poll"):
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
 def main(argv: Sequence[str] | None = None, *, exit_on_failed_write: bool = False) -> int:
     """Run `qnpu ARGV`; 0, or 2 after printing one `qnpu: error:` line (READER_LEFT, quietly,
-    when stdout's reader went away). `exit_on_failed_write`
-    (the `qnpu` command): after a write that failed for want of space, end the process at
-    once, since orbax's writer threads still hold the other failed writes and would print
-    their tracebacks at interpreter shutdown, after the error line."""
+    when stdout's reader went away). `exit_on_failed_write` (the `qnpu` command): after a
+    write that failed for want of space, end the process at once, since orbax's writer
+    threads still hold the other failed writes and would print their tracebacks at
+    interpreter shutdown, after the error line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
@@ -991,9 +1011,9 @@ def main(argv: Sequence[str] | None = None, *, exit_on_failed_write: bool = Fals
         # a full disk: one line, not orbax's thread dumps; --data-dir: $QNPU_DATA_DIR meanwhile
         with storage_full_is_an_error(), data_dir_override(args.data_dir):
             return commands[args.command](args)
-    except BrokenPipeError:  # stdout's reader left (`qnpu configs | head`): nothing to report
-        return READER_LEFT
     except (QnpuError, OSError) as e:  # OSError: an unwritable or vanished path
+        if isinstance(e, BrokenPipeError) and stdout_reader_left():
+            return READER_LEFT  # `qnpu configs | head -1`: nothing to report
         print(f"qnpu: error: {e}", file=sys.stderr)
         if exit_on_failed_write and isinstance(e, StorageFullError):
             sys.stdout.flush()

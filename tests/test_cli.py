@@ -118,18 +118,37 @@ def test_argument_errors_exit_non_zero():
     assert e.value.code == 2
 
 
-def test_output_into_a_reader_that_left_ends_quietly():
-    """`qnpu configs | head -1`: the reader closes the pipe before the listing is written; the
-    command ends with the status a shell gives SIGPIPE (141), printing no error or traceback."""
+@pytest.mark.parametrize("unbuffered", ["", "1"])
+@pytest.mark.parametrize("argv", [["configs"], ["study"]])
+def test_output_into_a_reader_that_left_ends_quietly(argv, unbuffered):
+    """`qnpu configs | head -1`: the reader closes the pipe before anything is written; the
+    command ends with the status a shell gives SIGPIPE (141), printing no error or traceback,
+    whether the write fails inside the command (unbuffered) or at the final flush (output
+    shorter than the buffer)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = unbuffered
     done = subprocess.Popen(
-        [sys.executable, "-c", "from qnpu_jax.cli import command; command()", "configs"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, "-c", "from qnpu_jax.cli import command; command()", *argv],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
     )  # fmt: skip
     assert done.stdout is not None
     done.stdout.close()  # before the child has imported anything, so every write fails
     _, err = done.communicate(timeout=120)
     assert done.returncode == 141, err
     assert err == b""
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
+    """Only stdout's reader leaving is quiet: another pipe's failure is reported (exit 2)."""
+    import qnpu_jax.cli as cli
+
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "cmd_configs", broken)
+    assert cli.main(["configs"]) == 2
+    assert "qnpu: error: [Errno 32] Broken pipe" in capsys.readouterr().err
 
 
 def test_hub_id_offline_fails_fast_with_clear_message(tmp_path):

@@ -246,7 +246,9 @@ def test_gemma3_w4a8_config_is_smollm2s_default_with_gemmas_keys():
     assert gemma != load_config("smollm2-135m-quantnpu-w4a8", keys)
 
 
-def test_a_shipped_recipe_run_on_another_model_names_that_models_own_config(tmp_path, capsys):
+def test_a_shipped_recipe_run_on_another_model_names_that_models_own_config(
+    tmp_path, capsys, monkeypatch
+):
     """`qnpu quantize --config smollm2-135m-quantnpu-w4a8 --model gemma3-270m` says that a
     shipped config (`base:` that recipe, `model:` Gemma 3) changes the recipe for Gemma 3;
     on the config's own model, or a model without one, nothing is said."""
@@ -259,6 +261,8 @@ def test_a_shipped_recipe_run_on_another_model_names_that_models_own_config(tmp_
         assert shipped_variants(name, "smollm2-135m") == []
     assert variant_notes("smollm2-135m-quarot-w4a8", "gemma3-270m") == []
     assert variant_notes(None, "gemma3-270m") == []
+    # read as --config is: NAME.yaml is the shipped config, a file of that name is a file
+    assert len(variant_notes("smollm2-135m-quantnpu-w4a8.yaml", "gemma3-270m")) == 1
     argv = ["quantize", "--config", "smollm2-135m-quantnpu-w4a8", "--out", str(tmp_path / "x")]
     # --resume on an empty --out stops the command after its settings, before any loading
     assert main([*argv, "--model", "gemma3-270m", "--resume"]) == 2
@@ -267,6 +271,9 @@ def test_a_shipped_recipe_run_on_another_model_names_that_models_own_config(tmp_
     assert "holds no run" in err
     assert main([*argv, "--resume"]) == 2
     assert "note:" not in capsys.readouterr().err
+    (tmp_path / "smollm2-135m-quantnpu-w4a8").write_text("model: smollm2-135m\n")
+    monkeypatch.chdir(tmp_path)
+    assert variant_notes("smollm2-135m-quantnpu-w4a8", "gemma3-270m") == []
 
 
 def test_gemma3_w8a8_config_is_smollm2s_w8a8_with_gemmas_keys():

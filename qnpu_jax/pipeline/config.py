@@ -595,7 +595,10 @@ def shipped_variants(name: str, model: str) -> list[str]:
     names them."""
     out = []
     for other, resource in sorted(shipped_configs().items()):
-        data = load_yaml(resource.read_text(), f"shipped config {other}")
+        try:
+            data = load_yaml(resource.read_text(), f"shipped config {other}")
+        except QnpuError:  # an edited installed copy: loading it by name says what is wrong
+            continue
         if isinstance(data, dict) and data.get(BASE_KEY) == name and data.get("model") == model:
             out.append(other)
     return out
