@@ -352,19 +352,13 @@ def quantize_config(args: argparse.Namespace) -> Any:
     return load_config(args.config, args.overrides, config_updates(args))
 
 
-def variant_notes(name: str | None, model: str) -> list[str]:
-    """A line for each shipped config that changes shipped config `name` for `model` (a
-    shipped recipe run with --model on another model than its own). `name` is read as
-    --config is: a file that exists is a file, not a shipped config."""
-    if name is None or "/" in name or (Path(name).exists() and not Path(name).is_dir()):
-        return []
-    name = name.removesuffix(".yaml")
-    if name not in shipped_configs():
-        return []
+def variant_notes(spec: str | None, model: str) -> list[str]:
+    """A line for each shipped config that changes the shipped config --config `spec` names
+    for `model` (a shipped recipe run with --model on another model than its own)."""
     return [
         f"note: shipped config {other} is this recipe with {model}'s own choices (its "
         f"comment says which and why; `qnpu config show {other}`)"
-        for other in shipped_variants(name, model)
+        for other in ([] if spec is None else shipped_variants(spec, model))
     ]
 
 

@@ -588,18 +588,34 @@ def shipped_configs() -> dict[str, Any]:
     }
 
 
-def shipped_variants(name: str, model: str) -> list[str]:
-    """The shipped configs that change shipped config `name` for `model`: their `base` is
-    `name` and their `model` is `model` (gemma3-270m-quantnpu-w4a8 for
-    smollm2-135m-quantnpu-w4a8 and gemma3-270m). `qnpu quantize --config NAME --model MODEL`
-    names them."""
+def _names_a_file(spec: str | Path) -> bool:
+    """Whether a config spec (--config, `base:`) is a file that exists: a file, not a name."""
+    path = Path(spec)
+    return path.exists() and not path.is_dir()
+
+
+def _shipped_name(spec: str | Path, configs: Mapping[str, Any]) -> str | None:
+    """The shipped config among `configs` that `spec` names (NAME or NAME.yaml, no folder)."""
+    name = str(spec).removesuffix(".yaml")
+    return name if "/" not in str(spec) and name in configs else None
+
+
+def shipped_variants(spec: str, model: str) -> list[str]:
+    """The shipped configs that change the shipped config `spec` names (read as --config is:
+    a file that exists is a file, and has none) for `model`: their `base` is that config and
+    their `model` is `model` (gemma3-270m-quantnpu-w4a8 for smollm2-135m-quantnpu-w4a8 and
+    gemma3-270m). `qnpu quantize --config NAME --model MODEL` names them."""
+    configs = shipped_configs()
+    name = None if _names_a_file(spec) else _shipped_name(spec, configs)
+    if name is None:
+        return []
     out = []
-    for other, resource in sorted(shipped_configs().items()):
+    for other in sorted(configs):
         try:
-            data = load_yaml(resource.read_text(), f"shipped config {other}")
+            data = _read_one_config(other, shipped=True)[1]
         except QnpuError:  # an edited installed copy: loading it by name says what is wrong
             continue
-        if isinstance(data, dict) and data.get(BASE_KEY) == name and data.get("model") == model:
+        if data.get(BASE_KEY) == name and data.get("model") == model:
             out.append(other)
     return out
 
@@ -751,13 +767,13 @@ def _read_one_config(
     `base` key unresolved; `shipped`: `spec` is a shipped config's name, never a file."""
     path = Path(spec)
     folder = None
-    if not shipped and path.exists() and not path.is_dir():  # a FIFO or a device is refused
+    if not shipped and _names_a_file(spec):  # a FIFO or a device is refused
         where, text = str(path), read_text(path, what="config file", limit=MAX_CONFIG_BYTES)
         folder = path.parent
     else:
         configs = shipped_configs()
-        name = str(spec).removesuffix(".yaml")
-        if "/" in str(spec) or name not in configs:
+        name = _shipped_name(spec, configs)
+        if name is None:
             raise QnpuError(
                 f"config file not found: {spec} (nor a shipped config of that name; shipped: "
                 f"{', '.join(sorted(configs))})"
