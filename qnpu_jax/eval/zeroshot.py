@@ -526,40 +526,30 @@ def score_token_requests(
                 tokens = np.zeros((batch_size, bucket), dtype=np.int32)
                 for r, i in enumerate(rows):
                     tokens[r, : len(seqs[i])] = seqs[i]
+                # row r's c predictions sit at T-1-c .. T-2 (the NLL columns of targets
+                # T-c .. T-1); the rest repeat T-2
+                at = np.zeros((batch_size, width), dtype=np.int32)
+                for r, i in enumerate(rows):
+                    t, c = len(seqs[i]), n_conts[i]
+                    at[r] = np.minimum(t - 1 - c + np.arange(width), t - 2)
                 if span_fn is not None:
-                    # row r's c predictions sit at T-1-c .. T-2; the rest repeat T-2
-                    at = np.zeros((batch_size, width), dtype=np.int32)
-                    for r, i in enumerate(rows):
-                        t, c = len(seqs[i]), n_conts[i]
-                        at[r] = np.minimum(t - 1 - c + np.arange(width), t - 2)
                     nll_j, argmax_j = span_fn(tokens, at)
                     span_nll = np.asarray(nll_j, dtype=np.float64)
                     span_argmax = np.asarray(argmax_j)
-                    for r, i in enumerate(rows):
-                        t, c = len(seqs[i]), n_conts[i]
-                        if not np.isfinite(span_nll[r, :c]).all():
-                            raise QnpuError(f"{desc}: non-finite NLL in request {i}")
-                        logprobs[i] = -float(span_nll[r, :c].sum())
-                        if greedy:
-                            matches[i] = bool((span_argmax[r, :c] == seqs[i][t - c :]).all())
-                    bar.update(len(rows))
-                    continue
-                if nll_argmax_fn is not None:
-                    nll_j, argmax_j = nll_argmax_fn(tokens)
-                    argmax = np.asarray(argmax_j)
                 else:
-                    nll_j = scorer.nll_fn(tokens)
-                nll = np.asarray(nll_j, dtype=np.float64)
-                for r, i in enumerate(rows):
-                    # the continuation's c tokens are targets at positions T-c .. T-1,
-                    # predicted at NLL columns T-1-c .. T-2
-                    t, c = len(seqs[i]), n_conts[i]
-                    span = nll[r, t - 1 - c : t - 1]
-                    if not np.isfinite(span).all():
-                        raise QnpuError(f"{desc}: non-finite NLL in request {i}")
-                    logprobs[i] = -float(span.sum())
                     if nll_argmax_fn is not None:
-                        matches[i] = bool((argmax[r, t - 1 - c : t - 1] == seqs[i][t - c :]).all())
+                        nll_j, argmax_j = nll_argmax_fn(tokens)
+                        span_argmax = np.take_along_axis(np.asarray(argmax_j), at, axis=1)
+                    else:
+                        nll_j = scorer.nll_fn(tokens)
+                    span_nll = np.take_along_axis(np.asarray(nll_j, dtype=np.float64), at, axis=1)
+                for r, i in enumerate(rows):
+                    t, c = len(seqs[i]), n_conts[i]
+                    if not np.isfinite(span_nll[r, :c]).all():
+                        raise QnpuError(f"{desc}: non-finite NLL in request {i}")
+                    logprobs[i] = -float(span_nll[r, :c].sum())
+                    if greedy:
+                        matches[i] = bool((span_argmax[r, :c] == seqs[i][t - c :]).all())
                 bar.update(len(rows))
     return [
         RequestScore(logprob=float(lp), greedy=bool(m), n_tokens=c)
