@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+import yaml
 
 from qnpu_jax import QnpuError
 from qnpu_jax.memory_plan import model_architecture
@@ -507,6 +508,17 @@ def test_quant_npu_runs_on_gemma3_through_the_rotation_linears(tiny_hf, tmp_path
     # the scan's promoted down_proj and lm_head
     promoted = len(report["sensitivity"]["promoted_layers"])
     assert macs["A16W8"] == 16 * (cfg.num_layers * 2 * d * d + promoted * f * d) + head
+    # stage 2 again under another rule (`qnpu study restage2`) builds its plan on the run's
+    # rotation graph: only q_out is recalibrated (on the plain graph it saw the rotation
+    # linears' tensors as changed stage-1 tensors and refused), and GPTQ's codes are redone
+    config = run.config.to_dict() | {"rules": [{"pattern": "layers/q_out", "bits": 16}]}
+    (tmp_path / "q16.yaml").write_text(yaml.safe_dump(config))
+    restaged = tmp_path / "restage2.json"
+    argv = ["--run", str(out), "--config", str(tmp_path / "q16.yaml"), "--eval-windows", "2"]
+    assert load_script("restage2").main([*argv, "--json", str(restaged)]) == 0
+    doc = json.loads(restaged.read_text())
+    assert doc["recalibrated"] == ["layers/q_out"] and doc["gptq_redone"] is True
+    assert doc["run_ppl"] == pytest.approx(wiki["quantized_ppl"], rel=1e-6)
 
 
 @pytest.mark.parametrize("simulation", ["fake", "device"])

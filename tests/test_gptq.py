@@ -367,7 +367,9 @@ def test_restage2_recalibrates_only_what_the_rules_change(
     assert by_flag["new_ppl"] == out["new_ppl"]
     assert by_flag["down_out_promotion"] == out["down_out_promotion"]
     assert restage2.main([*flag, "1.5", "--json", str(tmp_path / "bad")]) == 2
-    assert run({**clip, "seed": 1}, "seed") == 2  # more than the rules differ
+    capsys.readouterr()
+    assert run({**clip, "seed": 1}, "seed") == 2  # more than the rules differ, named
+    assert capsys.readouterr().err.rstrip().endswith("the run's -> this one's): seed: 0 -> 1")
     assert run({"rules": [{"pattern": "layers/attn_in", "init": "mean_std"}]}, "s1") == 2
     assert run({}, "same") == 2  # nothing to recalibrate
     assert not (tmp_path / "seed").exists() and not (tmp_path / "bad").exists()

@@ -82,7 +82,8 @@ def test_quantize_quantnpu_run_and_eval_it(two_layer_dir, tmp_path, capsys):
     assert "--resume" in capsys.readouterr().err
     changed = _config_file(tmp_path / "d.yaml", two_layer_dir, seed=1)
     assert main(["quantize", "--config", str(changed), "--out", str(out), "--resume"]) == 2
-    assert "differs" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "differs" in err and err.rstrip().endswith("seed: 0 -> 1")  # what differs, named
 
 
 def _export_and_run_the_artifact(run, tmp_path, fake_quant_ppl, capsys):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from flax import traverse_util
 
 from qnpu_jax.errors import QnpuError, shown
 from qnpu_jax.fieldtypes import check_type, field_hints
@@ -548,6 +549,18 @@ class QuantizeConfig:
             for r in self.rules
         ]
         return out
+
+
+def differing_keys(a: QuantizeConfig, b: QuantizeConfig) -> list[str]:
+    """Where two configs differ, one "key: A -> B" a key (stage1.* and mesh.* keys by their
+    dotted names; `rules` as a whole), in the configs' key order: what an error names when a
+    config must equal another but for a few keys."""
+    flat_a, flat_b = (traverse_util.flatten_dict(c.to_dict(), sep=".") for c in (a, b))
+    return [
+        f"{key}: {shown(flat_a.get(key))} -> {shown(flat_b.get(key))}"
+        for key in [*flat_a, *(k for k in flat_b if k not in flat_a)]
+        if flat_a.get(key) != flat_b.get(key)
+    ]
 
 
 # the keys whose value is one of a few names: the Literal ones, and two named elsewhere

@@ -60,7 +60,7 @@ from qnpu_jax.models.config import ModelConfig
 from qnpu_jax.models.llama import Params
 from qnpu_jax.models.load import load_model, open_model
 from qnpu_jax.models.taps import QuantState, sink_prefix
-from qnpu_jax.pipeline.config import QuantizeConfig, read_run_config
+from qnpu_jax.pipeline.config import QuantizeConfig, differing_keys, read_run_config
 from qnpu_jax.pipeline.methods import method_spec
 from qnpu_jax.pipeline.quantized_model import (
     QuantizedModel,
@@ -126,7 +126,9 @@ def _eval_split(spec: str) -> str | None:
 EVAL_ONLY_KEYS = ("eval_data", "eval_windows", "mesh")
 
 
-def _without_eval(config: QuantizeConfig) -> QuantizeConfig:
+def without_eval(config: QuantizeConfig) -> QuantizeConfig:
+    """`config` with the keys that do not change a run's model (EVAL_ONLY_KEYS) at their
+    defaults: what two configs must share to make the same run."""
     defaults = QuantizeConfig().flat()
     return config.replace(**{k: defaults[k] for k in EVAL_ONLY_KEYS})
 
@@ -151,10 +153,12 @@ def _check_run_dir(run_dir: Path, config: QuantizeConfig, resume: bool) -> None:
     if resume:
         if not run.has_config:
             raise QnpuError(f"--resume: {run_dir} holds no run (no {RunDir.CONFIG})")
-        if _without_eval(read_run_config(run)) != _without_eval(config):
+        saved = without_eval(read_run_config(run))
+        if saved != without_eval(config):
             raise QnpuError(
                 f"--resume: the config differs from the one in {run.config_path} (only "
-                f"{', '.join(EVAL_ONLY_KEYS)} may change on resume)"
+                f"{', '.join(EVAL_ONLY_KEYS)} may change on resume; the run's -> this one's): "
+                + "; ".join(differing_keys(saved, without_eval(config)))
             )
     elif run_dir.exists() and any(p.name != RunDir.LOCK for p in run_dir.iterdir()):
         raise QnpuError(f"{run_dir} is not empty; pass --resume to continue that run")
@@ -169,7 +173,9 @@ def _complete_report(run_dir: Path, config: QuantizeConfig) -> dict[str, Any]:
     if dataclasses.replace(saved, mesh=config.mesh) != config:
         raise QnpuError(
             f"--resume: {run_dir} is a finished run, and its evaluation settings differ from "
-            "this config's; evaluate the run with `qnpu eval --run` instead"
+            "this config's (the run's -> this one's: "
+            + "; ".join(differing_keys(dataclasses.replace(saved, mesh=config.mesh), config))
+            + "); evaluate the run with `qnpu eval --run` instead"
         )
     return run.read_report()
 

@@ -30,10 +30,16 @@ from typing import Any
 from qnpu_jax.environment import study_command
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.ir.graph import MLP_INPUT, UNROTATED_INPUT, UNROTATED_OUTPUT
-from qnpu_jax.pipeline.config import load_config
+from qnpu_jax.pipeline.config import differing_keys, load_config
 from qnpu_jax.pipeline.quantized_model import nll_perplexity
 from qnpu_jax.pipeline.recipes import build_plan
-from qnpu_jax.pipeline.run import calibration_data, evaluation_sets, load_run
+from qnpu_jax.pipeline.run import (
+    EVAL_ONLY_KEYS,
+    calibration_data,
+    evaluation_sets,
+    load_run,
+    without_eval,
+)
 from qnpu_jax.pipeline.steps import STAGE1_TENSORS, Calibration, calibrate, gptq, promote
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import say, write_study_json
@@ -88,10 +94,12 @@ def main(argv: list[str] | None = None) -> int:
             weight_rounding=config.weights.rounding,
             gptq_damp=config.weights.gptq_damp,
         )
-        if same != config:
+        if without_eval(same) != without_eval(config):
             raise QnpuError(
                 f"{source} differs from the run's config in more than `rules`, "
-                "`down_out_mixed_precision`, `weight_rounding` and `gptq_damp`"
+                "`down_out_mixed_precision`, `weight_rounding`, `gptq_damp` and the keys "
+                f"that change no run ({', '.join(EVAL_ONLY_KEYS)}; the run's -> this one's): "
+                + "; ".join(differing_keys(without_eval(config), without_eval(same)))
             )
         layer_bits = {}  # the run's per-layer promotions (sensitivity scans) stay
         for name in (UNROTATED_INPUT, UNROTATED_OUTPUT, MLP_INPUT):
@@ -105,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             if fraction > 0:
                 promotion = promote(UNROTATED_OUTPUT, fraction)(run.model, data).steps[-1].info
                 layer_bits[UNROTATED_OUTPUT] = tuple(promotion["layer_bits"])
-        new_plan = build_plan(new_config, plan.num_layers, layer_bits)
+        graph = run.model.transforms.graph(run.model.cfg)  # Gemma 3's rotation graph, say
+        new_plan = build_plan(new_config, plan.num_layers, layer_bits, graph=graph)
         changed = changed_entries(plan, new_plan)
         learned = [p for p in changed if p.removeprefix("layers/") in STAGE1_TENSORS]
         if learned:
