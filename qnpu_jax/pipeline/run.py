@@ -153,12 +153,12 @@ def _check_run_dir(run_dir: Path, config: QuantizeConfig, resume: bool) -> None:
     if resume:
         if not run.has_config:
             raise QnpuError(f"--resume: {run_dir} holds no run (no {RunDir.CONFIG})")
-        saved = without_eval(read_run_config(run))
-        if saved != without_eval(config):
+        saved, asked = without_eval(read_run_config(run)), without_eval(config)
+        if saved != asked:
             raise QnpuError(
                 f"--resume: the config differs from the one in {run.config_path} (only "
                 f"{', '.join(EVAL_ONLY_KEYS)} may change on resume; the run's -> this one's): "
-                + "; ".join(differing_keys(saved, without_eval(config)))
+                + "; ".join(differing_keys(saved, asked))
             )
     elif run_dir.exists() and any(p.name != RunDir.LOCK for p in run_dir.iterdir()):
         raise QnpuError(f"{run_dir} is not empty; pass --resume to continue that run")
@@ -170,11 +170,12 @@ def _complete_report(run_dir: Path, config: QuantizeConfig) -> dict[str, Any]:
     verify_run(run_dir)
     run = RunDir(run_dir)
     saved = read_run_config(run)
-    if dataclasses.replace(saved, mesh=config.mesh) != config:
+    on_this_mesh = dataclasses.replace(saved, mesh=config.mesh)
+    if on_this_mesh != config:
         raise QnpuError(
             f"--resume: {run_dir} is a finished run, and its evaluation settings differ from "
             "this config's (the run's -> this one's: "
-            + "; ".join(differing_keys(dataclasses.replace(saved, mesh=config.mesh), config))
+            + "; ".join(differing_keys(on_this_mesh, config))
             + "); evaluate the run with `qnpu eval --run` instead"
         )
     return run.read_report()

@@ -94,12 +94,13 @@ def main(argv: list[str] | None = None) -> int:
             weight_rounding=config.weights.rounding,
             gptq_damp=config.weights.gptq_damp,
         )
-        if without_eval(same) != without_eval(config):
+        ran, asked = without_eval(config), without_eval(same)
+        if asked != ran:
             raise QnpuError(
                 f"{source} differs from the run's config in more than `rules`, "
                 "`down_out_mixed_precision`, `weight_rounding`, `gptq_damp` and the keys "
                 f"that change no run ({', '.join(EVAL_ONLY_KEYS)}; the run's -> this one's): "
-                + "; ".join(differing_keys(without_eval(config), without_eval(same)))
+                + "; ".join(differing_keys(ran, asked))
             )
         layer_bits = {}  # the run's per-layer promotions (sensitivity scans) stay
         for name in (UNROTATED_INPUT, UNROTATED_OUTPUT, MLP_INPUT):
