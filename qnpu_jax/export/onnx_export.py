@@ -211,9 +211,9 @@ def _int_tensor(name: str, codes: np.ndarray, onnx_type: int) -> Any:
     t.name = name
     t.data_type = onnx_type
     t.dims.extend(codes.shape)
-    flat = np.asarray(codes, np.int64).reshape(-1)
+    flat = np.asarray(codes).reshape(-1)  # integers in the type's range (float or int)
     if onnx_type in (TensorProto.INT4, TensorProto.UINT4):
-        nib = (flat & 0x0F).astype(np.uint8)
+        nib = (flat.astype(np.int8) & 0x0F).view(np.uint8)
         if nib.size % 2:
             nib = np.concatenate([nib, np.zeros(1, np.uint8)])
         t.raw_data = (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8).tobytes()
@@ -317,7 +317,10 @@ def _weight(
     shape[axis] = -1
     qmin, qmax = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
     inv = (1.0 / scale).astype(np.float32).reshape(shape)
-    codes = np.clip(np.rint(w * inv) + zp.reshape(shape), qmin, qmax)
+    codes = w * inv  # in place from here (lm_head: 49k-262k rows); exact integers
+    np.rint(codes, out=codes)
+    codes += zp.reshape(shape)
+    np.clip(codes, qmin, qmax, out=codes)
     q = _int_tensor(f"{name}_quantized", codes, onnx_type)
     z = _int_tensor(f"{name}_zero_point", zp, onnx_type)
     b.inits[q.name] = q
