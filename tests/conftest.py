@@ -72,23 +72,34 @@ _CACHE_COUNTS = {
 class _CompileClock:
     """Seconds spent compiling since the last `take` (fed by jax.monitoring listeners), split
     into tracing, lowering and XLA (a persistent-cache hit's XLA figure is its read), and the
-    cache's hits and misses."""
+    cache's hits and misses; and XLA's seconds per jitted function, misses and hits apart
+    (JAX counts a hit inside the XLA event that it belongs to)."""
 
     def __init__(self) -> None:
         self.figures: dict[str, float] = {}
+        self.functions: dict[str, list[float]] = {}  # name -> [misses, s, hits, s]
+        self._hit = False
 
-    def record(self, event: str, duration: float, **_: Any) -> None:
+    def record(self, event: str, duration: float, **kwargs: Any) -> None:
         if event in _COMPILE_PARTS:
             part = _COMPILE_PARTS[event]
             self.figures[part] = self.figures.get(part, 0.0) + duration
+            if part == "xla":
+                row = self.functions.setdefault(str(kwargs.get("fun_name")), [0, 0.0, 0, 0.0])
+                at = 2 if self._hit else 0
+                row[at] += 1
+                row[at + 1] += duration
+                self._hit = False
 
     def count(self, event: str, **_: Any) -> None:
         if event in _CACHE_COUNTS:
             name = _CACHE_COUNTS[event]
             self.figures[name] = self.figures.get(name, 0.0) + 1
+            self._hit = self._hit or name == "hits"
 
-    def take(self) -> dict[str, float]:
-        taken, self.figures = self.figures, {}
+    def take(self) -> tuple[dict[str, float], dict[str, list[float]]]:
+        taken = self.figures, self.functions
+        self.figures, self.functions = {}, {}
         return taken
 
 
@@ -105,14 +116,18 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
     # before the report is made, so that it carries the figure (xdist sends it to the controller)
-    for name, value in item.config.stash[_compile_clock].take().items():
+    figures, functions = item.config.stash[_compile_clock].take()
+    for name, value in figures.items():
         item.user_properties.append((f"compile_{name}_{call.when}", round(value, 3)))
+    if functions:
+        item.user_properties.append(("xla_by_function", functions))
     yield
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     seconds: dict[str, float] = {}  # nodeid -> setup + call + teardown
     figures: dict[str, dict[str, float]] = {}  # nodeid -> trace, lower, xla, hits, misses
+    functions: dict[str, list[float]] = {}  # jitted function -> [misses, s, hits, s]
     for reports in terminalreporter.stats.values():
         for report in reports:
             if not isinstance(report, pytest.TestReport):
@@ -124,6 +139,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
                     if key.startswith("compile_"):
                         name = key.split("_")[1]
                         row[name] = row.get(name, 0.0) + float(value)
+                    elif key == "xla_by_function":
+                        for fn, counts in value.items():
+                            have = functions.setdefault(fn, [0, 0.0, 0, 0.0])
+                            functions[fn] = [a + b for a, b in zip(have, counts, strict=True)]
     if not seconds:
         return
     parts = ("trace", "lower", "xla")
@@ -139,6 +158,11 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     top = sorted(compiling.items(), key=lambda kv: -kv[1])[:15]
     for nodeid, c in top:
         terminalreporter.write_line(f"  {c:7.1f} s compiling of {seconds[nodeid]:7.1f} s  {nodeid}")
+    terminalreporter.write_line(
+        "XLA by jitted function (the test processes): compiled n, s | read from the cache n, s"
+    )
+    for fn, (n, s, hn, hs) in sorted(functions.items(), key=lambda kv: -kv[1][1] - kv[1][3])[:20]:
+        terminalreporter.write_line(f"  {n:5.0f} {s:7.1f} s | {hn:5.0f} {hs:7.1f} s  {fn}")
 
 
 @pytest.fixture(autouse=True, scope="module")

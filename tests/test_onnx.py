@@ -479,6 +479,40 @@ def test_float_weights_sit_off_ties_so_any_rounding_gives_our_codes():
     assert off_ties(w, {**entry, "block": 32}, axis=1) is w  # per-block: as it was
 
 
+def test_off_ties_equals_deciding_every_weight_in_float64():
+    """`off_ties` decides in float64 only on the weights float32 puts near an edge (or beyond
+    2^(bits+1) codes): the same weights, bit for bit, as deciding every weight in float64."""
+    from qnpu_jax.export.onnx_export import off_ties, tie_margin
+
+    def every_weight(w, scale, bits, axis):
+        shape = [1] * w.ndim
+        shape[axis] = -1
+        s = scale.reshape(shape)
+        target = np.rint(w * (1.0 / s).astype(np.float32))
+        offset = w.astype(np.float64) / s.astype(np.float64) - target
+        margin = tie_margin(bits)
+        edge = np.abs(offset) > 0.5 - margin
+        moved = (target + np.clip(offset, margin - 0.5, 0.5 - margin)) * s.astype(np.float64)
+        return np.where(edge, moved.astype(np.float32), w), int(edge.sum())
+
+    rng = np.random.default_rng(3)
+    moved_cases = 0
+    for case in range(60):
+        bits, axis = (2, 4, 8, 16)[case % 4], case % 2
+        shape = (int(rng.integers(1, 40)), int(rng.integers(1, 40)))
+        scale = rng.uniform(1e-4, 1.0, shape[axis]).astype(np.float32)
+        view = scale.reshape([-1, 1] if axis == 0 else [1, -1])
+        codes = rng.integers(-(2**bits), 2**bits, shape) * (1 + 8 * (case % 3 == 2))
+        near = rng.choice([0.5, -0.5, 0.5 - tie_margin(bits), 0.4999, 0.25], shape)
+        w = ((codes + near) * view).astype(np.float32)  # on, at and off ties; beyond the range
+        want, edges = every_weight(w, scale, bits, axis)
+        got = off_ties(w, {"axis": axis, "scale": list(scale), "bits": bits}, axis)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        assert (got is w) == (edges == 0)
+        moved_cases += edges > 0
+    assert moved_cases > 40
+
+
 def test_aimet_codes_match_ours_on_the_first_layer(exported, windows):
     """AIMET's QuantSim and the QDQ graph on the same inputs, quantizer by quantizer
     (`qnpu study aimet_gap`): every weight has our codes (the float graph's weights sit off
