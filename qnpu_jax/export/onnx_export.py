@@ -82,6 +82,8 @@ from qnpu_jax.models.llama import (
 )
 from qnpu_jax.models.taps import CacheOnlyTaps, FakeQuantTaps, effective_state
 from qnpu_jax.pipeline.run import load_run
+from qnpu_jax.quant.requantize import quantize_to_int
+from qnpu_jax.quant.spec import QuantSpec
 
 OPSET = 21
 FORMAT = "qnpu-onnx"  # the manifest's "onnx" section
@@ -315,12 +317,9 @@ def _weight(
     zp = np.asarray(entry["zero_point"], np.int64)
     shape = [1] * w.ndim
     shape[axis] = -1
-    qmin, qmax = (-(1 << (bits - 1)), (1 << (bits - 1)) - 1) if signed else (0, (1 << bits) - 1)
-    inv = (1.0 / scale).astype(np.float32).reshape(shape)
-    codes = w * inv  # in place from here (lm_head: 49k-262k rows); exact integers
-    np.rint(codes, out=codes)
-    codes += zp.reshape(shape)
-    np.clip(codes, qmin, qmax, out=codes)
+    # the artifact's codes, by the same rule (any zero point: symmetric=False admits it)
+    spec = QuantSpec(bits=bits, symmetric=False, signed=signed, axis=axis)
+    codes = quantize_to_int(w, scale.reshape(shape), zp.reshape(shape), spec)
     q = _int_tensor(f"{name}_quantized", codes, onnx_type)
     z = _int_tensor(f"{name}_zero_point", zp, onnx_type)
     b.inits[q.name] = q
