@@ -66,6 +66,8 @@ def test_rules_override_in_order_and_per_layer_bits():
         (QuantRule(pattern="layers/o_out", init="magic"), "unknown initializer 'magic'"),
         (QuantRule(pattern="layers/down_in", layer_bits=(8, 16)), "2 entries for 30 layers"),
         (QuantRule(pattern="lm_head", layer_bits=(8,) * 30), "layers/ tensors only"),
+        (QuantRule(pattern="layers/o_proj", headroom=2), "a weight's range is exact"),
+        (QuantRule(pattern="layers/probs", headroom=2), "headroom widens a symmetric"),
     ],
 )
 def test_impossible_rules_are_clear_errors(rule, message):
@@ -125,3 +127,22 @@ def test_a_stored_state_reads_back_as_encodings():
         state_from_tree({"layers": {"down_in": {"scale": 1.0}}, "outer": {}})
     with pytest.raises(QnpuError, match="groups 'layers' and 'outer'"):
         state_from_tree({"layers": {}})
+
+
+def test_headroom_rule_round_trips_and_refuses_what_it_cannot_widen():
+    plan = default_plan(2, rules=[QuantRule(pattern="layers/(q_out|down_out)", headroom=2)])
+    assert plan.get("layers/q_out").headroom == 2.0 and plan.get("layers/k_out").headroom == 1.0
+    stored = plan.to_dict()["tensors"]
+    assert stored["layers/q_out"]["headroom"] == 2.0
+    assert "headroom" not in stored["layers/k_out"]  # the default: plans read as before it
+    assert QuantPlan.from_dict(plan.to_dict()) == plan
+    from qnpu_jax.pipeline.config import QuantizeConfig  # a config's `rules:` carry it too
+
+    config = QuantizeConfig.from_dict({"rules": [{"pattern": "layers/q_out", "headroom": 2}]})
+    assert config.rules == (QuantRule(pattern="layers/q_out", headroom=2),)
+    assert QuantizeConfig.from_dict(config.to_dict()) == config
+    for bad in (0.5, 257, True, "2", float("nan")):
+        with pytest.raises(QnpuError, match="headroom must be"):
+            QuantRule(pattern="layers/q_out", headroom=bad)  # type: ignore[arg-type]
+    with pytest.raises(QnpuError, match="headroom widens a symmetric"):
+        default_plan(2, rules=[QuantRule(pattern="layers/q_out", symmetric=False, headroom=2)])

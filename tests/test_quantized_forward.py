@@ -124,6 +124,22 @@ def test_calibration_counts_visible_scores_and_is_batch_size_invariant(
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_headroom_widens_only_the_tensors_it_names(tiny_cfg, tiny_params, tiny_windows):
+    """A rule's headroom multiplies the calibrated scale of the tensors it matches (symmetric:
+    the zero point stays 0); every other encoding is the plain plan's."""
+    plain = default_plan(tiny_cfg.num_layers)
+    wide = default_plan(
+        tiny_cfg.num_layers, rules=[QuantRule(pattern="layers/(up_out|o_out)", headroom=2)]
+    )
+    a = calibrate(tiny_params, tiny_cfg, plain, tiny_windows[:2])
+    b = calibrate(tiny_params, tiny_cfg, wide, tiny_windows[:2])
+    for group in ("layers", "outer"):
+        for name, enc in a[group].items():
+            factor = 2.0 if name in ("up_out", "o_out") else 1.0
+            np.testing.assert_array_equal(np.asarray(b[group][name].scale), factor * enc.scale)
+            np.testing.assert_array_equal(b[group][name].zero_point, enc.zero_point)
+
+
 def test_calibration_on_a_mesh_compiles_its_step_once(tiny_cfg, tiny_params, tiny_windows):
     from qnpu_jax.mesh import make_mesh, place_params
     from qnpu_jax.pipeline.calibrate import _observe_step, collect_activation_stats

@@ -272,7 +272,10 @@ def _stack(per_layer: list[ScaleZeroPoint]) -> ScaleZeroPoint:
 def _encoding_from_stats(
     path: str, stats: RangeStats, tq: TensorQuant, layer: int | None
 ) -> ScaleZeroPoint:
-    return _encoding(path, layer, lambda: scale_from_stats(stats, tq.init, tq.spec(layer)))
+    scale, zero_point = _encoding(
+        path, layer, lambda: scale_from_stats(stats, tq.init, tq.spec(layer))
+    )
+    return scale * np.float32(tq.headroom), zero_point  # headroom: symmetric (zero point 0)
 
 
 @partial(jax.jit, static_argnames=("axis", "num_bins"))

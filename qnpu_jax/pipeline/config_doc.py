@@ -171,6 +171,8 @@ RULE_KEYS: dict[str, str] = {
     "block": "weights: a scale per block of B inputs (0: per channel again)",
     "block_scale_bits": "weights: LPBQ integer block scales of k bits (0: float again)",
     "quantize": "false: keep the tensor in float",
+    "headroom": "symmetric activations: the calibrated range times this, in [1, 256] (2: one "
+    "bit of the grid for values beyond the calibration's)",
 }
 
 SECTIONS: tuple[tuple[str, tuple[str, ...], Mapping[str, str]], ...] = (

@@ -98,6 +98,9 @@ class TensorQuant:
     `muxq_channels` with `muxq_exp` (MUXQ): per layer, the outlier channels whose codes hold
     x >> muxq_exp (the tensor's state scale is then per channel, s·2^exp on them); the device
     adds (2^exp − 1) times their matmul (the Aux term) to the Body matmul.
+    `headroom` (a symmetric activation): its calibrated range times this factor, so that
+    values beyond what the calibration windows reached are not clipped; a 16-bit grid has the
+    resolution to spare (2: one bit of it).
     """
 
     bits: int
@@ -112,8 +115,11 @@ class TensorQuant:
     shadow_channels: tuple[tuple[int, ...], ...] | None = None
     muxq_channels: tuple[tuple[int, ...], ...] | None = None
     muxq_exp: int | None = None
+    headroom: float = 1.0
 
     def __post_init__(self) -> None:
+        check_headroom(self.headroom)
+        object.__setattr__(self, "headroom", float(self.headroom))
         if self.layer_bits is not None:  # a list would make the plan unhashable under jit
             object.__setattr__(self, "layer_bits", tuple(self.layer_bits))
         for field in ("shadow_channels", "muxq_channels"):
@@ -185,6 +191,7 @@ class QuantRule:
     block: int | None = None  # 0: back to one scale per row (None: leave unchanged)
     block_scale_bits: int | None = None  # 0: float block scales (None: leave unchanged)
     quantize: bool | None = None  # False removes the tensor from the plan (kept in float)
+    headroom: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str):
@@ -196,6 +203,8 @@ class QuantRule:
         if isinstance(self.layer_bits, list):
             object.__setattr__(self, "layer_bits", tuple(self.layer_bits))
         check_field_types(self, "rule ")
+        if self.headroom is not None:
+            check_headroom(self.headroom)
         if self.block not in (None, 0):
             check_block_fields(self.block, None)
         if self.block_scale_bits not in (None, 0):
@@ -260,9 +269,10 @@ class QuantPlan:
             "num_layers": self.num_layers,
             "simulation": self.simulation,
             "tensors": {
-                path: {
+                path: {  # a default headroom is left out: such plans read as before it
                     k: list(v) if isinstance(v, tuple) else v
                     for k, v in dataclasses.asdict(tq).items()
+                    if not (k == "headroom" and v == 1.0)
                 }
                 for path, tq in self.entries
             },
@@ -322,7 +332,7 @@ class QuantPlan:
                 base = table.get(path) or defaults[path]
                 changes = {
                     f: getattr(rule, f)
-                    for f in ("bits", "symmetric", "init", "learnable", "layer_bits")
+                    for f in ("bits", "symmetric", "init", "learnable", "layer_bits", "headroom")
                     if getattr(rule, f) is not None
                 }
                 if rule.axis != -1:
@@ -354,6 +364,18 @@ def _channel_lists(value: object, field: str) -> tuple[tuple[int, ...], ...]:
             raise QnpuError(f"{field} (layer {layer}): indices must be sorted and distinct")
         out.append(tuple(chans))
     return tuple(out)
+
+
+MAX_HEADROOM = 256.0  # 8 bits of a 16-bit grid
+
+
+def check_headroom(value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 1.0 <= value <= MAX_HEADROOM
+    ):
+        raise QnpuError(f"headroom must be a number in [1, {MAX_HEADROOM:g}], got {value!r}")
 
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -407,6 +429,11 @@ def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
             )
     if not is_weight(path) and tq.axis is not None:
         raise QnpuError(f"{path}: static activations are per-tensor (axis must be None)")
+    if tq.headroom != 1.0 and (is_weight(path) or not tq.symmetric or tq.init == "fixed"):
+        raise QnpuError(
+            f"{path}: headroom widens a symmetric calibrated activation's range (a weight's "
+            "range is exact)"
+        )
     if name == PROBS:
         if tq.signed or tq.init != "fixed" or tq.bits != 16 or tq.layer_bits is not None:
             raise QnpuError(
