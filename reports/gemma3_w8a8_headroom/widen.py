@@ -1,4 +1,6 @@
-"""Eval a run with some tensors' calibrated scales multiplied (a wider grid: less clipping)."""
+"""Eval a run with some tensors' calibrated scales multiplied (a wider grid: less clipping).
+usage: python widen.py RUN N VARIANTS_JSON OUT_JSON [FIRST]: wiki eval windows FIRST..FIRST+N-1
+(FIRST 0: the windows the error budget read; 4: the next ones, held out)."""
 import sys, json, time
 import numpy as np, jax
 from qnpu_jax.studies.harness import open_run
@@ -8,7 +10,8 @@ run = open_run(sys.argv[1])
 nwin = int(sys.argv[2])
 variants = json.loads(sys.argv[3])  # {label: {tensor: factor}}
 plan, state, cfg, prefix = run.plan, run.state, run.cfg, run.prefix
-windows = run.eval_windows(nwin)
+first = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+windows = run.eval_windows(first + nwin)[first:]
 t = time.time()
 base = evaluate(run.params, state, plan, cfg, windows, prefix, prefix_params=run.prefix_params)["ppl"]
 print(f"float {run.float_ppl(windows):.4f} run {base:.4f} ({time.time()-t:.0f} s)", flush=True)
