@@ -994,30 +994,33 @@ def _engines_agree_on_gemma3(int_model, model, ids):
 @pytest.fixture(scope="module")
 def rtn_w8a8(tiny_hf):
     """The tiny Gemma 3, RTN W8A8 with a BOS sink prefix, calibrated on the test sequences,
-    with gemma3-270m-quantnpu-w8a8's rules (q_proj's output at 16 bits, read by the query head
-    norm): the artifact and ONNX tests run the shipped plan's tensors."""
+    with gemma3-270m-quantnpu-w8a8's bits (q_proj's output at 16 bits, read by the query head
+    norm; a 16-bit K/V cache): the artifact and ONNX tests run the shipped plan's tensors."""
     from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
     from qnpu_jax.pipeline.config import load_config
 
-    rules = load_config("gemma3-270m-quantnpu-w8a8").rules
-    assert [(r.pattern, r.bits) for r in rules] == [("layers/q_out", 16)]
+    shipped = load_config("gemma3-270m-quantnpu-w8a8")
+    assert [(r.pattern, r.bits) for r in shipped.rules] == [("layers/q_out", 16)]
+    assert shipped.bits.kv == 16
     directory, _, ids, _ = tiny_hf
     fp = load_model(str(directory))
     windows = np.asarray(ids, np.int32)
     data = Calibration(windows.reshape(-1), windows)
-    recipe = chain(steps.plan(w_bits=8, a_bits=8, rules=rules), steps.calibrate())
-    model = recipe(QuantizedModel.from_float(fp, prefix="bos"), data)
-    assert model.require_plan().get("layers/q_out").bits == 16
+    plan = steps.plan(w_bits=8, a_bits=8, kv_bits=shipped.bits.kv, rules=shipped.rules)
+    model = chain(plan, steps.calibrate())(QuantizedModel.from_float(fp, prefix="bos"), data)
+    assert [model.require_plan().get(f"layers/{t}").bits for t in ("q_out", "k_rope", "v_out")] == [
+        16
+    ] * 3
     return model, fp.tokenizer
 
 
 def test_gemma3_integer_artifact_runs_bit_exact_on_both_engines(tiny_hf, rtn_w8a8, tmp_path):
-    """Gemma 3's graph as an integer artifact (W8A8 with q_proj's output at 16 bits, BOS sink
-    prefix): its GELU by LUT, the post-norms as integer RMSNorms, the q/k head norms, √hidden
-    folded into the embedding's row scales, the scores scaled by query_pre_attn_scalar, the
-    sliding layers' window and RoPE tables; the emulator and the JAX engine agree bit for bit
-    and track the fake-quant model. The artifact validates against Gemma's graph, not
-    LLaMA's."""
+    """Gemma 3's graph as an integer artifact (W8A8 with q_proj's output and the K/V cache at 16
+    bits, BOS sink prefix): its GELU by LUT, the post-norms as integer RMSNorms, the q/k head
+    norms, √hidden folded into the embedding's row scales, the scores scaled by
+    query_pre_attn_scalar, the sliding layers' window and RoPE tables; the emulator and the JAX
+    engine agree bit for bit and track the fake-quant model. The artifact validates against
+    Gemma's graph, not LLaMA's."""
     from qnpu_jax.export.exporter import export_quantized
     from qnpu_jax.export.int_model import load_int_model
     from qnpu_jax.ir.graph import GEMMA3_GRAPH
