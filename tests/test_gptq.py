@@ -73,6 +73,33 @@ def test_gptq_lowers_the_layer_error_and_matches_numpy(problem):
     assert np.mean(codes != _rtn(w, *grid)) > 0.05  # it did move codes
 
 
+def test_act_order_is_gptq_on_the_columns_sorted_by_their_energy(problem):
+    """act_order rounds the columns by decreasing H_ii: GPTQ of the permuted problem, its codes
+    put back in place; on the grid, it lowers the layer error too, and an order that is
+    already decreasing gives the plain codes."""
+    w, h = problem
+    d = np.sqrt(np.random.default_rng(1).uniform(0.2, 3.0, 32)).astype(np.float32)
+    h = d[:, None] * h * d[None, :]  # D H D: uneven energies, still positive definite
+    grid = _grid(w)
+    scale, zp = grid[0], grid[1]
+    order = np.argsort(-np.diag(h), kind="stable")
+    assert not np.array_equal(order, np.arange(32))
+    ordered = np.asarray(gptq_codes(w, h, *grid, act_order=True))
+    by_hand = np.asarray(gptq_codes(w[:, order], h[order][:, order], *grid))
+    np.testing.assert_array_equal(ordered[:, order], by_hand)
+    assert np.isfinite(ordered).all()
+    err_ordered = float(layer_error(w, (ordered - zp) * scale, h))
+    assert err_ordered < 0.7 * float(layer_error(w, (_rtn(w, *grid) - zp) * scale, h))
+    plain = np.asarray(gptq_codes(w, h, *grid))  # on this problem also below the plain order
+    assert not np.array_equal(ordered, plain)
+    assert err_ordered < 0.9 * float(layer_error(w, (plain - zp) * scale, h))
+    sorted_h = h[order][:, order]  # already in decreasing order: nothing to move
+    np.testing.assert_array_equal(
+        np.asarray(gptq_codes(w, sorted_h, *grid, act_order=True)),
+        np.asarray(gptq_codes(w, sorted_h, *grid)),
+    )
+
+
 def test_dead_columns_and_stacked_layers(problem):
     w, h = problem
     h = h.copy()
@@ -289,7 +316,7 @@ def test_gptq_study_on_a_gptq_run(gptq_run, tmp_path):
     from qnpu_jax import cli
 
     args = ["--run", str(gptq_run), "--grids", "learned,max_min", "--eval-windows", "2"]
-    args.append("--weights-only")
+    args += ["--weights-only", "--act-order"]
     # through the CLI: `qnpu study gptq_study ...`, which the report records to re-run it
     assert cli.main(["study", "gptq_study", *args, "--json", str(tmp_path / "g.json")]) == 0
     doc = json.loads((tmp_path / "g.json").read_text())
@@ -300,6 +327,8 @@ def test_gptq_study_on_a_gptq_run(gptq_run, tmp_path):
     assert rows["learned"]["gptq_ppl"] == pytest.approx(wiki, rel=1e-6)
     assert rows["learned"]["rtn_ppl"] != pytest.approx(wiki, rel=1e-6)
     assert rows["max_min"]["gptq_ppl"] != rows["max_min"]["rtn_ppl"]
+    for row in rows.values():  # act-order: other codes from the same Hessians
+        assert row["gptq_act_order_ppl"] != pytest.approx(row["gptq_ppl"], rel=1e-6)
     # the weight floor: the same codes with every activation float
     learned = rows["learned"]
     assert learned["gptq_weights_only_ppl"] != pytest.approx(learned["rtn_weights_only_ppl"])
@@ -341,6 +370,10 @@ def test_restage2_recalibrates_only_what_the_rules_change(
     out = json.loads((tmp_path / "rtn").read_text())
     assert out["recalibrated"] == [] and out["gptq_redone"] is False
     assert out["new_ppl"] != pytest.approx(out["run_ppl"], rel=1e-6)
+    assert run({"gptq_act_order": True}, "order") == 0  # GPTQ again, columns by energy
+    ordered = json.loads((tmp_path / "order").read_text())
+    assert ordered["recalibrated"] == [] and ordered["gptq_redone"] is True
+    assert ordered["new_ppl"] != pytest.approx(ordered["run_ppl"], rel=1e-6)
     # more eval sets: each scored for both models, the first one's figures on top
     text = tmp_path / "text.txt"
     text.write_text(" ".join(f"word{i % 97} and more text" for i in range(400)))
@@ -383,6 +416,12 @@ def test_config_names_bad_weight_rounding():
     with pytest.raises(QnpuError, match="gptq_damp"):
         QuantizeConfig.of(weight_rounding="gptq", gptq_damp=0.0)
     assert QuantizeConfig.from_dict({"weight_rounding": "gptq"}).weights.rounding == "gptq"
+    with pytest.raises(QnpuError, match=r"gptq_act_order .* needs weight_rounding gptq"):
+        QuantizeConfig.of(gptq_act_order=True)
+    with pytest.raises(QnpuError, match="gptq_act_order must be true or false"):
+        QuantizeConfig.from_dict({"weight_rounding": "gptq", "gptq_act_order": "yes"})
+    ordered = QuantizeConfig.of(weight_rounding="gptq", gptq_act_order=True)
+    assert ordered.weights.gptq_act_order and not QuantizeConfig.of().weights.gptq_act_order
 
 
 def test_mixed_precision_sweep_reproduces_the_run_at_its_own_share(gptq_run, tmp_path):

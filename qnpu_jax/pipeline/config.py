@@ -84,6 +84,7 @@ class Weights:
 
     rounding: WeightRounding = "rtn"  # "gptq": GPTQ codes on the same grid after stage 2
     gptq_damp: float = 0.01  # GPTQ's dampening, a share of the Hessian's mean diagonal
+    gptq_act_order: bool = False  # GPTQ rounds the columns by decreasing H_ii
     # scales per block of inputs (16..256; None: per channel), and with block_scale_bits the
     # block scales in AIMET's LPBQ form (integer · per-channel)
     block: int | None = None
@@ -162,6 +163,7 @@ KEYS: dict[str, str] = {
     "scope": "scope",
     "weight_rounding": "weights.rounding",
     "gptq_damp": "weights.gptq_damp",
+    "gptq_act_order": "weights.gptq_act_order",
     "smooth_mlp": "smooth_mlp",
     "weight_block": "weights.block",
     "weight_block_scale_bits": "weights.block_scale_bits",
@@ -410,6 +412,10 @@ class QuantizeConfig:
             (
                 blocked and w.rounding == "gptq",
                 "weight_rounding gptq does not support per-block weights",
+            ),
+            (
+                w.gptq_act_order and w.rounding != "gptq",
+                "gptq_act_order orders GPTQ's columns: it needs weight_rounding gptq",
             ),
             (
                 blocked and bool(m.asymmetric_weights),

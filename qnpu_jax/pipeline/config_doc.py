@@ -85,6 +85,8 @@ CONFIG_KEYS: dict[str, str] = {
     "weight_rounding": f"how weights are rounded after stage 2: {_OR.join(WEIGHT_ROUNDINGS)} "
     "(gptq: GPTQ's codes on the same grid)",
     "gptq_damp": "GPTQ's dampening, a share of the Hessian's mean diagonal, in (0, 1)",
+    "gptq_act_order": "GPTQ rounds the columns by decreasing H_ii (its act-order; needs "
+    "weight_rounding gptq); false: in input order",
     "smooth_mlp": "α of up→down channel smoothing (MobileQuant's SmoothQuant-Edge), in (0, 1); "
     "null: off",
     "weight_block": "the linear weights' scales per block of B inputs "

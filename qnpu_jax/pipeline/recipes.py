@@ -240,7 +240,7 @@ def after_stage1(config: QuantizeConfig) -> list[Step]:
     steps = [promote(t, share) for t, share in promoted if t in PROMOTED_AFTER_STAGE1]
     steps.append(calibrate())
     if config.weights.rounding == "gptq":
-        steps.append(gptq(config.weights.gptq_damp))
+        steps.append(gptq(config.weights.gptq_damp, act_order=config.weights.gptq_act_order))
     return steps + outlier_steps(config)
 
 

@@ -727,9 +727,10 @@ def muxq(tensor: str = UNROTATED_INPUT, exp: int = 2, threshold: float = 6.0) ->
 
 
 @step_factory()
-def gptq(damp: float = 0.01) -> tuple[StepFn, str]:
+def gptq(damp: float = 0.01, act_order: bool = False) -> tuple[StepFn, str]:
     """GPTQ's integer codes of every quantized linear weight on the calibrated grid (the
-    scales stay), from the fake-quant model's Hessians over the calibration."""
+    scales stay), from the fake-quant model's Hessians over the calibration; `act_order`
+    rounds each weight's columns by decreasing H_ii."""
     if not damp > 0:
         raise QnpuError(f"gptq: damp must be positive, got {damp}")
 
@@ -743,8 +744,9 @@ def gptq(damp: float = 0.01) -> tuple[StepFn, str]:
             m.cfg,
             data.windows,
             damp=damp,
+            act_order=act_order,
             prefix=m.prefix,
         )
         return m.replace(weight_codes=codes), None
 
-    return fn, "GPTQ rounding of the linear weights"
+    return fn, "GPTQ rounding of the linear weights" + (" (act-order)" if act_order else "")

@@ -109,6 +109,7 @@ def gptq_weight_codes(
     hessians: dict[str, jax.Array],
     *,
     damp: float = 0.01,
+    act_order: bool = False,
     progress: bool = False,
 ) -> dict[str, np.ndarray]:
     """GPTQ codes {linear: int8 [L, out, in]} of every quantized linear weight, on the grid
@@ -125,6 +126,7 @@ def gptq_weight_codes(
             s.qmin,
             s.qmax,
             damp=damp,
+            act_order=act_order,
         )
         dtype = np.int8 if float(jnp.max(s.qmax)) < 128 else np.int16
         codes[name] = np.asarray(q).astype(dtype)
@@ -139,6 +141,7 @@ def gptq_round_weights(
     windows: np.ndarray,
     *,
     damp: float = 0.01,
+    act_order: bool = False,
     prefix: tuple[int, ...] = (),
     progress: bool = False,
 ) -> dict[str, np.ndarray]:
@@ -148,7 +151,9 @@ def gptq_round_weights(
     525,980 against RTN's 159), so that is refused."""
     check_gptq_tokens(plan, cfg, np.asarray(windows).shape, len(prefix))
     hessians = collect_hessians(params, state, plan, cfg, windows, prefix=prefix, progress=progress)
-    return gptq_weight_codes(params, state, plan, hessians, damp=damp, progress=progress)
+    return gptq_weight_codes(
+        params, state, plan, hessians, damp=damp, act_order=act_order, progress=progress
+    )
 
 
 def weights_from_codes(params: Params, state: QuantState, codes: dict[str, Any]) -> Params:

@@ -30,7 +30,7 @@ def _inverse_cholesky(h: jax.Array, damp: float) -> tuple[jax.Array, jax.Array]:
     return jnp.linalg.cholesky(h_inv).T, dead
 
 
-@partial(jax.jit, static_argnames=("damp", "block"))
+@partial(jax.jit, static_argnames=("damp", "block", "act_order"))
 def gptq_codes(
     w: jax.Array,
     h: jax.Array,
@@ -41,6 +41,7 @@ def gptq_codes(
     *,
     damp: float = 0.01,
     block: int = 128,
+    act_order: bool = False,
 ) -> jax.Array:
     """Integer codes [out, in] (float32 holding integers) of w [out, in] on the grid
     (scale [out, 1], zero_point [out, 1], qmin, qmax), chosen by GPTQ with input Hessian h.
@@ -48,7 +49,16 @@ def gptq_codes(
     Columns are rounded one at a time within blocks of `block` columns; a block's errors reach
     the later blocks in one matmul (GPTQ's lazy batch update: the same result, less memory
     traffic). With h ∝ I every column's error has nowhere to go: round-to-nearest's codes.
+    `act_order` rounds the columns by decreasing H_ii (GPTQ's act-order: the inputs with the
+    most energy first, while the most columns are left to take their error); the grid is per
+    row, so the order changes only which codes are chosen, not the artifact.
     """
+    if act_order:
+        order = jnp.argsort(-jnp.diag(h), stable=True)
+        codes = gptq_codes(
+            w[:, order], h[order][:, order], scale, zero_point, qmin, qmax, damp=damp, block=block
+        )
+        return codes[:, jnp.argsort(order)]
     u, dead = _inverse_cholesky(h.astype(jnp.float32), damp)
     w = jnp.where(dead[None, :], 0.0, w.astype(jnp.float32))
     scale = jnp.broadcast_to(scale, (w.shape[0], 1))[:, 0]
@@ -90,6 +100,7 @@ def gptq_layers(
     *,
     damp: float = 0.01,
     block: int = 128,
+    act_order: bool = False,
 ) -> jax.Array:
     """`gptq_codes` of stacked layer weights w [L, out, in] with Hessians h [L, in, in] and
     per-layer encodings (scale [L, out, 1], qmin/qmax [L]), one layer at a time."""
@@ -100,7 +111,15 @@ def gptq_layers(
     return jnp.stack(
         [
             gptq_codes(
-                w[i], h[i], scale[i], zero_point[i], qmin[i], qmax[i], damp=damp, block=block
+                w[i],
+                h[i],
+                scale[i],
+                zero_point[i],
+                qmin[i],
+                qmax[i],
+                damp=damp,
+                block=block,
+                act_order=act_order,
             )
             for i in range(w.shape[0])
         ]

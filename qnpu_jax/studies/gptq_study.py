@@ -10,6 +10,8 @@ from the weights before rounding, also on a run with GPTQ's codes (whose "learne
 column is then the run itself).
 `--weights-only` adds both columns with every activation in float (the weight floor: what the
 weights alone cost, W4A16 and beyond), so one command shows the floor beside the run.
+`--act-order` adds a column of GPTQ rounding the columns by decreasing H_ii (GPTQ's
+act-order), from the same Hessians.
 
     qnpu study gptq_study --run runs/smollm2-135m-quarot-w4a8 \
         --grids learned,mse,max_min --weights-only --json reports/gptq_study.json
@@ -56,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also both columns with every activation in float (the weight floor)",
     )
+    parser.add_argument(
+        "--act-order",
+        action="store_true",
+        help="also GPTQ rounding the columns by decreasing H_ii (GPTQ's act-order)",
+    )
     args = parser.parse_args(argv)
 
     command = study_command("gptq_study", argv)
@@ -91,6 +98,20 @@ def main(argv: list[str] | None = None) -> int:
         )["ppl"]
         row = {"grid": grid, "rtn_ppl": rtn, "gptq_ppl": gptq, "gptq_seconds": gptq_s}
         print(f"{grid}: round-to-nearest {rtn:.3f}, GPTQ {gptq:.3f} ({gptq_s:.0f} s)", flush=True)
+        if args.act_order:
+            ordered = gptq_weight_codes(
+                params, grid_state, plan, hessians, damp=args.damp, act_order=True
+            )
+            row["gptq_act_order_ppl"] = evaluate(
+                weights_from_codes(params, grid_state, ordered),
+                grid_state,
+                plan,
+                cfg,
+                windows,
+                prefix,
+                prefix_params=unrounded,
+            )["ppl"]
+            print(f"{grid}: GPTQ, act-order {row['gptq_act_order_ppl']:.3f}", flush=True)
         if args.weights_only:
             w_plan, w_state = without(plan, grid_state, lambda p: not is_weight(p))
             row["rtn_weights_only_ppl"] = evaluate(

@@ -1,14 +1,14 @@
 """Stage 2 of a finished run again under other plan rules, without a new stage 1 -> JSON.
 
 `--config` (default: the run's own config) must equal the run's config except for `rules`,
-`down_out_mixed_precision` (which `--down-out-mixed-precision P` also sets), `weight_rounding`
-and `gptq_damp`; the change must leave the tensors stage 1 learned (the linears' inputs and
-weights) as they were. A changed `down_out_mixed_precision` runs its scan on the run's final
-model (its weights before GPTQ's rounding), as `qnpu quantize` does. The tensors whose entry
-changes are recalibrated on the run's rotated model and calibration windows, everything else
-keeps the run's encodings; with `weight_rounding: gptq` GPTQ then re-chooses the codes under
-the new plan (`rtn`: the run's codes go), and both models are evaluated on the same eval
-windows. Because stage 1 never sees the other tensors, the result is what `qnpu quantize
+`down_out_mixed_precision` (which `--down-out-mixed-precision P` also sets), `weight_rounding`,
+`gptq_damp` and `gptq_act_order`; the change must leave the tensors stage 1 learned (the
+linears' inputs and weights) as they were. A changed `down_out_mixed_precision` runs its scan on
+the run's final model (its weights before GPTQ's rounding), as `qnpu quantize` does. The tensors
+whose entry changes are recalibrated on the run's rotated model and calibration windows,
+everything else keeps the run's encodings; with `weight_rounding: gptq` GPTQ then re-chooses the
+codes under the new plan (`rtn`: the run's codes go), and both models are evaluated on the same
+eval windows. Because stage 1 never sees the other tensors, the result is what `qnpu quantize
 --config CONFIG` gives (same seed, same stage 1; equal on the test model) up to float rounding:
 the partial calibration compiles another forward (encodings within 1e-6), and GPTQ's codes can
 carry that to a few tenths of a percent of perplexity (SmolLM2 W4A8 seed 0: 18.212 here, 18.262
@@ -70,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
 
     command = study_command("restage2", argv)
 
-
     try:
         say(f"reading and verifying the run {args.run}")
         run = load_run(args.run)
@@ -84,21 +83,21 @@ def main(argv: list[str] | None = None) -> int:
         sets = evaluation_sets(evaluated, model.tokenizer, room)  # a wrong path fails first
         new_config = load_config(args.config) if args.config is not None else config
         if args.down_out_mixed_precision is not None:
-            new_config = new_config.replace(
-                down_out_mixed_precision=args.down_out_mixed_precision
-            )
+            new_config = new_config.replace(down_out_mixed_precision=args.down_out_mixed_precision)
         source = str(args.config) if args.config is not None else "the run's config"
         same = new_config.replace(
             rules=config.rules,
             down_out_mixed_precision=config.promotions.down_out,
             weight_rounding=config.weights.rounding,
             gptq_damp=config.weights.gptq_damp,
+            gptq_act_order=config.weights.gptq_act_order,
         )
         ran, asked = without_eval(config), without_eval(same)
         if asked != ran:
             raise QnpuError(
                 f"{source} differs from the run's config in more than `rules`, "
-                "`down_out_mixed_precision`, `weight_rounding`, `gptq_damp` and the keys "
+                "`down_out_mixed_precision`, `weight_rounding`, `gptq_damp`, `gptq_act_order` and "
+                "the keys "
                 f"that change no run ({', '.join(EVAL_ONLY_KEYS)}; the run's -> this one's): "
                 + "; ".join(differing_keys(ran, asked))
             )
@@ -120,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         learned = [p for p in changed if p.removeprefix("layers/") in STAGE1_TENSORS]
         if learned:
             raise QnpuError(f"the rules change stage-1 tensors {learned}: run qnpu quantize")
-        rounding = new_config.weights.rounding, new_config.weights.gptq_damp
+        w_new, w_run = new_config.weights, config.weights
+        rounding = w_new.rounding, w_new.gptq_damp, w_new.gptq_act_order
         rounds = rounding[0] == "gptq"
-        if not changed and rounding == (config.weights.rounding, config.weights.gptq_damp):
+        if not changed and rounding == (w_run.rounding, w_run.gptq_damp, w_run.gptq_act_order):
             raise QnpuError("the new config changes no tensor of the plan and not the rounding")
     except QnpuError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if changed:
         restaged = calibrate(changed)(restaged, data)
     if rounds:
-        restaged = gptq(new_config.weights.gptq_damp)(restaged, data)
+        restaged = gptq(w_new.gptq_damp, act_order=w_new.gptq_act_order)(restaged, data)
     results = {}
     for spec, windows in sets.items():
         run_ppl = nll_perplexity(run.model.nll_fn(), windows)["ppl"]
