@@ -484,7 +484,9 @@ def test_onnx_export_of_shadow_and_muxq_channels_is_deployable(shadowed, mechani
     and its Aux matmul adds them back (2^exp − 1)·Aux·W. The float graph stays the float
     model (the overflow is exactly zero without quantizers); onnxruntime's QDQ graph scores
     as the fake-quant model does, and AIMET loads model.encodings onto the float graph with
-    nothing missing and nothing extra (`aimet_quantsim` refuses otherwise)."""
+    nothing missing and nothing extra (`aimet_quantsim` refuses otherwise). The scores are on
+    English text: on the fixture's arithmetic ids (25-56 nats a token) one code that a CPU's
+    float order flipped moved every later token by up to 7% (MUXQ, an AVX-512 Xeon)."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -499,7 +501,7 @@ def test_onnx_export_of_shadow_and_muxq_channels_is_deployable(shadowed, mechani
     )
     from qnpu_jax.runtime.onnx_run import OnnxModel, aimet_quantsim
 
-    fp, base, model, windows, data = shadowed
+    fp, base, model, _, data = shadowed
     if mechanism == "muxq":
         model = steps.muxq("down_in", exp=2, threshold=1.0)(base, data)
     model = model.replace(plan=dataclasses.replace(model.plan, simulation="fake"))
@@ -549,7 +551,7 @@ def test_onnx_export_of_shadow_and_muxq_channels_is_deployable(shadowed, mechani
     sides = draw_layer(out, layers[0], tmp_path / "layer.png")  # docs/deploy.md's picture
     assert (tmp_path / "layer.png").read_bytes()[:4] == b"\x89PNG"
     assert (sides["cpu"] > 0) == (mechanism == "shadow") and sides["npu"] > 40
-    ids = np.asarray(windows[:2, :40])
+    ids = np.asarray([fp.tokenizer.encode(t)[:40] for t in _TEXTS])
     _structure_gives_the_fake_quant_codes(out, layers[0], mechanism, tq)
     nll_qdq = OnnxModel(out, qdq=True).token_nll(ids)
     nll_fake = np.asarray(model.nll_fn()(jnp.asarray(ids)))
@@ -562,6 +564,16 @@ def test_onnx_export_of_shadow_and_muxq_channels_is_deployable(shadowed, mechani
     assert loaded["quantizers"] == len(acts) + len(params)
     nll_sim = OnnxModel(out, qdq=True, sessions={"prefill": session}).token_nll(ids)
     assert abs(nll_sim.mean() / nll_qdq.mean() - 1) < 0.02
+
+
+_TEXTS = (
+    "The river rises in the hills to the north of the town and runs south through a wide valley"
+    " of farms and small villages before it reaches the sea at the old harbour, where the"
+    " fishing boats have landed their catch for more than three hundred years.",
+    "In the spring of that year the council met to decide whether the bridge should be rebuilt"
+    " in stone, as the merchants wanted, or repaired in wood, which would cost far less and"
+    " could be finished before the autumn floods came down the valley again.",
+)
 
 
 def _structure_gives_the_fake_quant_codes(out, layer, mechanism, tq):

@@ -58,7 +58,7 @@ EXAMPLES = readme_examples(README.read_text())
 def test_the_examples_are_found_and_each_has_its_output() -> None:
     assert set(EXAMPLES) == {"quick-start", "recipe"}
     recorded = {name: len(outs) for name, (_, outs) in EXAMPLES.items()}
-    assert recorded == {"quick-start": 2, "recipe": 3}, EXAMPLES  # one per distinct print
+    assert recorded == {"quick-start": 3, "recipe": 4}, EXAMPLES  # one per distinct print
     text = "<!-- example: x -->\n```python\npass\n```\n<!-- output: x -->\n```\na\n```\n"
     other = "<!-- output: x, elsewhere\n```\nb\n```\n-->\n"
     assert readme_examples(text) == {"x": ("pass\n", ["a\n"])}
