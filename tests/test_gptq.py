@@ -370,6 +370,15 @@ def test_restage2_recalibrates_only_what_the_rules_change(
     out = json.loads((tmp_path / "rtn").read_text())
     assert out["recalibrated"] == [] and out["gptq_redone"] is False
     assert out["new_ppl"] != pytest.approx(out["run_ppl"], rel=1e-6)
+    # GPTQ's Hessians over the calibration windows themselves: the run's codes again; over
+    # windows drawn beyond them: other codes
+    assert run({"gptq_windows": GPTQ_RUN["calib_windows"]}, "same_windows") == 0
+    again = json.loads((tmp_path / "same_windows").read_text())
+    assert again["gptq_redone"] is True and again["recalibrated"] == []
+    assert again["new_ppl"] == pytest.approx(again["run_ppl"], rel=1e-6)
+    assert run({"gptq_windows": 2 * GPTQ_RUN["calib_windows"]}, "more_windows") == 0
+    more = json.loads((tmp_path / "more_windows").read_text())
+    assert more["new_ppl"] != pytest.approx(more["run_ppl"], rel=1e-6)
     assert run({"gptq_act_order": True}, "order") == 0  # GPTQ again, columns by energy
     ordered = json.loads((tmp_path / "order").read_text())
     assert ordered["recalibrated"] == [] and ordered["gptq_redone"] is True
@@ -422,6 +431,39 @@ def test_config_names_bad_weight_rounding():
         QuantizeConfig.from_dict({"weight_rounding": "gptq", "gptq_act_order": "yes"})
     ordered = QuantizeConfig.of(weight_rounding="gptq", gptq_act_order=True)
     assert ordered.weights.gptq_act_order and not QuantizeConfig.of().weights.gptq_act_order
+    with pytest.raises(QnpuError, match=r"gptq_windows .* needs weight_rounding gptq"):
+        QuantizeConfig.of(gptq_windows=64)
+    with pytest.raises(QnpuError, match="gptq_windows must be null or positive, got 0"):
+        QuantizeConfig.of(weight_rounding="gptq", gptq_windows=0)
+    with pytest.raises(QnpuError, match="gptq_windows must be at most 4096"):
+        QuantizeConfig.of(weight_rounding="gptq", gptq_windows=5000)
+
+
+def test_gptq_windows_are_the_calibration_windows_then_more_of_the_text():
+    """`gptq_windows` N: the calibration windows first, then windows of the calibration text
+    drawn with the calibration key folded with 1; unset, GPTQ's step records what it did before
+    the key existed (so older runs resume)."""
+    from qnpu_jax.pipeline.config import QuantizeConfig
+    from qnpu_jax.pipeline.recipes import config_keys, gptq_step
+    from qnpu_jax.pipeline.steps import Calibration
+
+    ids = np.arange(1000, dtype=np.int32)
+    data = Calibration(ids, np.stack([ids[s : s + 16] for s in (48, 144, 320, 656)]))
+    np.testing.assert_array_equal(data.first_windows(3, jax.random.key(1)), data.windows[:3])
+    ten = data.first_windows(10, jax.random.key(1))
+    assert ten.shape == (10, 16) and ten.dtype == np.int32
+    np.testing.assert_array_equal(ten[:4], data.windows)
+    assert all(np.array_equal(w, np.arange(w[0], w[0] + 16)) for w in ten[4:])  # text slices
+    np.testing.assert_array_equal(ten, data.first_windows(10, jax.random.key(1)))
+    assert not np.array_equal(ten, data.first_windows(10, jax.random.key(2)))
+
+    plain = QuantizeConfig.of(weight_rounding="gptq", gptq_act_order=True)
+    assert gptq_step(plain).args == {"damp": 0.01, "act_order": True}
+    wide = gptq_step(plain.replace(gptq_windows=64))
+    key = jax.random.fold_in(config_keys(plain)[0], 1)
+    assert wide.args["windows"] == 64
+    assert wide.args["key"] == np.asarray(jax.random.key_data(key)).tolist()
+    assert "64 windows" in wide.describe and "act-order" in wide.describe
 
 
 def test_mixed_precision_sweep_reproduces_the_run_at_its_own_share(gptq_run, tmp_path):

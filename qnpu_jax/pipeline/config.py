@@ -85,6 +85,9 @@ class Weights:
     rounding: WeightRounding = "rtn"  # "gptq": GPTQ codes on the same grid after stage 2
     gptq_damp: float = 0.01  # GPTQ's dampening, a share of the Hessian's mean diagonal
     gptq_act_order: bool = False  # GPTQ rounds the columns by decreasing H_ii
+    # GPTQ's Hessians from this many windows of the calibration text: the calibration windows,
+    # then more drawn from the text (None: the calibration windows alone)
+    gptq_windows: int | None = None
     # scales per block of inputs (16..256; None: per channel), and with block_scale_bits the
     # block scales in AIMET's LPBQ form (integer · per-channel)
     block: int | None = None
@@ -164,6 +167,7 @@ KEYS: dict[str, str] = {
     "weight_rounding": "weights.rounding",
     "gptq_damp": "weights.gptq_damp",
     "gptq_act_order": "weights.gptq_act_order",
+    "gptq_windows": "weights.gptq_windows",
     "smooth_mlp": "smooth_mlp",
     "weight_block": "weights.block",
     "weight_block_scale_bits": "weights.block_scale_bits",
@@ -239,6 +243,7 @@ RANGES: dict[str, Range] = {
     "mlp_in_mixed_precision": Range(0, 1),
     "attn_out_mixed_precision": Range(0, 1),
     "gptq_damp": _SHARE,
+    "gptq_windows": Range(1),
     "smooth_mlp": _SHARE,
     "shadow_outliers": Range(0, 100, low_open=True, noun="a percentile"),
     "shadow_keep": Range(0, 1, low_open=True),
@@ -378,6 +383,9 @@ class QuantizeConfig:
                 raise QnpuError(f"{key} must be {null}{noun}{says}{why}, got {shown(value)}")
         why = "every window runs through every calibration pass"
         check_at_most(self.data.windows, MAX_CALIB_WINDOWS, "calib_windows", why)
+        if self.weights.gptq_windows is not None:
+            why = "every window runs through GPTQ's Hessian pass"
+            check_at_most(self.weights.gptq_windows, MAX_CALIB_WINDOWS, "gptq_windows", why)
         try:  # the plan's own validation, with the config's names
             check_block_fields(self.weights.block, self.weights.block_scale_bits)
         except QnpuError as e:
@@ -416,6 +424,10 @@ class QuantizeConfig:
             (
                 w.gptq_act_order and w.rounding != "gptq",
                 "gptq_act_order orders GPTQ's columns: it needs weight_rounding gptq",
+            ),
+            (
+                w.gptq_windows is not None and w.rounding != "gptq",
+                "gptq_windows sets GPTQ's calibration: it needs weight_rounding gptq",
             ),
             (
                 blocked and bool(m.asymmetric_weights),

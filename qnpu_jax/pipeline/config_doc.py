@@ -87,6 +87,9 @@ CONFIG_KEYS: dict[str, str] = {
     "gptq_damp": "GPTQ's dampening, a share of the Hessian's mean diagonal, in (0, 1)",
     "gptq_act_order": "GPTQ rounds the columns by decreasing H_ii (its act-order; needs "
     "weight_rounding gptq); false: in input order",
+    "gptq_windows": "GPTQ's Hessians from this many windows of the calibration text: the "
+    "calibration windows, then more drawn from the text (needs weight_rounding gptq); null: "
+    "the calibration windows alone",
     "smooth_mlp": "α of up→down channel smoothing (MobileQuant's SmoothQuant-Edge), in (0, 1); "
     "null: off",
     "weight_block": "the linear weights' scales per block of B inputs "

@@ -240,8 +240,18 @@ def after_stage1(config: QuantizeConfig) -> list[Step]:
     steps = [promote(t, share) for t, share in promoted if t in PROMOTED_AFTER_STAGE1]
     steps.append(calibrate())
     if config.weights.rounding == "gptq":
-        steps.append(gptq(config.weights.gptq_damp, act_order=config.weights.gptq_act_order))
+        steps.append(gptq_step(config))
     return steps + outlier_steps(config)
+
+
+def gptq_step(config: QuantizeConfig) -> Step:
+    """GPTQ as `config` asks (its dampening, column order and windows; the windows beyond the
+    calibration's drawn with the calibration key folded with 1)."""
+    w = config.weights
+    if w.gptq_windows is None:
+        return gptq(w.gptq_damp, act_order=w.gptq_act_order)
+    key = jax.random.fold_in(config_keys(config)[0], 1)
+    return gptq(w.gptq_damp, act_order=w.gptq_act_order, windows=w.gptq_windows, key=key)
 
 
 def _stage1(config: QuantizeConfig, *, learn_scales: bool) -> Step:

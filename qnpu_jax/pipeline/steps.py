@@ -113,6 +113,15 @@ class Calibration:
         ids = tokenize_documents(load_documents(spec, split), tokenizer)
         return cls(ids, sample_windows(ids, seq_len, windows, key))
 
+    def first_windows(self, count: int, key: jax.Array) -> np.ndarray:
+        """`count` windows [count, T]: the calibration windows first, then windows drawn from
+        the text with `key` (so the same count gives the calibration windows themselves)."""
+        have = np.asarray(self.windows)
+        if count <= len(have):
+            return have[:count]
+        more = sample_windows(np.asarray(self.ids), self.seq_len, count - len(have), key)
+        return np.concatenate([have, more])
+
 
 @dataclasses.dataclass(frozen=True)
 class Context:
@@ -726,27 +735,39 @@ def muxq(tensor: str = UNROTATED_INPUT, exp: int = 2, threshold: float = 6.0) ->
     return fn, f"MUXQ of {path} (channels above {threshold:g} shifted by {exp} bits)"
 
 
-@step_factory()
-def gptq(damp: float = 0.01, act_order: bool = False) -> tuple[StepFn, str]:
+@step_factory(only_if_set=("windows", "key"))
+def gptq(
+    damp: float = 0.01,
+    act_order: bool = False,
+    windows: int | None = None,
+    key: jax.Array | None = None,
+) -> tuple[StepFn, str]:
     """GPTQ's integer codes of every quantized linear weight on the calibrated grid (the
     scales stay), from the fake-quant model's Hessians over the calibration; `act_order`
-    rounds each weight's columns by decreasing H_ii."""
+    rounds each weight's columns by decreasing H_ii. `windows`: the Hessians over that many
+    windows (`Calibration.first_windows`, the ones beyond the calibration's drawn with `key`)."""
     if not damp > 0:
         raise QnpuError(f"gptq: damp must be positive, got {damp}")
+    if windows is not None and (windows < 1 or key is None):
+        raise QnpuError(f"gptq: windows must be positive and come with a key, got {windows}")
 
     def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
         if m.weight_codes:
             raise QnpuError("gptq: the weights are rounded already")
+        chosen = data.windows
+        if windows is not None and key is not None:  # both or neither (checked above)
+            chosen = data.first_windows(windows, key)
         codes = gptq_round_weights(
             m.params(),
             m.require_state(),
             m.require_plan(),
             m.cfg,
-            data.windows,
+            chosen,
             damp=damp,
             act_order=act_order,
             prefix=m.prefix,
         )
         return m.replace(weight_codes=codes), None
 
-    return fn, "GPTQ rounding of the linear weights" + (" (act-order)" if act_order else "")
+    how = [*(["act-order"] if act_order else []), *([f"{windows} windows"] if windows else [])]
+    return fn, "GPTQ rounding of the linear weights" + (f" ({', '.join(how)})" if how else "")

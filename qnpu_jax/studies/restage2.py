@@ -1,9 +1,9 @@
 """Stage 2 of a finished run again under other plan rules, without a new stage 1 -> JSON.
 
-`--config` (default: the run's own config) must equal the run's config except for `rules`,
-`down_out_mixed_precision` (which `--down-out-mixed-precision P` also sets), `weight_rounding`,
-`gptq_damp` and `gptq_act_order`; the change must leave the tensors stage 1 learned (the
-linears' inputs and weights) as they were. A changed `down_out_mixed_precision` runs its scan on
+`--config` (default: the run's own config) must equal the run's config except for
+`RESTAGED_KEYS`: `rules`, `down_out_mixed_precision` (which `--down-out-mixed-precision P` also
+sets) and GPTQ's keys; the change must leave the tensors stage 1 learned (the linears' inputs
+and weights) as they were. A changed `down_out_mixed_precision` runs its scan on
 the run's final model (its weights before GPTQ's rounding), as `qnpu quantize` does. The tensors
 whose entry changes are recalibrated on the run's rotated model and calibration windows,
 everything else keeps the run's encodings; with `weight_rounding: gptq` GPTQ then re-chooses the
@@ -32,7 +32,7 @@ from qnpu_jax.errors import QnpuError
 from qnpu_jax.ir.graph import MLP_INPUT, UNROTATED_INPUT, UNROTATED_OUTPUT
 from qnpu_jax.pipeline.config import differing_keys, load_config
 from qnpu_jax.pipeline.quantized_model import nll_perplexity
-from qnpu_jax.pipeline.recipes import build_plan
+from qnpu_jax.pipeline.recipes import build_plan, gptq_step
 from qnpu_jax.pipeline.run import (
     EVAL_ONLY_KEYS,
     calibration_data,
@@ -40,9 +40,19 @@ from qnpu_jax.pipeline.run import (
     load_run,
     without_eval,
 )
-from qnpu_jax.pipeline.steps import STAGE1_TENSORS, Calibration, calibrate, gptq, promote
+from qnpu_jax.pipeline.steps import STAGE1_TENSORS, Calibration, calibrate, promote
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import say, write_study_json
+
+# the config keys a restage may change: the plan's rules, the scan after stage 1, GPTQ's
+RESTAGED_KEYS = (
+    "rules",
+    "down_out_mixed_precision",
+    "weight_rounding",
+    "gptq_damp",
+    "gptq_act_order",
+    "gptq_windows",
+)
 
 
 def changed_entries(old: Any, new: Any) -> list[str]:
@@ -85,19 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.down_out_mixed_precision is not None:
             new_config = new_config.replace(down_out_mixed_precision=args.down_out_mixed_precision)
         source = str(args.config) if args.config is not None else "the run's config"
-        same = new_config.replace(
-            rules=config.rules,
-            down_out_mixed_precision=config.promotions.down_out,
-            weight_rounding=config.weights.rounding,
-            gptq_damp=config.weights.gptq_damp,
-            gptq_act_order=config.weights.gptq_act_order,
-        )
+        same = new_config.replace(**{key: config.value(key) for key in RESTAGED_KEYS})
         ran, asked = without_eval(config), without_eval(same)
         if asked != ran:
             raise QnpuError(
-                f"{source} differs from the run's config in more than `rules`, "
-                "`down_out_mixed_precision`, `weight_rounding`, `gptq_damp`, `gptq_act_order` and "
-                "the keys "
+                f"{source} differs from the run's config in more than "
+                f"{', '.join(f'`{key}`' for key in RESTAGED_KEYS)} and the keys "
                 f"that change no run ({', '.join(EVAL_ONLY_KEYS)}; the run's -> this one's): "
                 + "; ".join(differing_keys(ran, asked))
             )
@@ -119,10 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         learned = [p for p in changed if p.removeprefix("layers/") in STAGE1_TENSORS]
         if learned:
             raise QnpuError(f"the rules change stage-1 tensors {learned}: run qnpu quantize")
-        w_new, w_run = new_config.weights, config.weights
-        rounding = w_new.rounding, w_new.gptq_damp, w_new.gptq_act_order
-        rounds = rounding[0] == "gptq"
-        if not changed and rounding == (w_run.rounding, w_run.gptq_damp, w_run.gptq_act_order):
+        rounds = new_config.weights.rounding == "gptq"
+        if not changed and new_config.weights == config.weights:
             raise QnpuError("the new config changes no tensor of the plan and not the rounding")
     except QnpuError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -132,13 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     if changed:
         restaged = calibrate(changed)(restaged, data)
     if rounds:
-        restaged = gptq(w_new.gptq_damp, act_order=w_new.gptq_act_order)(restaged, data)
+        restaged = gptq_step(new_config)(restaged, data)
     results = {}
     for spec, windows in sets.items():
         run_ppl = nll_perplexity(run.model.nll_fn(), windows)["ppl"]
         new_ppl = nll_perplexity(restaged.nll_fn(), windows)["ppl"]
         results[spec] = {"windows": len(windows), "run_ppl": run_ppl, "new_ppl": new_ppl}
-        what = ", ".join(changed) + (", " if changed else "") + f"rounding {rounding[0]}"
+        rounding = f"rounding {new_config.weights.rounding}"
+        what = ", ".join(changed) + (", " if changed else "") + rounding
         print(f"{spec}: run {run_ppl:.3f} -> {new_ppl:.3f} ({what})", flush=True)
     first = results[specs[0]]
     write_study_json(
