@@ -248,9 +248,7 @@ def gptq_step(config: QuantizeConfig) -> Step:
     """GPTQ as `config` asks (its dampening, column order and windows; the windows beyond the
     calibration's drawn with the calibration key folded with 1)."""
     w = config.weights
-    if w.gptq_windows is None:
-        return gptq(w.gptq_damp, act_order=w.gptq_act_order)
-    key = jax.random.fold_in(config_keys(config)[0], 1)
+    key = None if w.gptq_windows is None else jax.random.fold_in(config_keys(config)[0], 1)
     return gptq(w.gptq_damp, act_order=w.gptq_act_order, windows=w.gptq_windows, key=key)
 
 

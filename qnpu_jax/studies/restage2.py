@@ -134,13 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         restaged = calibrate(changed)(restaged, data)
     if rounds:
         restaged = gptq_step(new_config)(restaged, data)
+    what = ", ".join([*changed, f"rounding {new_config.weights.rounding}"])
     results = {}
     for spec, windows in sets.items():
         run_ppl = nll_perplexity(run.model.nll_fn(), windows)["ppl"]
         new_ppl = nll_perplexity(restaged.nll_fn(), windows)["ppl"]
         results[spec] = {"windows": len(windows), "run_ppl": run_ppl, "new_ppl": new_ppl}
-        rounding = f"rounding {new_config.weights.rounding}"
-        what = ", ".join(changed) + (", " if changed else "") + rounding
         print(f"{spec}: run {run_ppl:.3f} -> {new_ppl:.3f} ({what})", flush=True)
     first = results[specs[0]]
     write_study_json(
