@@ -185,3 +185,7 @@ def test_report_labels_name_the_options_beyond_the_paper():
     both = QuantizeConfig.of(smooth_mlp=0.3, weight_rounding="gptq")
     assert run_label("quantnpu", both) == "Quant.npu + smoothing α=0.3 + GPTQ"
     assert both.summary()["smooth_mlp"] == 0.3
+    # the outlier paths are structure the deployed graph carries: the label names them
+    shadow = QuantizeConfig.of(shadow_outliers=99.99)
+    assert run_label("quantnpu", shadow) == "Quant.npu + shadow outliers (P99.99)"
+    assert run_label("quantnpu", QuantizeConfig.of(muxq_exp=3)) == "Quant.npu + MUXQ (exp 3)"

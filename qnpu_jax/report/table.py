@@ -243,6 +243,10 @@ def run_label(method: str, config: QuantizeConfig) -> str:
         label += f" ({config.stage1.objective}-wise)"
     if config.weights.rounding != "rtn":
         label += f" + {config.weights.rounding.upper()}"
+    if config.outliers.shadow_clip is not None:
+        label += f" + shadow outliers (P{config.outliers.shadow_clip:g})"
+    if config.outliers.muxq_exp is not None:
+        label += f" + MUXQ (exp {config.outliers.muxq_exp})"
     return label
 
 
