@@ -505,3 +505,18 @@ def test_table_cost_and_error_budget_on_a_run(gptq_run, tmp_path):
     # float weights are the weights before GPTQ's rounding, not its codes left in the params
     by_group = {r["group"]: r["ppl"] for r in budget["rows"]}
     assert by_group["weights"] != pytest.approx(wiki, rel=1e-6)
+    # --eval-data reads another eval set as eval_data names one: a file holding the wiki eval
+    # split's text gives the same windows, so the same numbers; another text, others
+    from qnpu_jax.data.sources import load_documents
+
+    same = tmp_path / "wiki_eval.txt"
+    same.write_text("\n\n".join(load_documents("wiki", "eval")))
+    other = tmp_path / "other.txt"
+    other.write_text("The river flows past the old mill and on to the sea. " * 400)
+    for text, equal in ((same, True), (other, False)):
+        out = tmp_path / f"e_{text.stem}.json"
+        assert eb.main([*args, "--eval-data", str(text), "--json", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        assert doc["eval"]["data"] == str(text)
+        assert (doc["run_ppl"] == pytest.approx(wiki, rel=1e-6)) is equal
+        assert (doc["rows"] == budget["rows"]) is equal

@@ -92,11 +92,22 @@ def calibration_data(config: QuantizeConfig, tokenizer: Any) -> tuple[np.ndarray
     return data.ids, data.windows
 
 
+def eval_set_windows(
+    config: QuantizeConfig, tokenizer: Any, spec: str, cap: int | None
+) -> np.ndarray:
+    """The first `cap` windows of the eval set `spec` (as `eval_data` names it: `wiki` reads
+    its eval split, any other set its whole text) at the run's seq_len."""
+    try:
+        ids = _token_ids(spec, _eval_split(spec), tokenizer)
+        return eval_windows(ids, config.data.seq_len, cap)
+    except (QnpuError, OSError) as e:
+        raise QnpuError(f"eval_data {spec!r}: {e}") from e
+
+
 def wiki_eval_windows(config: QuantizeConfig, tokenizer: Any, cap: int | None) -> np.ndarray:
     """The first `cap` windows of the `wiki` eval split at the run's seq_len: the evaluation
     protocol of the scripts that re-evaluate a run."""
-    ids = tokenize_documents(load_documents("wiki", "eval"), tokenizer)
-    return eval_windows(ids, config.data.seq_len, cap)
+    return eval_set_windows(config, tokenizer, "wiki", cap)
 
 
 def evaluate(
@@ -193,11 +204,7 @@ def evaluation_sets(
         )
     sets = {}
     for spec in config.eval.data:
-        try:
-            ids = _token_ids(spec, _eval_split(spec), tokenizer)
-            sets[spec] = eval_windows(ids, config.data.seq_len, config.eval.windows)
-        except (QnpuError, OSError) as e:
-            raise QnpuError(f"eval_data {spec!r}: {e}") from e
+        sets[spec] = eval_set_windows(config, tokenizer, spec, config.eval.windows)
     return sets
 
 

@@ -1,7 +1,8 @@
 """Where a run's perplexity goes: the run with one group of tensors back in float -> JSON.
 
 Each row drops one group from the run's plan (those tensors stay float, every other encoding
-is the run's) and evaluates the fake-quant model on the `wiki` eval split: the closer a row
+is the run's) and evaluates the fake-quant model on the `wiki` eval split (`--eval-data`:
+another eval set, as `eval_data` names it, e.g. `wikitext2`): the closer a row
 comes to float, the more that group costs. Groups: all weights (activations only), all
 activations (weights only), the down_proj input, the linear outputs, the rotated linear
 inputs, the K/V cache; `--rows outputs`: each linear output alone; `--rows inputs`: each
@@ -10,6 +11,7 @@ linears, `attn_in_proj` and `mlp_in_proj`, which hold R1).
 
     qnpu study error_budget --run runs/smollm2-135m-quantnpu-w4a8 --eval-windows 32 \
         --json reports/error_budget.json
+    qnpu study error_budget --run RUN --eval-data wikitext2 --eval-windows 8  # QNPU_DATA_DIR
 """
 
 from __future__ import annotations
@@ -85,12 +87,17 @@ def main(argv: list[str] | None = None) -> int:
         help="groups: the tensor groups; outputs: each linear output alone; inputs: each "
         "rotated linear input alone; weights: each layer weight alone",
     )
+    parser.add_argument(
+        "--eval-data",
+        default="wiki",
+        help="the eval set, as the config's eval_data names one (wikitext2 reads QNPU_DATA_DIR)",
+    )
     args = parser.parse_args(argv)
 
     command = study_command("error_budget", argv)
     run = open_run(args.run)
     plan, state, cfg, prefix = run.plan, run.state, run.cfg, run.prefix
-    windows = run.eval_windows(args.eval_windows)
+    windows = run.eval_windows(args.eval_windows, args.eval_data)
     float_ppl = run.float_ppl(windows)
     run_ppl = evaluate(
         run.params, state, plan, cfg, windows, prefix, prefix_params=run.prefix_params
@@ -118,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     write_study_json(
         args.json,
         {
-            **run.summary(windows),
+            **run.summary(windows, args.eval_data),
             "float_ppl": float_ppl,
             "run_ppl": run_ppl,
             "rows": rows,

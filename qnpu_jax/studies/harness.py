@@ -26,9 +26,9 @@ from qnpu_jax.pipeline.config_doc import CONFIG_KEYS
 from qnpu_jax.pipeline.run import (
     Run,
     calibration_data,
+    eval_set_windows,
     evaluate,
     load_run,
-    wiki_eval_windows,
 )
 from qnpu_jax.quant.plan import QuantPlan
 from qnpu_jax.quant.state import QuantState
@@ -117,13 +117,15 @@ def add_eval_args(parser: argparse.ArgumentParser, *, windows: int) -> None:
     )
 
 
-def run_summary(run_path: Path | str, config: Any, windows: Sized) -> dict[str, Any]:
+def run_summary(
+    run_path: Path | str, config: Any, windows: Sized, data: str = "wiki"
+) -> dict[str, Any]:
     """What a report on one run repeats about it: its path, the config's summary and the
-    wiki evaluation windows the study measured on."""
+    evaluation windows the study measured on (of the eval set `data`)."""
     return {
         "run": str(run_path),
         **config.summary(),
-        "eval": {"data": "wiki (eval split)", "windows": len(windows)},
+        "eval": {"data": "wiki (eval split)" if data == "wiki" else data, "windows": len(windows)},
     }
 
 
@@ -150,9 +152,10 @@ class StudyRun(Run):
         """The sink prefix the run was made with (token ids)."""
         return self.model.prefix
 
-    def eval_windows(self, cap: int | None) -> np.ndarray:
-        """The first `cap` windows of the `wiki` eval split at the run's seq_len."""
-        return wiki_eval_windows(self.config, self.tokenizer, cap)
+    def eval_windows(self, cap: int | None, data: str = "wiki") -> np.ndarray:
+        """The first `cap` windows of the eval set `data` (default: the `wiki` eval split)
+        at the run's seq_len."""
+        return eval_set_windows(self.config, self.tokenizer, data, cap)
 
     def calib_windows(self) -> np.ndarray:
         """The run's own calibration windows [N, T] (its calib data, seed and count)."""
@@ -163,9 +166,9 @@ class StudyRun(Run):
         run's sink prefix."""
         return evaluate(self.loaded.params, None, None, self.cfg, windows, self.prefix)["ppl"]
 
-    def summary(self, windows: Sized) -> dict[str, Any]:
-        """`run_summary` of this run measured on `windows`."""
-        return run_summary(self.path, self.config, windows)
+    def summary(self, windows: Sized, data: str = "wiki") -> dict[str, Any]:
+        """`run_summary` of this run measured on `windows` of the eval set `data`."""
+        return run_summary(self.path, self.config, windows, data)
 
 
 def open_run(path: Path, *, rounded: bool = True) -> StudyRun:
