@@ -316,7 +316,7 @@ def test_gptq_study_on_a_gptq_run(gptq_run, tmp_path):
     from qnpu_jax import cli
 
     args = ["--run", str(gptq_run), "--grids", "learned,max_min", "--eval-windows", "2"]
-    args += ["--weights-only", "--act-order"]
+    args += ["--weights-only", "--act-order", "--second-pass"]
     # through the CLI: `qnpu study gptq_study ...`, which the report records to re-run it
     assert cli.main(["study", "gptq_study", *args, "--json", str(tmp_path / "g.json")]) == 0
     doc = json.loads((tmp_path / "g.json").read_text())
@@ -329,6 +329,10 @@ def test_gptq_study_on_a_gptq_run(gptq_run, tmp_path):
     assert rows["max_min"]["gptq_ppl"] != rows["max_min"]["rtn_ppl"]
     for row in rows.values():  # act-order: other codes from the same Hessians
         assert row["gptq_act_order_ppl"] != pytest.approx(row["gptq_ppl"], rel=1e-6)
+        # the second layer's Hessian with the first's codes in place: other codes again
+        assert row["gptq_second_pass_ppl"] != pytest.approx(row["gptq_ppl"], rel=1e-6)
+    assert doc["gptq_windows"] == GPTQ_RUN["calib_windows"]  # the run's own GPTQ windows
+    assert doc["eval"]["data"] == "wiki (eval split)"
     # the weight floor: the same codes with every activation float
     learned = rows["learned"]
     assert learned["gptq_weights_only_ppl"] != pytest.approx(learned["rtn_weights_only_ppl"])

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from qnpu_jax.errors import QnpuError
 from qnpu_jax.ir.graph import (
@@ -244,11 +245,26 @@ def after_stage1(config: QuantizeConfig) -> list[Step]:
     return steps + outlier_steps(config)
 
 
+def gptq_key(config: QuantizeConfig) -> jax.Array | None:
+    """The key that draws GPTQ's windows beyond the calibration's (the calibration key folded
+    with 1); None where `gptq_windows` is unset (the calibration windows alone)."""
+    if config.weights.gptq_windows is None:
+        return None
+    return jax.random.fold_in(config_keys(config)[0], 1)
+
+
+def gptq_windows_of(config: QuantizeConfig, data: Calibration) -> np.ndarray:
+    """The windows GPTQ's Hessians are taken over under `config`, from its calibration."""
+    key, count = gptq_key(config), config.weights.gptq_windows
+    if key is None or count is None:
+        return np.asarray(data.windows)
+    return data.first_windows(count, key)
+
+
 def gptq_step(config: QuantizeConfig) -> Step:
-    """GPTQ as `config` asks (its dampening, column order and windows; the windows beyond the
-    calibration's drawn with the calibration key folded with 1)."""
+    """GPTQ as `config` asks (its dampening, column order and windows: `gptq_windows_of`)."""
     w = config.weights
-    key = None if w.gptq_windows is None else jax.random.fold_in(config_keys(config)[0], 1)
+    key = gptq_key(config)
     return gptq(w.gptq_damp, act_order=w.gptq_act_order, windows=w.gptq_windows, key=key)
 
 

@@ -46,12 +46,15 @@ def _hessian_step(
     state: QuantState,
     tokens: jax.Array,
     totals: dict[str, jax.Array],
+    prefix_params: Params | None,
     *,
     cfg: ModelConfig,
     taps: HessianTaps,
     prefix: tuple[int, ...],
 ) -> dict[str, jax.Array]:
-    _, aux = tapped_forward(params, state, tokens, cfg=cfg, taps=taps, prefix=prefix)
+    _, aux = tapped_forward(
+        params, state, tokens, cfg=cfg, taps=taps, prefix=prefix, prefix_params=prefix_params
+    )
     return {name: totals[name] + aux["layers"][name] for name in totals}
 
 
@@ -63,10 +66,12 @@ def collect_hessians(
     windows: np.ndarray,
     *,
     prefix: tuple[int, ...] = (),
+    prefix_params: Params | None = None,
     progress: bool = False,
 ) -> dict[str, jax.Array]:
     """Σ xᵀx [L, in, in] of every input a quantized linear weight multiplies, over `windows`,
-    with x as the fake-quant model feeds it to the linear."""
+    with x as the fake-quant model feeds it to the linear. `prefix_params`: as for
+    `tapped_forward` (the weights before rounding, where `params` hold GPTQ's codes)."""
     inputs = linear_inputs(plan)
     names = frozenset(inputs[n] for n in rounded_weights(plan))
     taps = HessianTaps(FakeQuantTaps(plan), names)
@@ -77,7 +82,9 @@ def collect_hessians(
         totals[name] = jnp.zeros((cfg.num_layers, width, width), jnp.float32)
     for i in tqdm(range(len(windows)), desc="gptq hessians", disable=not progress):
         tokens = jnp.asarray(windows[i : i + 1])
-        totals = _hessian_step(params, state, tokens, totals, cfg=cfg, taps=taps, prefix=prefix)
+        totals = _hessian_step(
+            params, state, tokens, totals, prefix_params, cfg=cfg, taps=taps, prefix=prefix
+        )
     return totals
 
 

@@ -24,7 +24,7 @@ from qnpu_jax.ir.graph import GRAPH, KV_TENSORS, UNROTATED_INPUT, Graph, rotated
 from qnpu_jax.pipeline.run import evaluate
 from qnpu_jax.quant.plan import is_weight
 from qnpu_jax.studies import study_parser
-from qnpu_jax.studies.harness import open_run, write_study_json
+from qnpu_jax.studies.harness import add_eval_data_arg, open_run, write_study_json
 
 
 def _name(path: str) -> str:
@@ -87,11 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         help="groups: the tensor groups; outputs: each linear output alone; inputs: each "
         "rotated linear input alone; weights: each layer weight alone",
     )
-    parser.add_argument(
-        "--eval-data",
-        default="wiki",
-        help="the eval set, as the config's eval_data names one (wikitext2 reads QNPU_DATA_DIR)",
-    )
+    add_eval_data_arg(parser)
     args = parser.parse_args(argv)
 
     command = study_command("error_budget", argv)

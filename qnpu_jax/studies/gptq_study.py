@@ -2,16 +2,20 @@
 
 For each weight grid — the run's own scales ("learned": stage 1's for Quant.npu, stage 2's
 for the others), or the per-channel scales recomputed with Max-Min or the MSE search — the
-run's fake-quant perplexity on the `wiki` eval split with the linear weights rounded to
-nearest and with GPTQ codes (`qnpu_jax.quant.gptq`; Hessians from one calibration pass of
-the run's fake-quant model, the run's calibration windows). Every activation encoding stays
-the run's. `qnpu quantize` with `weight_rounding: gptq` is the "learned" column. Both start
-from the weights before rounding, also on a run with GPTQ's codes (whose "learned" GPTQ
-column is then the run itself).
+run's fake-quant perplexity on the `wiki` eval split (`--eval-data`: another eval set) with
+the linear weights rounded to nearest and with GPTQ codes (`qnpu_jax.quant.gptq`; Hessians
+from one pass of the run's fake-quant model over the windows the run's GPTQ took: its
+calibration windows, or `gptq_windows` of them). Every activation encoding stays the run's.
+`qnpu quantize` with `weight_rounding: gptq` is the "learned" column (in input order; with
+`gptq_act_order`, the act-order column). Both start from the weights before rounding, also on
+a run with GPTQ's codes (whose "learned" GPTQ column is then the run itself).
 `--weights-only` adds both columns with every activation in float (the weight floor: what the
 weights alone cost, W4A16 and beyond), so one command shows the floor beside the run.
 `--act-order` adds a column of GPTQ rounding the columns by decreasing H_ii (GPTQ's
 act-order), from the same Hessians.
+`--second-pass` adds a column of GPTQ run again (in the run's column order) on Hessians taken
+with the first pass's codes in place, so every linear's Hessian sees the inputs the rounded
+layers before it feed it (GPTQ's sequential setting, in one more pass).
 
     qnpu study gptq_study --run runs/smollm2-135m-quarot-w4a8 \
         --grids learned,mse,max_min --weights-only --json reports/gptq_study.json
@@ -37,7 +41,7 @@ from qnpu_jax.pipeline.weight_rounding import (
 from qnpu_jax.quant.plan import is_weight
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.error_budget import without
-from qnpu_jax.studies.harness import open_run, write_study_json
+from qnpu_jax.studies.harness import add_eval_data_arg, open_run, write_study_json
 
 GRIDS = ("learned", "mse", "max_min")
 
@@ -63,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also GPTQ rounding the columns by decreasing H_ii (GPTQ's act-order)",
     )
+    parser.add_argument(
+        "--second-pass",
+        action="store_true",
+        help="also GPTQ again on Hessians taken with the first pass's codes in place",
+    )
+    add_eval_data_arg(parser)
     args = parser.parse_args(argv)
 
     command = study_command("gptq_study", argv)
@@ -71,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     run = open_run(args.run, rounded=False)
     plan, state, params, cfg, prefix = run.plan, run.state, run.params, run.cfg, run.prefix
     unrounded = run.prefix_params
-    calib = run.calib_windows()
-    windows = run.eval_windows(args.eval_windows)
+    calib = run.gptq_windows()
+    windows = run.eval_windows(args.eval_windows, args.eval_data)
+    run_order = run.config.weights.gptq_act_order
     t0 = time.perf_counter()
     hessians = collect_hessians(params, state, plan, cfg, calib, prefix=prefix)
     hessian_s = time.perf_counter() - t0
@@ -98,10 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         )["ppl"]
         row = {"grid": grid, "rtn_ppl": rtn, "gptq_ppl": gptq, "gptq_seconds": gptq_s}
         print(f"{grid}: round-to-nearest {rtn:.3f}, GPTQ {gptq:.3f} ({gptq_s:.0f} s)", flush=True)
-        if args.act_order:
+        ordered = None
+        if args.act_order or (args.second_pass and run_order):
             ordered = gptq_weight_codes(
                 params, grid_state, plan, hessians, damp=args.damp, act_order=True
             )
+        if args.act_order and ordered is not None:
             row["gptq_act_order_ppl"] = evaluate(
                 weights_from_codes(params, grid_state, ordered),
                 grid_state,
@@ -112,6 +125,30 @@ def main(argv: list[str] | None = None) -> int:
                 prefix_params=unrounded,
             )["ppl"]
             print(f"{grid}: GPTQ, act-order {row['gptq_act_order_ppl']:.3f}", flush=True)
+        if args.second_pass:
+            first = ordered if run_order and ordered is not None else codes
+            again = collect_hessians(
+                weights_from_codes(params, grid_state, first),
+                grid_state,
+                plan,
+                cfg,
+                calib,
+                prefix=prefix,
+                prefix_params=unrounded,
+            )
+            second = gptq_weight_codes(
+                params, grid_state, plan, again, damp=args.damp, act_order=run_order
+            )
+            row["gptq_second_pass_ppl"] = evaluate(
+                weights_from_codes(params, grid_state, second),
+                grid_state,
+                plan,
+                cfg,
+                windows,
+                prefix,
+                prefix_params=unrounded,
+            )["ppl"]
+            print(f"{grid}: GPTQ, second pass {row['gptq_second_pass_ppl']:.3f}", flush=True)
         if args.weights_only:
             w_plan, w_state = without(plan, grid_state, lambda p: not is_weight(p))
             row["rtn_weights_only_ppl"] = evaluate(
@@ -129,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     write_study_json(
         args.json,
         {
-            **run.summary(windows),
+            **run.summary(windows, args.eval_data),
             "float_ppl": run.float_ppl(windows),
             "damp": args.damp,
+            "gptq_windows": len(calib),
             "hessian_seconds": hessian_s,
             "rows": rows,
         },

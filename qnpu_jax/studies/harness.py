@@ -23,6 +23,7 @@ from qnpu_jax.models.llama import Params
 from qnpu_jax.models.taps import SINK_PREFIXES
 from qnpu_jax.pipeline.config import parse_bits
 from qnpu_jax.pipeline.config_doc import CONFIG_KEYS
+from qnpu_jax.pipeline.recipes import gptq_windows_of
 from qnpu_jax.pipeline.run import (
     Run,
     calibration_data,
@@ -30,6 +31,7 @@ from qnpu_jax.pipeline.run import (
     evaluate,
     load_run,
 )
+from qnpu_jax.pipeline.steps import Calibration
 from qnpu_jax.quant.plan import QuantPlan
 from qnpu_jax.quant.state import QuantState
 
@@ -105,6 +107,15 @@ def add_prefix_arg(parser: argparse.ArgumentParser, default: str) -> None:
     )
 
 
+def add_eval_data_arg(parser: argparse.ArgumentParser) -> None:
+    """`--eval-data`: the one eval set a study scores on, as the config's `eval_data` names one."""
+    parser.add_argument(
+        "--eval-data",
+        default="wiki",
+        help="the eval set, as the config's eval_data names one (wikitext2 reads QNPU_DATA_DIR)",
+    )
+
+
 def add_eval_args(parser: argparse.ArgumentParser, *, windows: int) -> None:
     """`--seq-len` and `--windows` of the studies that only score: the first `windows`
     non-overlapping windows of the `wiki` eval split."""
@@ -160,6 +171,11 @@ class StudyRun(Run):
     def calib_windows(self) -> np.ndarray:
         """The run's own calibration windows [N, T] (its calib data, seed and count)."""
         return calibration_data(self.config, self.tokenizer)[1]
+
+    def gptq_windows(self) -> np.ndarray:
+        """The windows the run's GPTQ took its Hessians over (`gptq_windows_of`)."""
+        data = Calibration(*calibration_data(self.config, self.tokenizer))
+        return gptq_windows_of(self.config, data)
 
     def float_ppl(self, windows: np.ndarray) -> float:
         """The perplexity of the float model the run was made from on `windows`, with the
