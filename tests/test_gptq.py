@@ -309,7 +309,7 @@ def test_the_sink_prefix_runs_on_the_weights_before_rounding(gptq_run, tmp_path)
         np.testing.assert_array_equal(arts["coded"].tensor(kv), arts["plain"].tensor(kv))
 
 
-def test_gptq_study_on_a_gptq_run(gptq_run, tmp_path):
+def test_gptq_study_on_a_gptq_run(gptq_run, two_layer_dir, tmp_path):
     """Both columns of `qnpu study gptq_study` round the weights before rounding: on the
     run's own grid, GPTQ redoes the run's codes (the run's perplexity) and round-to-nearest
     gives another."""
@@ -333,6 +333,17 @@ def test_gptq_study_on_a_gptq_run(gptq_run, tmp_path):
         assert row["gptq_second_pass_ppl"] != pytest.approx(row["gptq_ppl"], rel=1e-6)
     assert doc["gptq_windows"] == GPTQ_RUN["calib_windows"]  # the run's own GPTQ windows
     assert doc["eval"]["data"] == "wiki (eval split)"
+    # the config key makes the same second pass: restage2 (no tensor recalibrated, GPTQ redone
+    # with gptq_passes 2) scores the study's column
+    import yaml
+
+    config = tmp_path / "passes.yaml"
+    config.write_text(yaml.safe_dump({"model": str(two_layer_dir), **GPTQ_RUN, "gptq_passes": 2}))
+    restage = ["--run", str(gptq_run), "--config", str(config), "--eval-windows", "2"]
+    assert cli.main(["study", "restage2", *restage, "--json", str(tmp_path / "r.json")]) == 0
+    passes = json.loads((tmp_path / "r.json").read_text())
+    assert passes["recalibrated"] == [] and passes["gptq_redone"] is True
+    assert passes["new_ppl"] == pytest.approx(rows["learned"]["gptq_second_pass_ppl"], rel=1e-6)
     # the weight floor: the same codes with every activation float
     learned = rows["learned"]
     assert learned["gptq_weights_only_ppl"] != pytest.approx(learned["rtn_weights_only_ppl"])
@@ -435,6 +446,11 @@ def test_config_names_bad_weight_rounding():
         QuantizeConfig.from_dict({"weight_rounding": "gptq", "gptq_act_order": "yes"})
     ordered = QuantizeConfig.of(weight_rounding="gptq", gptq_act_order=True)
     assert ordered.weights.gptq_act_order and not QuantizeConfig.of().weights.gptq_act_order
+    with pytest.raises(QnpuError, match=r"gptq_passes repeats GPTQ: it needs weight_rounding"):
+        QuantizeConfig.of(gptq_passes=2)
+    with pytest.raises(QnpuError, match=r"gptq_passes must be in 1..4"):
+        QuantizeConfig.of(weight_rounding="gptq", gptq_passes=0)
+    assert QuantizeConfig.of(weight_rounding="gptq", gptq_passes=2).weights.gptq_passes == 2
     with pytest.raises(QnpuError, match=r"gptq_windows .* needs weight_rounding gptq"):
         QuantizeConfig.of(gptq_windows=64)
     with pytest.raises(QnpuError, match="gptq_windows must be null or positive, got 0"):

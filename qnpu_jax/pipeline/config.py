@@ -88,6 +88,9 @@ class Weights:
     # GPTQ's Hessians from this many windows of the calibration text: the calibration windows,
     # then more drawn from the text (None: the calibration windows alone)
     gptq_windows: int | None = None
+    # GPTQ's passes: each after the first takes its Hessians with the last pass's codes in
+    # place (the inputs the rounded layers before a linear feed it)
+    gptq_passes: int = 1
     # scales per block of inputs (16..256; None: per channel), and with block_scale_bits the
     # block scales in AIMET's LPBQ form (integer · per-channel)
     block: int | None = None
@@ -168,6 +171,7 @@ KEYS: dict[str, str] = {
     "gptq_damp": "weights.gptq_damp",
     "gptq_act_order": "weights.gptq_act_order",
     "gptq_windows": "weights.gptq_windows",
+    "gptq_passes": "weights.gptq_passes",
     "smooth_mlp": "smooth_mlp",
     "weight_block": "weights.block",
     "weight_block_scale_bits": "weights.block_scale_bits",
@@ -244,6 +248,7 @@ RANGES: dict[str, Range] = {
     "attn_out_mixed_precision": Range(0, 1),
     "gptq_damp": _SHARE,
     "gptq_windows": Range(1),
+    "gptq_passes": Range(1, 4, why="each pass is one Hessian pass over GPTQ's windows and GPTQ"),
     "smooth_mlp": _SHARE,
     "shadow_outliers": Range(0, 100, low_open=True, noun="a percentile"),
     "shadow_keep": Range(0, 1, low_open=True),
@@ -428,6 +433,10 @@ class QuantizeConfig:
             (
                 w.gptq_windows is not None and w.rounding != "gptq",
                 "gptq_windows sets GPTQ's calibration: it needs weight_rounding gptq",
+            ),
+            (
+                w.gptq_passes > 1 and w.rounding != "gptq",
+                "gptq_passes repeats GPTQ: it needs weight_rounding gptq",
             ),
             (
                 blocked and bool(m.asymmetric_weights),

@@ -90,6 +90,9 @@ CONFIG_KEYS: dict[str, str] = {
     "gptq_windows": "GPTQ's Hessians from this many windows of the calibration text: the "
     "calibration windows, then more drawn from the text (needs weight_rounding gptq); null: "
     "the calibration windows alone",
+    "gptq_passes": "GPTQ's passes, 1..4: each after the first takes its Hessians with the last "
+    "pass's codes in place, so a linear's Hessian sees the inputs the rounded layers before it "
+    "feed it (needs weight_rounding gptq)",
     "smooth_mlp": "α of up→down channel smoothing (MobileQuant's SmoothQuant-Edge), in (0, 1); "
     "null: off",
     "weight_block": "the linear weights' scales per block of B inputs "

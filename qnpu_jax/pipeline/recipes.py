@@ -262,10 +262,17 @@ def gptq_windows_of(config: QuantizeConfig, data: Calibration) -> np.ndarray:
 
 
 def gptq_step(config: QuantizeConfig) -> Step:
-    """GPTQ as `config` asks (its dampening, column order and windows: `gptq_windows_of`)."""
+    """GPTQ as `config` asks (its dampening, column order, windows (`gptq_windows_of`) and
+    passes)."""
     w = config.weights
     key = gptq_key(config)
-    return gptq(w.gptq_damp, act_order=w.gptq_act_order, windows=w.gptq_windows, key=key)
+    return gptq(
+        w.gptq_damp,
+        act_order=w.gptq_act_order,
+        windows=w.gptq_windows,
+        key=key,
+        passes=w.gptq_passes,
+    )
 
 
 def _stage1(config: QuantizeConfig, *, learn_scales: bool) -> Step:

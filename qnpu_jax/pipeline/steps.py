@@ -735,19 +735,23 @@ def muxq(tensor: str = UNROTATED_INPUT, exp: int = 2, threshold: float = 6.0) ->
     return fn, f"MUXQ of {path} (channels above {threshold:g} shifted by {exp} bits)"
 
 
-@step_factory(only_if_set=("windows", "key"))
+@step_factory(only_if_set=("windows", "key", "passes"))
 def gptq(
     damp: float = 0.01,
     act_order: bool = False,
     windows: int | None = None,
     key: jax.Array | None = None,
+    passes: int = 1,
 ) -> tuple[StepFn, str]:
     """GPTQ's integer codes of every quantized linear weight on the calibrated grid (the
     scales stay), from the fake-quant model's Hessians over the calibration; `act_order`
     rounds each weight's columns by decreasing H_ii. `windows`: the Hessians over that many
-    windows (`Calibration.first_windows`, the ones beyond the calibration's drawn with `key`)."""
+    windows (`Calibration.first_windows`, the ones beyond the calibration's drawn with `key`).
+    `passes`: each after the first takes the Hessians with the last pass's codes in place."""
     if not damp > 0:
         raise QnpuError(f"gptq: damp must be positive, got {damp}")
+    if passes < 1:
+        raise QnpuError(f"gptq: passes must be at least 1, got {passes}")
     if windows is not None and (windows < 1 or key is None):
         raise QnpuError(f"gptq: windows must be positive and come with a key, got {windows}")
 
@@ -765,9 +769,11 @@ def gptq(
             chosen,
             damp=damp,
             act_order=act_order,
+            passes=passes,
             prefix=m.prefix,
         )
         return m.replace(weight_codes=codes), None
 
     how = [*(["act-order"] if act_order else []), *([f"{windows} windows"] if windows else [])]
+    how += [f"{passes} passes"] if passes > 1 else []
     return fn, "GPTQ rounding of the linear weights" + (f" ({', '.join(how)})" if how else "")

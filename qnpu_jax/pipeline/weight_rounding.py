@@ -140,6 +140,27 @@ def gptq_weight_codes(
     return codes
 
 
+def hessians_with_codes(
+    params: Params,
+    state: QuantState,
+    plan: QuantPlan,
+    cfg: ModelConfig,
+    windows: np.ndarray,
+    codes: dict[str, Any],
+    *,
+    prefix: tuple[int, ...] = (),
+    progress: bool = False,
+) -> dict[str, jax.Array]:
+    """`collect_hessians` of the model with `codes` in place (a GPTQ pass after the first):
+    each linear's Hessian sees the inputs the rounded linears before it feed it. The sink
+    prefix runs on `params`, the weights before rounding, as it is deployed (computed
+    offline in float)."""
+    rounded = weights_from_codes(params, state, codes)
+    return collect_hessians(
+        rounded, state, plan, cfg, windows, prefix=prefix, prefix_params=params, progress=progress
+    )
+
+
 def gptq_round_weights(
     params: Params,
     state: QuantState,
@@ -149,18 +170,31 @@ def gptq_round_weights(
     *,
     damp: float = 0.01,
     act_order: bool = False,
+    passes: int = 1,
     prefix: tuple[int, ...] = (),
     progress: bool = False,
 ) -> dict[str, np.ndarray]:
-    """`gptq_weight_codes` with Hessians from `windows` (calibration) of the fake-quant model.
-    Fewer calibration tokens than a linear's inputs leave its Hessian singular: GPTQ then fits
-    the calibration text, not the model (README's recipe on 4 × 128 tokens gave perplexity
-    525,980 against RTN's 159), so that is refused."""
+    """`gptq_weight_codes` with Hessians from `windows` (calibration) of the fake-quant model;
+    each of `passes` after the first takes them with the last pass's codes in place
+    (`hessians_with_codes`) and rounds `params` again. Fewer calibration tokens than a
+    linear's inputs leave its Hessian singular: GPTQ then fits the calibration text, not the
+    model (README's recipe on 4 × 128 tokens gave perplexity 525,980 against RTN's 159), so
+    that is refused."""
+    if passes < 1:
+        raise QnpuError(f"gptq: passes must be at least 1, got {passes}")
     check_gptq_tokens(plan, cfg, np.asarray(windows).shape, len(prefix))
     hessians = collect_hessians(params, state, plan, cfg, windows, prefix=prefix, progress=progress)
-    return gptq_weight_codes(
+    codes = gptq_weight_codes(
         params, state, plan, hessians, damp=damp, act_order=act_order, progress=progress
     )
+    for _ in range(passes - 1):
+        hessians = hessians_with_codes(
+            params, state, plan, cfg, windows, codes, prefix=prefix, progress=progress
+        )
+        codes = gptq_weight_codes(
+            params, state, plan, hessians, damp=damp, act_order=act_order, progress=progress
+        )
+    return codes
 
 
 def weights_from_codes(params: Params, state: QuantState, codes: dict[str, Any]) -> Params:

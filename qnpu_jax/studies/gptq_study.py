@@ -15,7 +15,7 @@ weights alone cost, W4A16 and beyond), so one command shows the floor beside the
 act-order), from the same Hessians.
 `--second-pass` adds a column of GPTQ run again (in the run's column order) on Hessians taken
 with the first pass's codes in place, so every linear's Hessian sees the inputs the rounded
-layers before it feed it (GPTQ's sequential setting, in one more pass).
+layers before it feed it (GPTQ's sequential setting, in one more pass): `gptq_passes: 2`.
 
     qnpu study gptq_study --run runs/smollm2-135m-quarot-w4a8 \
         --grids learned,mse,max_min --weights-only --json reports/gptq_study.json
@@ -35,6 +35,7 @@ from qnpu_jax.pipeline.run import evaluate
 from qnpu_jax.pipeline.weight_rounding import (
     collect_hessians,
     gptq_weight_codes,
+    hessians_with_codes,
     rounded_weights,
     weights_from_codes,
 )
@@ -127,15 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{grid}: GPTQ, act-order {row['gptq_act_order_ppl']:.3f}", flush=True)
         if args.second_pass:
             first = ordered if run_order and ordered is not None else codes
-            again = collect_hessians(
-                weights_from_codes(params, grid_state, first),
-                grid_state,
-                plan,
-                cfg,
-                calib,
-                prefix=prefix,
-                prefix_params=unrounded,
-            )
+            again = hessians_with_codes(params, grid_state, plan, cfg, calib, first, prefix=prefix)
             second = gptq_weight_codes(
                 params, grid_state, plan, again, damp=args.damp, act_order=run_order
             )

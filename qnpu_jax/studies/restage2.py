@@ -52,6 +52,7 @@ RESTAGED_KEYS = (
     "gptq_damp",
     "gptq_act_order",
     "gptq_windows",
+    "gptq_passes",
 )
 
 
