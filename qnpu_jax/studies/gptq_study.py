@@ -110,21 +110,21 @@ def main(argv: list[str] | None = None) -> int:
         )["ppl"]
         row = {"grid": grid, "rtn_ppl": rtn, "gptq_ppl": gptq, "gptq_seconds": gptq_s}
         print(f"{grid}: round-to-nearest {rtn:.3f}, GPTQ {gptq:.3f} ({gptq_s:.0f} s)", flush=True)
+
+        def coded_ppl(c: dict[str, Any], state: Any = grid_state) -> float:
+            """The run's fake-quant perplexity with the weight codes `c` on this grid."""
+            coded = weights_from_codes(params, state, c)
+            return evaluate(coded, state, plan, cfg, windows, prefix, prefix_params=unrounded)[
+                "ppl"
+            ]
+
         ordered = None
         if args.act_order or (args.second_pass and run_order):
             ordered = gptq_weight_codes(
                 params, grid_state, plan, hessians, damp=args.damp, act_order=True
             )
         if args.act_order and ordered is not None:
-            row["gptq_act_order_ppl"] = evaluate(
-                weights_from_codes(params, grid_state, ordered),
-                grid_state,
-                plan,
-                cfg,
-                windows,
-                prefix,
-                prefix_params=unrounded,
-            )["ppl"]
+            row["gptq_act_order_ppl"] = coded_ppl(ordered)
             print(f"{grid}: GPTQ, act-order {row['gptq_act_order_ppl']:.3f}", flush=True)
         if args.second_pass:
             first = ordered if run_order and ordered is not None else codes
@@ -132,15 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             second = gptq_weight_codes(
                 params, grid_state, plan, again, damp=args.damp, act_order=run_order
             )
-            row["gptq_second_pass_ppl"] = evaluate(
-                weights_from_codes(params, grid_state, second),
-                grid_state,
-                plan,
-                cfg,
-                windows,
-                prefix,
-                prefix_params=unrounded,
-            )["ppl"]
+            row["gptq_second_pass_ppl"] = coded_ppl(second)
             print(f"{grid}: GPTQ, second pass {row['gptq_second_pass_ppl']:.3f}", flush=True)
         if args.weights_only:
             w_plan, w_state = without(plan, grid_state, lambda p: not is_weight(p))
