@@ -486,7 +486,11 @@ def test_onnx_export_of_shadow_and_muxq_channels_is_deployable(shadowed, mechani
     as the fake-quant model does, and AIMET loads model.encodings onto the float graph with
     nothing missing and nothing extra (`aimet_quantsim` refuses otherwise). The scores are on
     English text: on the fixture's arithmetic ids (25-56 nats a token) one code that a CPU's
-    float order flipped moved every later token by up to 7% (MUXQ, an AVX-512 Xeon)."""
+    float order flipped moved every later token by up to 7% (MUXQ, an AVX-512 Xeon). On
+    English text (about 20 nats a token) a flipped code still moves one token, or every later
+    token of its row, by up to 2.7 nats (an AMD EPYC), so the scores are compared token by
+    token: most tokens equal, the mean within 1%. The structure's codes are checked code for
+    code (`_structure_gives_the_fake_quant_codes`)."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -555,7 +559,10 @@ def test_onnx_export_of_shadow_and_muxq_channels_is_deployable(shadowed, mechani
     _structure_gives_the_fake_quant_codes(out, layers[0], mechanism, tq)
     nll_qdq = OnnxModel(out, qdq=True).token_nll(ids)
     nll_fake = np.asarray(model.nll_fn()(jnp.asarray(ids)))
-    assert abs(nll_qdq.mean() / nll_fake.mean() - 1) < 1e-3
+    # most tokens equal to float32's last bits; the rest follow a code that the two float
+    # orders rounded apart (an AMD EPYC: 64% and 74% equal, means 0.24% and 0.25% apart)
+    assert np.mean(np.abs(nll_qdq - nll_fake) < 1e-4) >= 0.5
+    assert abs(nll_qdq.mean() / nll_fake.mean() - 1) < 0.01
     nll_float = OnnxModel(out).token_nll(ids)
     float_model = QuantizedModel.from_float(fp, prefix="bos")
     nll_fp = np.asarray(float_model.nll_fn()(jnp.asarray(ids)))
