@@ -239,7 +239,7 @@ def test_gemma3_w4a8_config_is_smollm2s_default_with_gemmas_keys():
     """Gemma 3's W4A8 config is SmolLM2's default (its `base`) with exactly the keys its
     results name (docs/results.md): a change to SmolLM2's default reaches it, its rules too
     (SmolLM2's rules, then down_proj's weights at 8 bits), and GPTQ's act-order over 64 windows
-    with a 16-bit K/V cache."""
+    in two passes with a 16-bit K/V cache."""
     from qnpu_jax.pipeline.config import load_config
     from qnpu_jax.quant.plan import QuantRule
 
@@ -248,7 +248,7 @@ def test_gemma3_w4a8_config_is_smollm2s_default_with_gemmas_keys():
     assert gemma.rules == (*smollm2.rules, QuantRule(pattern="layers/down_proj", bits=8))
     keys = ["model=gemma3-270m", "mixed_precision=1.0", "stage1.scale_param=log"]
     keys += ["rules=[{pattern: layers/up_out, bits: 16}, {pattern: layers/down_proj, bits: 8}]"]
-    keys += ["gptq_act_order=true", "kv_bits=16", "gptq_windows=64"]
+    keys += ["gptq_act_order=true", "kv_bits=16", "gptq_windows=64", "gptq_passes=2"]
     assert gemma == load_config("smollm2-135m-quantnpu-w4a8", [*keys, "stage1.lr_scale=10"])
     assert gemma != load_config("smollm2-135m-quantnpu-w4a8", keys)
 
