@@ -111,6 +111,47 @@ def pytest_configure(config: pytest.Config) -> None:
     jax.monitoring.register_event_duration_secs_listener(clock.record)
     jax.monitoring.register_event_listener(clock.count)
     config.stash[_compile_clock] = clock
+    if os.environ.get(PROGRAM_LOG_ENV):
+        _log_compiled_programs(Path(os.environ[PROGRAM_LOG_ENV]))
+
+
+# QNPU_TESTS_PROGRAM_LOG=FILE: every program XLA compiles in the test processes (a persistent
+# cache miss) appends a line to FILE: the jitted function, its arguments' types, a hash of the
+# program without locations, the test and the seconds. `python3 scripts/program_log.py FILE`
+# tells which programs differ only in a shape, and which compiled twice.
+PROGRAM_LOG_ENV = "QNPU_TESTS_PROGRAM_LOG"
+
+
+def _log_compiled_programs(path: Path) -> None:
+    import hashlib
+    import json
+    import time
+
+    from jax._src import compiler  # private: a diagnostic, off unless asked for
+
+    compile_and_write = compiler._compile_and_write_cache
+
+    def logged(backend: Any, computation: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        executable = compile_and_write(backend, computation, *args, **kwargs)
+        seconds = time.monotonic() - start
+        text = computation.operation.get_asm(enable_debug_info=False)
+        main = next(
+            (op for op in computation.body.operations if "main" in str(op.attributes["sym_name"])),
+            None,
+        )
+        line = {
+            "fun": str(computation.operation.attributes["sym_name"]).strip('"'),
+            "signature": str(main.attributes["function_type"]) if main is not None else "",
+            "program": hashlib.sha1(text.encode()).hexdigest()[:16],
+            "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0],
+            "seconds": round(seconds, 3),
+        }
+        with path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        return executable
+
+    compiler._compile_and_write_cache = logged
 
 
 @pytest.hookimpl(hookwrapper=True)

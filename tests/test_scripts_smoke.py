@@ -416,3 +416,42 @@ def test_matmul_peak_prints_and_reports_a_positive_rate(tmp_path, capsys):
     assert report["command"].startswith("python scripts/matmul_peak.py")
     with pytest.raises(SystemExit):
         peak.main(["--size", "0"])
+
+
+def test_program_log_counts_programs_compiled_again_and_shape_variants(tmp_path, capsys):
+    """scripts/program_log.py, on a log as tests/conftest.py writes it: a program compiled
+    twice is counted once as compiled again, and two signatures that differ only in a size are
+    one structure with one shape variant; a gzipped log reads the same; a missing log is
+    refused."""
+    import gzip
+    import json
+
+    program_log = load_script("program_log")
+    rows = [
+        ("jit_f", "(tensor<2x32xi32>) -> tensor<2x32xf32>", "a", "t1", 1.0),
+        ("jit_f", "(tensor<2x32xi32>) -> tensor<2x32xf32>", "a", "t2", 1.5),
+        ("jit_f", "(tensor<2x24xi32>) -> tensor<2x24xf32>", "b", "t3", 2.0),
+        ("jit_f", "(tensor<2x24xf32>) -> tensor<2x24xf32>", "c", "t3", 0.5),
+        ("jit_g", "(tensor<i32>) -> tensor<i32>", "d", "t1", 0.25),
+    ]
+    log = tmp_path / "programs.jsonl"
+    keys = ("fun", "signature", "program", "test", "seconds")
+    log.write_text("".join(json.dumps(dict(zip(keys, r, strict=True))) + "\n" for r in rows))
+    assert program_log.main([str(log), "--json", str(tmp_path / "s.json")]) == 0
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["compiles"] == 5 and doc["seconds"] == 5.2
+    f, g = doc["functions"]
+    assert (f["fun"], f["compiles"], f["programs"], f["compiled_again"]) == ("jit_f", 4, 3, 1)
+    assert f["compiled_again_seconds"] == 1.5 and f["tests"] == 3
+    assert (f["signatures"], f["structures"], f["shape_variants"]) == (3, 2, 1)
+    # t2's program has t1's signature; t3's 24-token program is 32's at another size (2.0 s
+    # against 2.5 s for the 32-token signature)
+    assert (f["same_signature_other_programs"], f["same_signature_other_seconds"]) == (1, 1.5)
+    assert f["shape_variant_seconds"] == 2.0 and doc["shape_variant_seconds"] == 2.0
+    assert (g["fun"], g["shape_variants"], g["compiled_again"]) == ("jit_g", 0, 0)
+    assert "5 programs compiled" in capsys.readouterr().out
+    gz = tmp_path / "programs.jsonl.gz"
+    gz.write_bytes(gzip.compress(log.read_bytes()))
+    assert program_log.main([str(gz), "--json", str(tmp_path / "z.json")]) == 0
+    assert json.loads((tmp_path / "z.json").read_text()) == doc
+    assert program_log.main([str(tmp_path / "none.jsonl")]) == 2
