@@ -253,6 +253,41 @@ def test_gemma3_w4a8_config_is_smollm2s_default_with_gemmas_keys():
     assert gemma != load_config("smollm2-135m-quantnpu-w4a8", keys)
 
 
+def test_a_rule_that_sets_bits_gives_those_bits_the_aware_init():
+    """The aware init goes by each tensor's bits after the config's rules: Gemma's down_proj
+    weights, at 8 bits by a rule in a W4 plan, start from Max-Min (the 4-bit mean ± 3σ clip
+    held 8% of their weights' norm as error, docs/results.md); a rule with an init of its own
+    keeps it, a later rule still wins, and init_scheme max_min adds nothing."""
+    from qnpu_jax.pipeline.config import load_config
+    from qnpu_jax.pipeline.recipes import plan_options
+    from qnpu_jax.quant import default_plan
+    from qnpu_jax.quant.plan import QuantRule
+
+    def inits(config):
+        plan = default_plan(2, **plan_options(config))
+        return {p.removeprefix("layers/"): plan.get(p).init for p in plan.paths()}
+
+    gemma = load_config("gemma3-270m-quantnpu-w4a8")
+    got = inits(gemma)
+    assert got["down_proj"] == "max_min" and got["q_proj"] == got["up_proj"] == "mean_std"
+    explicit = QuantRule(pattern="layers/down_proj", bits=8, init="max_min")
+    assert default_plan(2, **plan_options(gemma)) == default_plan(
+        2, **plan_options(gemma.replace(rules=(*gemma.rules[:-1], explicit)))
+    )
+    own = QuantRule(pattern="layers/down_proj", bits=8, init="mse")
+    assert inits(gemma.replace(rules=(own,)))["down_proj"] == "mse"
+    later = QuantRule(pattern="layers/down_proj", init="mse")
+    assert inits(gemma.replace(rules=(gemma.rules[-1], later)))["down_proj"] == "mse"
+    got = inits(gemma.replace(rules=(QuantRule(pattern="layers/(q_proj|mlp_in)", bits=8),)))
+    assert got["q_proj"] == got["mlp_in"] == "max_min" and got["k_proj"] == "mean_std"
+    w8 = load_config("gemma3-270m-quantnpu-w4a8", ["w_bits=8", "a_bits=4"])
+    got = inits(w8.replace(rules=(QuantRule(pattern="layers/(q_proj|mlp_in)", bits=4),)))
+    assert got["q_proj"] == got["mlp_in"] == "mean_std" and got["k_proj"] == "max_min"
+    assert got["attn_in"] == "mean_std"  # A4's rotated inputs
+    plain = gemma.replace(init_scheme="max_min")
+    assert set(inits(plain).values()) == {"max_min", "fixed"}
+
+
 def test_a_shipped_recipe_run_on_another_model_names_that_models_own_config(
     tmp_path, capsys, monkeypatch
 ):

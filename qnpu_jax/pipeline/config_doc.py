@@ -77,7 +77,8 @@ CONFIG_KEYS: dict[str, str] = {
     "eq. (4)'s scan at its planned bits, before stage 1 (0: none; not in the paper)",
     "learn_down_in": "stage 1 learns the down_proj input's scale too (§4.3.1's literal text)",
     "init_scheme": f"quantnpu's initialization: {_OR.join(INIT_SCHEMES)} (aware: mean ± 3σ "
-    "for rotated 4-bit tensors, Max-Min elsewhere; max_min: Max-Min everywhere)",
+    "for rotated 4-bit tensors, Max-Min elsewhere, by each tensor's bits after the rules; "
+    "max_min: Max-Min everywhere)",
     "selective": "stage 1 learns only the linears' inputs and weights (false: the linear "
     f"outputs and K/V too); null: the method's default ({_by_method('selective')})",
     "scope": f"what is quantized: {_OR.join(SCOPES)} (linears: only the linears' weights, "

@@ -143,16 +143,36 @@ def _rotation_score(config: QuantizeConfig) -> list[Step]:
     return [*_start(config), calibrate()]
 
 
+def aware_init(bits: int) -> str:
+    """The rotation-and-bit-width-aware initializer of a rotated input or a weight at `bits`."""
+    return "mean_std" if bits <= 4 else "max_min"
+
+
 def init_rules(w_bits: int, a_bits: int) -> list[QuantRule]:
     """Rotation-and-bit-width-aware initialization (§4.2, Tables 4–6): mean ± 3σ for rotated
     activations and per-channel weights at 4 bits, Max-Min at 8 bits and for every unrotated
     tensor (down_proj input, linear outputs, K/V, ...)."""
-    act = "mean_std" if a_bits <= 4 else "max_min"
-    weight = "mean_std" if w_bits <= 4 else "max_min"
     return [
-        QuantRule(pattern=f"layers/({'|'.join(ROTATED_INPUTS)})", init=act),
-        QuantRule(pattern=f"layers/({'|'.join(WEIGHTS)})", init=weight),
+        QuantRule(pattern=f"layers/({'|'.join(ROTATED_INPUTS)})", init=aware_init(a_bits)),
+        QuantRule(pattern=f"layers/({'|'.join(WEIGHTS)})", init=aware_init(w_bits)),
     ]
+
+
+def with_aware_init(rules: Sequence[QuantRule]) -> list[QuantRule]:
+    """`rules`, each that sets the bits of rotated inputs or weights without an init of its own
+    followed by the aware init for those bits: down_proj's weights at 8 bits in a W4 plan
+    start from Max-Min, not from the 4-bit mean ± 3σ clip (on Gemma 3 that clip, kept by stage
+    1, cost more than its 4-bit weights: docs/results.md, "the 8-bit down_proj's 4-bit init").
+    Per-layer bits keep the plan's init."""
+    out: list[QuantRule] = []
+    for rule in rules:
+        out.append(rule)
+        if rule.bits is None or rule.init is not None:
+            continue
+        names = [n for n in (*ROTATED_INPUTS, *WEIGHTS) if rule.matches(f"layers/{n}")]
+        if names:
+            out.append(QuantRule(pattern=f"layers/({'|'.join(names)})", init=aware_init(rule.bits)))
+    return out
 
 
 def plan_rules(config: QuantizeConfig) -> list[QuantRule]:
@@ -162,7 +182,8 @@ def plan_rules(config: QuantizeConfig) -> list[QuantRule]:
         keep = "|".join((*STAGE1_TENSORS, *LINEAR_OUTPUTS))
         rules.append(QuantRule(pattern=f"(?!layers/({keep})$).*", quantize=False))
     spec = method_spec(config.method)
-    if spec.aware_init and config.init_scheme == "aware":
+    aware = spec.aware_init and config.init_scheme == "aware"
+    if aware:
         rules += init_rules(config.bits.w, config.bits.a)
     if spec.weight_init is not None:  # mobilequant: learned clipping starts from the MSE clip
         rules.append(QuantRule(pattern=f"layers/({'|'.join(WEIGHTS)})", init=spec.weight_init))
@@ -181,7 +202,7 @@ def plan_rules(config: QuantizeConfig) -> list[QuantRule]:
                 block_scale_bits=config.weights.block_scale_bits,
             )
         )
-    return rules + list(config.rules)
+    return rules + (with_aware_init(config.rules) if aware else list(config.rules))
 
 
 def plan_options(config: QuantizeConfig) -> dict[str, Any]:
