@@ -162,7 +162,8 @@ def with_aware_init(rules: Sequence[QuantRule]) -> list[QuantRule]:
     """`rules`, each that sets the bits of rotated inputs or weights without an init of its own
     followed by the aware init for those bits: down_proj's weights at 8 bits in a W4 plan
     start from Max-Min, not from the 4-bit mean ± 3σ clip (on Gemma 3 that clip, kept by stage
-    1, cost more than its 4-bit weights: docs/results.md, "the 8-bit down_proj's 4-bit init").
+    1, cost more than its 4-bit weights: docs/results.md, "down_proj's 8-bit weights on a
+    4-bit clip").
     Per-layer bits keep the plan's init."""
     out: list[QuantRule] = []
     for rule in rules:
