@@ -520,7 +520,7 @@ def test_table_cost_and_error_budget_on_a_run(gptq_run, tmp_path):
     budget = json.loads((tmp_path / "e.json").read_text())
     assert budget["run_ppl"] == pytest.approx(wiki, rel=1e-6)
     assert {r["group"] for r in budget["rows"]} == {
-        "weights", "activations", "down_in", "linear_outputs", "rotated_inputs", "kv"
+        "weights", "activations", "down_in", "linear_outputs", "rotated_inputs", "kv", "residual"
     }  # fmt: skip
     # float weights are the weights before GPTQ's rounding, not its codes left in the params
     by_group = {r["group"]: r["ppl"] for r in budget["rows"]}

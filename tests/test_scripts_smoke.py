@@ -318,6 +318,7 @@ def test_error_budget_groups_drop_what_they_name(tiny_cfg):
         dropped[key] = gone
     assert dropped["down_in"] == {"layers/down_in"}
     assert dropped["kv"] == {"layers/k_rope", "layers/v_out"}
+    assert dropped["residual"] == {"layers/resid_attn", "layers/resid_mlp"}
     assert "lm_head" not in dropped["weights"] and "layers/q_proj" in dropped["weights"]
     assert dropped["weights"].isdisjoint(dropped["activations"])
     assert dropped["down_out"] == {"layers/down_out"}  # the per-output rows split the group
