@@ -15,7 +15,7 @@ import sys
 
 from qnpu_jax.pipeline.run import evaluate
 from qnpu_jax.quant.plan import is_weight
-from qnpu_jax.studies.error_budget import without
+from qnpu_jax.studies.error_budget import float_row_ppl
 from qnpu_jax.studies.harness import open_run
 
 
@@ -57,15 +57,7 @@ def main(
     print(f"float {result['float_ppl']:.3f}, run {result['run_ppl']:.3f}", flush=True)
     rows = []
     for label, paths in rows_spec.items():
-        kept_plan, kept_state = without(plan, state, lambda p, s=paths: p in s)
-        codes = {
-            k: c for k, c in (run.model.weight_codes or {}).items() if kept_plan.get(f"layers/{k}")
-        }
-        row = run.model.replace(plan=kept_plan, state=kept_state, weight_codes=codes or None)
-        ppl = evaluate(
-            row.params(), kept_state, kept_plan, cfg, windows, prefix,
-            prefix_params=row.prefix_params(),
-        )["ppl"]  # fmt: skip
+        ppl = float_row_ppl(run, lambda p, s=paths: p in s, windows)
         rows.append({"label": label, "float": sorted(paths), "ppl": ppl})
         print(f"{label} float: {ppl:.3f}", flush=True)
     result["rows"] = rows
