@@ -1130,3 +1130,65 @@ def test_outlier_paths_run_on_gemma3(tiny_hf, tmp_path):
         assert main([*export, "--prefill-chunk", "8", "--out", str(onnx_dir)]) == 0
         nll_qdq = OnnxModel(onnx_dir, qdq=True).token_nll(ids).mean()
         assert abs(nll_qdq / np.log(model.perplexity(ids)["ppl"]) - 1) < 0.01
+
+
+def test_residual_split_on_gemma3(tiny_hf, tmp_path):
+    """The residual split on the tiny Gemma 3 with a massive residual channel (its embedding's
+    column 3 times 50, which every residual add carries on): `steps.split_residual` shifts
+    channel 3 of every residual add's output into a 2^exp-coarser grid and rescales the rest
+    to their own range; with the residual at 8 bits and the rest at 16 that more than halves
+    the fake-quant NLL's distance to float. At W8A8 (the residual at 16 bits) the artifact
+    runs it bit for bit on both engines near the fake-quant model, the QDQ graph scores within
+    1.5% of the artifact, and AIMET QuantSim loads its encodings (the Body's) and scores
+    within 0.5% of QDQ."""
+    from conftest import engines_agree_with_fake_quant
+
+    from qnpu_jax.export.exporter import export_quantized
+    from qnpu_jax.export.int_model import load_int_model
+    from qnpu_jax.export.onnx_export import export_onnx
+    from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
+    from qnpu_jax.quant.plan import QuantRule
+    from qnpu_jax.runtime.engines import open_engine
+    from qnpu_jax.runtime.onnx_run import OnnxModel, aimet_quantsim
+
+    directory, _, ids, _ = tiny_hf
+    fp = load_model(str(directory))
+    table = np.asarray(fp.params["embed_tokens"]).copy()
+    table[:, 3] *= 50.0
+    fp = dataclasses.replace(fp, params={**fp.params, "embed_tokens": table})
+    windows = np.asarray(ids, np.int32)
+    data = Calibration(windows.reshape(-1), windows)
+    residual = ("resid_attn", "resid_mlp")
+    start = QuantizedModel.from_float(fp, prefix="bos")
+    float_nll = float(np.log(start.perplexity(windows)["ppl"]))
+    # the residual at 8 bits and every other tensor at 16: the residual's rounding dominates
+    eight = [QuantRule(pattern="layers/.*", bits=16), QuantRule(pattern="layers/resid_.*", bits=8)]
+    gaps = []
+    for rules, w_bits in ((eight, 8), ([], 8)):
+        plan = steps.plan(w_bits=w_bits, a_bits=8, kv_bits=16, rules=rules)
+        whole = chain(plan, steps.calibrate())(start, data)
+        split = steps.split_residual(8.0)(whole, data)
+        for name in residual:
+            tq = split.require_plan().get(f"layers/{name}")
+            assert tq.muxq_exp is not None and tq.muxq_exp >= 3  # 50x over the others
+            assert all(3 in c for c in tq.muxq_channels), tq.muxq_channels
+            assert whole.require_plan().get(f"layers/{name}").muxq_channels is None
+        gaps.append(
+            [abs(float(np.log(m.perplexity(windows)["ppl"])) - float_nll) for m in (whole, split)]
+        )
+    assert gaps[0][1] < 0.5 * gaps[0][0], gaps
+    model, tokenizer = split, fp.tokenizer
+    art = load_int_model(
+        export_quantized(model, tmp_path / "art", tokenizer, max_context=64, prefill_chunk=16)
+    )
+    assert set(art.graph["muxq"]) == set(residual)
+    engines_agree_with_fake_quant(art, model, windows[:1])
+    out = export_onnx(model, tmp_path / "onnx", tokenizer, chunk=8, max_context=40)
+    nll_qdq = OnnxModel(out, qdq=True).token_nll(windows)
+    nll_int = np.asarray(open_engine("jax", art).token_nll(windows))
+    assert abs(nll_qdq.mean() / nll_int.mean() - 1) < 0.015
+    session, loaded = aimet_quantsim(out)
+    enc = json.loads((out / "model.encodings").read_text())
+    assert loaded["quantizers"] == len(enc["activation_encodings"]) + len(enc["param_encodings"])
+    sim = OnnxModel(out, qdq=True, sessions={"prefill": session}).token_nll(windows)
+    assert abs(sim.mean() / nll_qdq.mean() - 1) < 0.005

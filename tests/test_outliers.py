@@ -438,6 +438,43 @@ def test_muxq_fields_in_the_plan_are_checked():
         tq.muxq_multipliers(2)
 
 
+def test_residual_split_choice_plan_fields_and_config():
+    """`choose_residual_split`: per layer the channels above 1/div of the largest (none in a
+    layer where every channel is), one exp for the tensor (the smallest that brings every
+    layer's split channels under its other channels' max, 1..8), each layer's largest Body;
+    the plan takes MUXQ fields on a residual add's output and refuses them on any other
+    non-linear-input tensor; `residual_split: D` adds the step after stage 2's calibration."""
+    from qnpu_jax.pipeline.config import QuantizeConfig
+    from qnpu_jax.pipeline.outlier_paths import choose_residual_split
+    from qnpu_jax.pipeline.recipes import describe, for_config
+
+    absmax = np.array([[1.0, 2.0, 100.0, 3.0], [5.0, 1.0, 1.0, 1.0], [40.0, 2.0, 1.0, 9.0]])
+    split = choose_residual_split(absmax, 8.0)
+    assert split.channels == ((2,), (), (0, 3))
+    assert split.exp == 6  # 100 / 3 > 32
+    np.testing.assert_allclose(split.body_absmax, [3.0, 5.0, 2.0])
+    capped = choose_residual_split(np.array([[1e6, 1.0, 0.5]]), 8.0)
+    assert capped.exp == 8 and capped.body_absmax == (1e6 / 256,)
+    with pytest.raises(QnpuError, match="div must be above 1"):
+        choose_residual_split(absmax, 1.0)
+    plan = default_plan(2, w_bits=8)
+    tq = dataclasses.replace(plan.get("layers/resid_mlp"), muxq_channels=((1,), ()), muxq_exp=3)
+    plan.with_entries((p, tq if p == "layers/resid_mlp" else t) for p, t in plan.entries)
+    with pytest.raises(QnpuError, match="a residual add's output"):
+        plan.with_entries((p, tq if p == "layers/gate_out" else t) for p, t in plan.entries)
+    config = QuantizeConfig.from_dict({"residual_split": 8})
+    names = [s["name"] for s in describe(for_config(config))]
+    assert names[names.index("calibrate") + 1] == "split_residual"
+    assert "split_residual" not in [s["name"] for s in describe(for_config(QuantizeConfig()))]
+    assert config.summary()["residual_split"] == 8
+    for bad, match in (
+        ({"residual_split": 1}, "residual_split must be null or > 1, got 1"),
+        ({"residual_split": 8, "method": "mobilequant"}, "symmetric residual stream"),
+    ):
+        with pytest.raises(QnpuError, match=match):
+            QuantizeConfig.from_dict(bad)
+
+
 def test_muxq_step_artifact_and_engines_on_the_two_layer_model(shadowed, tmp_path):
     """MUXQ on the down_proj input: per-channel scales s·2^exp, the integer artifact lists
     the channels, the emulator runs Body·W + (2^exp − 1)·Aux·W, the JAX forward the one
@@ -473,6 +510,28 @@ def test_muxq_step_artifact_and_engines_on_the_two_layer_model(shadowed, tmp_pat
         steps.muxq("down_in", exp=2, threshold=threshold)(model, data)
     with pytest.raises(QnpuError, match="exp must be an integer"):
         steps.muxq(exp=0)
+
+
+def test_residual_split_on_the_llama_graph(shadowed, tmp_path):
+    """The residual split on LLaMA's graph (the real two-layer model, unrotated: SmolLM2's
+    massive residual channels): split channels in both layers of both residual outputs, a
+    fake-quant NLL no worse than the one grid's, and the artifact bit for bit on both
+    engines near the fake-quant model."""
+    from qnpu_jax.export.exporter import export_quantized
+    from qnpu_jax.export.int_model import load_int_model
+
+    fp, base, _, windows, data = shadowed
+    model = steps.split_residual(8.0)(base, data)
+    for name in ("resid_attn", "resid_mlp"):
+        tq = model.plan.get(f"layers/{name}")
+        assert tq.muxq_exp is not None and all(tq.muxq_channels), tq.muxq_channels
+    assert model.perplexity(windows)["ppl"] <= base.perplexity(windows)["ppl"] * 1.001
+    int_model = load_int_model(export_quantized(model, tmp_path / "art", fp.tokenizer))
+    assert int_model.read_exp("x") == model.plan.get("layers/resid_mlp").muxq_exp
+    assert not int_model.read_shifts("x")[0].any()  # layer 0 reads the embedding
+    engines_agree_with_fake_quant(int_model, model, np.asarray(windows[:1, :40]))
+    with pytest.raises(QnpuError, match="has outlier channels already"):
+        steps.split_residual(8.0)(model, data)
 
 
 @pytest.mark.parametrize("mechanism", ["shadow", "muxq"])

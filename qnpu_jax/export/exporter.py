@@ -34,6 +34,7 @@ from qnpu_jax.ir.graph import (
     MODEL_ONLY_KINDS,
     NORM_FRACTION_BITS,
     NORM_UNIT_BITS,
+    RESIDUAL_OUTPUTS,
     ROPE_FRACTION_BITS,
     SOFTMAX_ROLE,
     Graph,
@@ -204,14 +205,20 @@ def _weight_codes(
 
 
 def _norm_constants(
-    gamma: np.ndarray, enc_in: IntEncoding, enc_out: IntEncoding, eps: float, what: str
+    gamma: np.ndarray,
+    enc_in: IntEncoding,
+    enc_out: IntEncoding,
+    eps: float,
+    what: str,
+    read_exp: int = 0,
 ) -> dict[str, np.ndarray]:
-    """RMSNorm: sign(γ), multipliers of |γ|·2^-K / s_out per channel, ε in fixed point."""
+    """RMSNorm: sign(γ), multipliers of |γ|·2^-K / s_out per channel, ε in fixed point (at
+    F − `read_exp` fractional bits for an input on the residual split)."""
     g = np.asarray(gamma, np.float64)
     sign = np.sign(g).astype(np.int8)
     real = np.where(g == 0, 1.0, np.abs(g)) * 2.0**-NORM_UNIT_BITS / enc_out.scale
     m, sh = _requant(real, what)
-    eps_fx = round(eps / enc_in.scale**2 * 2.0 ** (2 * NORM_FRACTION_BITS))
+    eps_fx = round(eps / enc_in.scale**2 * 2.0 ** (2 * (NORM_FRACTION_BITS - read_exp)))
     if eps_fx >= 2**61:
         raise QnpuError(f"{what}: ε / s_in² is too large for the integer RMSNorm")
     return {"sign": sign, "M": m, "shift": sh, "eps": np.asarray(eps_fx, np.int64)}
@@ -477,6 +484,14 @@ class _Export:
             return self.enc(g.layer[-1].out_name, i - 1)
         return self.acts[name][i]
 
+    def read_exp(self, name: str) -> int:
+        """The residual split's exp of value `name` as the adds and norms read it (of the
+        last layer op's output for the layer input; 0 without a split)."""
+        g = self.graph
+        source = g.layer[-1].out_name if name == g.layer_input else name
+        tq = self.plan.get(f"layers/{source}")
+        return (tq.muxq_exp or 0) if tq is not None and source in RESIDUAL_OUTPUTS else 0
+
     def scales(self, name: str) -> np.ndarray:
         """The per-layer scales [L] of value `name`, in float64."""
         return np.array([self.enc(name, i).scale for i in range(self.n)])
@@ -558,7 +573,12 @@ def _rmsnorm_consts(x: _Export, op: Op) -> None:
     src, dst, eps = op.ins[0], op.out_name, x.cfg.rms_norm_eps
     norms = [
         _norm_constants(
-            x.layers[op.gain][i], x.enc(src, i), x.enc(dst, i), eps, f"layers.{i}.{op.gain}"
+            x.layers[op.gain][i],
+            x.enc(src, i),
+            x.enc(dst, i),
+            eps,
+            f"layers.{i}.{op.gain}",
+            x.read_exp(src),
         )
         for i in range(x.n)
     ]
@@ -699,6 +719,7 @@ def _final_norm_consts(x: _Export, op: Op) -> None:
         x.outer[op.out_name],
         x.cfg.rms_norm_eps,
         op.gain,
+        x.read_exp(op.ins[0]),
     )
     for k, v in final.items():
         x.tensors[f"{op.const}.{k}"] = v

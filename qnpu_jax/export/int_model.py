@@ -22,10 +22,13 @@ from qnpu_jax.ir.graph import (
     FORMAT_GRAPH,
     FORMAT_GRAPH_CHANNELS,
     GRAPH,
+    LAYER_INPUT,
     LOGITS_SCALE,
     MUXQ_MAX_EXP,
+    MUXQ_TENSORS,
     NORM_FRACTION_BITS,
     NORM_UNIT_BITS,
+    RESIDUAL_OUTPUTS,
     ROPE_FRACTION_BITS,
     SHADOW_RANGE,
     WEIGHT_CODE_RANGE,
@@ -104,6 +107,28 @@ class IntModel:
             mask = self._mask("muxq", name)
             self._derived[key] = None if mask is None else mask * np.int64(self.muxq_exp(name))
         return self._derived[key]  # type: ignore[no-any-return]
+
+    def stream_source(self, name: str) -> str:
+        """The tensor whose codes a layer op reads as value `name`: the last layer op's output
+        for the layer input (the layer before's; layer 0 reads the embedding)."""
+        return str(self.graph["ops"]["layer"][-1]["out"]) if name == LAYER_INPUT else name
+
+    def read_exp(self, name: str) -> int:
+        """The residual split's exp of value `name` as its readers (adds, norms) see it: the
+        MUXQ exp of a residual add's output (of the last one's, for the layer input), else 0."""
+        source = self.stream_source(name)
+        return self.muxq_exp(source) if source in RESIDUAL_OUTPUTS else 0
+
+    def read_shifts(self, name: str) -> np.ndarray | None:
+        """[L, C] int64: the left shift the adds and norms reading value `name` in each layer
+        apply to its centered codes (`read_exp` on the residual split's channels; the layer
+        input's in layer i are the last output's of layer i − 1, none in layer 0), or None
+        where `name` has no split."""
+        source = self.stream_source(name)
+        shifts = self.muxq_shifts(source) if source in RESIDUAL_OUTPUTS else None
+        if shifts is None or source == name:
+            return shifts
+        return np.concatenate([np.zeros_like(shifts[:1]), shifts[:-1]])
 
     def weight_operand(self, prefix: str, layer: int | None) -> tuple[np.ndarray, float]:
         """`prefix.weight` (of one layer) as float32 integers (exact: |w| < 2^24) and its
@@ -205,8 +230,8 @@ def _check_channel_entries(graph: dict[str, Any], where: str) -> None:
             raise QnpuError(f"{where}: graph shadow {name!r}: {k!r} ({CHANNEL_INPUTS})")
     for name, entry in muxq.items():
         ok = isinstance(entry, dict) and set(entry) == {"exp", "channels"}
-        if not ok or name not in CHANNEL_INPUTS or name in shadow:
-            raise QnpuError(f"{where}: graph muxq {name!r}: {entry!r} ({CHANNEL_INPUTS})")
+        if not ok or name not in MUXQ_TENSORS or name in shadow:
+            raise QnpuError(f"{where}: graph muxq {name!r}: {entry!r} ({MUXQ_TENSORS})")
         exp, k = entry["exp"], entry["channels"]
         if not (_is_int(exp) and 1 <= exp <= MUXQ_MAX_EXP and _is_int(k) and k >= 1):
             raise QnpuError(f"{where}: graph muxq {name!r}: exp 1..{MUXQ_MAX_EXP}, channels >= 1")

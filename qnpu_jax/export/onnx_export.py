@@ -67,6 +67,7 @@ from qnpu_jax.ir.graph import (
     LAYER_ONLY_KINDS,
     LOCAL_ROPE,
     MODEL_ONLY_KINDS,
+    RESIDUAL_OUTPUTS,
     Graph,
     Op,
     OpKind,
@@ -487,14 +488,20 @@ class _Writer:
     def read(self, ours: str) -> str:
         """The value readers of tensor `ours` get, once its node is emitted: with QDQ, its
         QuantizeLinear → DequantizeLinear value on the tensor's one grid. A MUXQ input is the
-        Body (`_body`); shadow channels are added back by the linear that reads them
-        (`_shadow_path`), so here they are clamped like every other channel."""
+        Body (`_body`), a residual split's output the Body times 2^exp again; shadow channels
+        are added back by the linear that reads them (`_shadow_path`), so here they are
+        clamped like every other channel."""
         name = self.name(ours)
         muxq = self.plan.outliers.get(ours, {}).get("muxq")
         if muxq is not None:
             self._body(ours, muxq)
         e = self.entry(ours)
-        return name if e is None else _qdq(self.b, name, e, name)
+        value = name if e is None else _qdq(self.b, name, e, name)
+        if muxq is not None and ours.split(".")[2] in RESIDUAL_OUTPUTS:
+            # the residual split: its readers (adds, norms) take the channels back times 2^exp
+            m = _muxq_multipliers(muxq, self._width(ours))
+            value = self.b.node("Mul", [value, self.b.const(m, name=f"{name}_unsplit")])
+        return value
 
     def _width(self, ours: str) -> int:
         return layer_widths(self.cfg.dims)[ours.split(".")[2]]

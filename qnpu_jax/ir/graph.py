@@ -19,9 +19,10 @@ from qnpu_jax.errors import QnpuError
 # /2: the activation columns follow the op order (/1 had silu_out before up_out)
 FORMAT_GRAPH = "qnpu-llama-int/2"
 # /3: /2 plus channel lists of linear inputs (shadow channels `graph.shadow`, MUXQ channels
-# `graph.muxq`) and asymmetric weights (`graph.weight_zero_points`, the linears with a zero
-# point per row); written only when a plan has them, so a /2 reader refuses what it would
-# run wrong, and this one reads both
+# `graph.muxq`, which may also name a residual add's output: the residual split) and
+# asymmetric weights (`graph.weight_zero_points`, the linears with a zero point per row);
+# written only when a plan has them, so a /2 reader refuses what it would run wrong, and
+# this one reads both
 FORMAT_GRAPH_CHANNELS = "qnpu-llama-int/3"
 NORM_FRACTION_BITS = 8  # F: the RMSNorm root carries F fractional bits
 NORM_UNIT_BITS = 16  # K: the normalized value carries K fractional bits before requantizing
@@ -568,6 +569,11 @@ CHANNEL_INPUTS = tuple(
     for op in GRAPH.layer
     if op.kind in (OpKind.RMSNORM, OpKind.MUL) and op.out_name in LINEAR_INPUTS
 )
+# The residual stream's quantized values (each add's output: the layer input is the last
+# one's): MUXQ channels there are the residual split (`steps.split_residual`), read back
+# times 2^exp by the adds and norms that read them, with no Aux term.
+RESIDUAL_OUTPUTS = tuple(op.out_name for op in GRAPH.ops(OpKind.ADD))
+MUXQ_TENSORS = CHANNEL_INPUTS + RESIDUAL_OUTPUTS
 # R1 rotates the norms' outputs (q/k/v and gate/up inputs), R2 the attention output (o_proj
 # input); the down_proj input, a product of two linear outputs, stays unrotated.
 ROTATED_INPUTS = tuple(

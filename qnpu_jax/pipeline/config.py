@@ -99,13 +99,16 @@ class Weights:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Outliers:
-    """The down_proj input's outlier path, after stage 2: mllm-NPU's shadow path
-    (`shadow_clip` set) or MUXQ (`muxq_exp` set), which exclude each other."""
+    """The outlier steps after stage 2: the down_proj input's mllm-NPU shadow path
+    (`shadow_clip` set) or MUXQ (`muxq_exp` set), which exclude each other, and the residual
+    stream's split (`residual_split` set)."""
 
     shadow_clip: float | None = None  # clip percentile of the shadow path; None: off
     shadow_keep: float = 0.15  # share of layers that keep a shadow path (mllm-NPU: 15%)
     muxq_exp: int | None = None  # MUXQ's shift of the outlier channels; None: off
     muxq_threshold: float = 6.0  # |x| above which a channel is an outlier (LLM.int8's 6)
+    # the residual stream's channels above 1/this of each layer's largest on a coarser grid
+    residual_split: float | None = None  # None: off
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -179,6 +182,7 @@ KEYS: dict[str, str] = {
     "shadow_keep": "outliers.shadow_keep",
     "muxq_exp": "outliers.muxq_exp",
     "muxq_threshold": "outliers.muxq_threshold",
+    "residual_split": "outliers.residual_split",
     "equalize": "mobilequant.equalize",
     "weight_clipping": "mobilequant.weight_clipping",
     "asymmetric_activations": "mobilequant.asymmetric_activations",
@@ -227,7 +231,7 @@ class Range:
     def says(self, integer: bool) -> str:
         if self.high is None:
             positive = (self.low, self.low_open) == (0, True) or (integer and self.low == 1)
-            return "positive" if positive else f">= {self.low}"
+            return "positive" if positive else f"{'>' if self.low_open else '>='} {self.low}"
         if integer:
             return f"in {self.low}..{self.high}"
         left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
@@ -254,6 +258,7 @@ RANGES: dict[str, Range] = {
     "shadow_keep": Range(0, 1, low_open=True),
     "muxq_exp": Range(1, MUXQ_MAX_EXP),
     "muxq_threshold": Range(0, low_open=True),
+    "residual_split": Range(1, low_open=True),
     "equalize": _SHARE,
     "seed": _SEED,
     "rotation_seed": _SEED,
@@ -316,7 +321,11 @@ class QuantizeConfig:
     overflow on a shadow path (after stage 2).
     `muxq_exp: e` (any method; MUXQ) shifts the down_proj input's channels whose calibration
     |x| exceeds `muxq_threshold` right by e bits into the Body tensor and adds (2^e − 1)·Aux·W
-    back (after stage 2).
+    back (after stage 2). `residual_split: D` (any method; not in the papers) puts each
+    residual add's output on two grids after stage 2's calibration: per layer, the channels
+    whose calibration |x| exceeds 1/D of the layer's largest (Gemma 3's massive channels) hold
+    x >> e, every other channel a grid from their own range; the adds and norms reading the
+    stream shift them back (docs/artifact.md, "The residual split").
     - mobilequant (MobileQuant): no rotations; SmoothQuant-initialized equivalent scaling of
       every linear pair (`equalize`), learnable weight clipping and learned asymmetric
       activation ranges (all activations, `selective: false`), trained end to end in stage 1.
@@ -423,6 +432,10 @@ class QuantizeConfig:
                 "shadow_outliers and muxq_exp both change down_in: choose one",
             ),
             (
+                bool(m.asymmetric_activations) and o.residual_split is not None,
+                "residual_split needs a symmetric residual stream (asymmetric_activations)",
+            ),
+            (
                 blocked and w.rounding == "gptq",
                 "weight_rounding gptq does not support per-block weights",
             ),
@@ -518,6 +531,7 @@ class QuantizeConfig:
             "shadow_keep": o.shadow_keep if o.shadow_clip is not None else None,
             "muxq_exp": o.muxq_exp,
             "muxq_threshold": o.muxq_threshold if o.muxq_exp is not None else None,
+            "residual_split": o.residual_split,
             "equalize": m.equalize,
             "weight_clipping": m.weight_clipping,
             "asymmetric_activations": m.asymmetric_activations,

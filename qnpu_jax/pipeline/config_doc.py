@@ -106,6 +106,8 @@ CONFIG_KEYS: dict[str, str] = {
     "muxq_exp": "MUXQ: bits the down_proj input's outlier channels are shifted right by "
     f"(1..{MUXQ_MAX_EXP}); null: off",
     "muxq_threshold": "MUXQ: |x| above which a channel is an outlier",
+    "residual_split": "D > 1: each residual add's output on two grids, per layer the channels "
+    "above 1/D of the largest |x| shifted right by one exp per tensor (after stage 2); null: off",
     "equalize": "SmoothQuant α initializing every linear pair's equivalent scales, in (0, 1); "
     f"null: the method's default ({_by_method('equalize')})",
     "weight_clipping": "learnable weight clipping in stage 1 (OmniQuant's LWC; methods "

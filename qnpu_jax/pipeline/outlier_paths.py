@@ -15,6 +15,13 @@ right by `exp` bits into the Body tensor, which is quantized per tensor; an auxi
 matrix Aux = Body's outlier columns restores them: X = Body + (2^exp − 1)·Aux, and
 Y = Body·W + (2^exp − 1)·Aux·W, all in integers. In the plan the Body's per-tensor scale s
 becomes a per-channel scale s·2^exp on the outlier channels (`TensorQuant.muxq_channels`).
+
+The residual split: MUXQ's Body encoding on a residual add's output, without an Aux. Gemma 3's
+residual stream carries a few massive channels (up to ~10^5 where the others stay under
+~650); on one 16-bit grid their range makes the step coarse for every other channel. Split,
+the massive channels' codes hold x >> exp, the rest sit on a grid from the others' range, and
+the adds and norms reading the stream take the split channels back times 2^exp, exactly
+(docs/artifact.md, "The residual split").
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from qnpu_jax.errors import QnpuError
+from qnpu_jax.ir.graph import MUXQ_MAX_EXP
 from qnpu_jax.quant.plan import TensorQuant
 
 
@@ -143,3 +151,36 @@ def muxq_split(x: np.ndarray, channels: tuple[int, ...], exp: int) -> tuple[np.n
     idx = list(channels)
     body[..., idx] = body[..., idx] / float(1 << exp)
     return body, body[..., idx]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualSplit:
+    """The residual split of one residual add's output: its split channels per layer, the
+    tensor's one exp, and each layer's largest |Body|."""
+
+    channels: tuple[tuple[int, ...], ...]
+    exp: int
+    body_absmax: tuple[float, ...]
+
+
+def choose_residual_split(absmax: np.ndarray, div: float) -> ResidualSplit:
+    """The residual split from the per-channel calibration ranges [L, C] (pure): per layer,
+    the channels whose largest |x| exceeds 1/`div` of the layer's largest (none where that is
+    every channel); the smallest exp
+    (1..MUXQ_MAX_EXP) that brings every layer's split channels down to its other channels'
+    largest; each layer's largest |Body| with them shifted."""
+    if not div > 1:
+        raise QnpuError(f"residual split: div must be above 1, got {div}")
+    absmax = np.asarray(absmax, np.float64)
+    if absmax.ndim != 2 or not np.all(np.isfinite(absmax)):
+        raise QnpuError("residual split: channel ranges must be finite, [layers, channels]")
+    top = absmax.max(axis=1, keepdims=True)
+    hot = absmax > top / div
+    hot[hot.all(axis=1)] = False  # no channel stands out: no split in that layer
+    rest = np.where(hot, 0.0, absmax).max(axis=1)
+    split = hot.any(axis=1)
+    ratio = top[split, 0] / np.maximum(rest[split], top[split, 0] / 2.0**MUXQ_MAX_EXP)
+    exp = min(max(math.ceil(math.log2(float(ratio.max(initial=2.0)))), 1), MUXQ_MAX_EXP)
+    body = np.where(hot, absmax / float(1 << exp), absmax).max(axis=1)
+    channels = tuple(tuple(int(c) for c in np.nonzero(row)[0]) for row in hot)
+    return ResidualSplit(channels, exp, tuple(float(b) for b in body))

@@ -51,6 +51,7 @@ from qnpu_jax.pipeline.steps import (
     promote,
     shadow_outliers,
     smooth_mlp,
+    split_residual,
     stage1,
     stage1_plan,
 )
@@ -258,10 +259,12 @@ def outlier_steps(config: QuantizeConfig) -> list[Step]:
 
 def after_stage1(config: QuantizeConfig) -> list[Step]:
     """Everything after stage 1: the down_proj output promotion (scanned on the final model),
-    stage 2's calibration, GPTQ, then the outlier step."""
+    stage 2's calibration, the residual split, GPTQ, then the down_proj input's outlier step."""
     promoted = config.promoted().items()
     steps = [promote(t, share) for t, share in promoted if t in PROMOTED_AFTER_STAGE1]
     steps.append(calibrate())
+    if config.outliers.residual_split is not None:  # before GPTQ: its Hessians see the grid
+        steps.append(split_residual(config.outliers.residual_split))
     if config.weights.rounding == "gptq":
         steps.append(gptq_step(config))
     return steps + outlier_steps(config)

@@ -33,6 +33,7 @@ from qnpu_jax.ir.graph import (
     MUXQ_MAX_EXP,
     UNROTATED_INPUT,
     Graph,
+    OpKind,
     layer_widths,
 )
 from qnpu_jax.mesh import place_params
@@ -41,7 +42,12 @@ from qnpu_jax.models.taps import state_entry
 from qnpu_jax.pipeline.calibrate import calibrate as calibrate_state
 from qnpu_jax.pipeline.calibrate import channel_absmax, collect_activation_stats
 from qnpu_jax.pipeline.mixed_precision import check_scanned, mixed_layer_bits, tensor_sensitivity
-from qnpu_jax.pipeline.outlier_paths import choose_muxq, choose_shadows, shadow_summary
+from qnpu_jax.pipeline.outlier_paths import (
+    choose_muxq,
+    choose_residual_split,
+    choose_shadows,
+    shadow_summary,
+)
 from qnpu_jax.pipeline.quantized_model import QuantizedModel
 from qnpu_jax.pipeline.run_dir import RunDir
 from qnpu_jax.pipeline.stage1 import (
@@ -178,6 +184,7 @@ ANY_GRAPH_STEPS = frozenset(
         "gptq",
         "shadow_outliers",
         "muxq",
+        "split_residual",
     }
 )
 
@@ -733,6 +740,56 @@ def muxq(tensor: str = UNROTATED_INPUT, exp: int = 2, threshold: float = 6.0) ->
         return m.replace(plan=new_plan, state=with_entry(state, path, entry)), info
 
     return fn, f"MUXQ of {path} (channels above {threshold:g} shifted by {exp} bits)"
+
+
+@step_factory()
+def split_residual(div: float = 8.0) -> tuple[StepFn, str]:
+    """The residual split of every residual add's output (`pipeline.outlier_paths`): per
+    layer, the channels whose largest |x| over the calibration exceeds 1/`div` of the
+    layer's largest hold x >> exp (one exp per tensor, the smallest that brings them under
+    the other channels' range), and the per-tensor scale is re-set to the Body's range
+    (Max-Min, symmetric, times the tensor's headroom). Run it after calibration (stage 2),
+    which would re-set those scales."""
+    if not div > 1:
+        raise QnpuError(f"residual split: div must be above 1, got {div}")
+
+    def fn(m: QuantizedModel, data: Calibration, ctx: Context) -> tuple[QuantizedModel, Any]:
+        plan, state = m.require_plan(), m.require_state()
+        names = tuple(op.out_name for op in plan.graph.ops(OpKind.ADD))
+        for name in names:
+            tq = plan.get(f"layers/{name}")
+            if tq is None or not tq.symmetric:
+                raise QnpuError(f"residual split: layers/{name} must be quantized, symmetric")
+            if tq.muxq_channels is not None or tq.shadow_channels is not None:
+                raise QnpuError(f"residual split: layers/{name} has outlier channels already")
+        absmax = channel_absmax(
+            place_params(ctx.mesh, m.params()),
+            m.cfg,
+            data.windows,
+            names,
+            prefix=m.prefix,
+            prefix_params=_placed_prefix_params(m, ctx),
+        )
+        n, widths, info = m.cfg.num_layers, layer_widths(m.cfg.dims), {}
+        for name in names:
+            path, tq = f"layers/{name}", plan.get(f"layers/{name}")
+            assert tq is not None
+            choice = choose_residual_split(absmax[name], div)
+            qmax = np.array([tq.qrange(tq.bits_for_layer(i))[1] for i in range(n)], np.float64)
+            body = np.asarray(choice.body_absmax, np.float64) * tq.headroom / qmax
+            split = dataclasses.replace(tq, muxq_channels=choice.channels, muxq_exp=choice.exp)
+            multipliers = split.muxq_multipliers(widths[name]).astype(np.float32)
+            scale = np.maximum(body, 1e-12).astype(np.float32)[:, None] * multipliers
+            entry = get_entry(state, path).replace(scale=jnp.asarray(scale))
+            state = with_entry(state, path, entry)
+            plan = plan.with_entries((p, split if p == path else t) for p, t in plan.entries)
+            info[name] = {
+                "exp": choice.exp,
+                "channels_per_layer": [len(c) for c in choice.channels],
+            }
+        return m.replace(plan=plan, state=state), {"div": div, **info}
+
+    return fn, f"residual split (channels above 1/{div:g} of each layer's largest |x|)"
 
 
 @step_factory(only_if_set=("windows", "key", "passes"))

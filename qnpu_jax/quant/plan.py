@@ -29,6 +29,7 @@ from qnpu_jax.ir.graph import (
     LINEARS,
     LM_HEAD,
     MUXQ_MAX_EXP,
+    MUXQ_TENSORS,
     NAMED_GRAPHS,
     PROBS,
     SIMULATIONS,
@@ -96,8 +97,9 @@ class TensorQuant:
     `SHADOW_BITS` (the device clamps them and adds back the overflow r = q − clamp(q) on a
     shadow path, `docs/pipeline.md`); an empty tuple: none in that layer.
     `muxq_channels` with `muxq_exp` (MUXQ): per layer, the outlier channels whose codes hold
-    x >> muxq_exp (the tensor's state scale is then per channel, s·2^exp on them); the device
-    adds (2^exp − 1) times their matmul (the Aux term) to the Body matmul.
+    x >> muxq_exp (the tensor's state scale is then per channel, s·2^exp on them); on a linear
+    input the device adds (2^exp − 1) times their matmul (the Aux term) to the Body matmul, on
+    a residual add's output (the residual split) its readers take those codes times 2^exp.
     `headroom` (a symmetric activation): its calibrated range times this factor, so that
     values beyond what the calibration windows reached are not clipped; a 16-bit grid has the
     resolution to spare (2: one bit of it).
@@ -409,15 +411,15 @@ def _check_combination(path: str, tq: TensorQuant, num_layers: int) -> None:
                 f"decompresses to {widest + tq.block_scale_bits} bits; at most "
                 f"{MAX_LPBQ_BITS} (int8 codes)"
             )
-    for field in ("shadow_channels", "muxq_channels"):
+    for field, allowed, what in (
+        ("shadow_channels", CHANNEL_INPUTS, "a linear's input written channel by channel"),
+        ("muxq_channels", MUXQ_TENSORS, "such an input or a residual add's output"),
+    ):
         lists = getattr(tq, field)
         if lists is None:
             continue
-        if not is_layer_path(path) or name not in CHANNEL_INPUTS:
-            raise QnpuError(
-                f"{path}: {field} belong to a linear's input written channel by channel "
-                f"({', '.join(CHANNEL_INPUTS)})"
-            )
+        if not is_layer_path(path) or name not in allowed:
+            raise QnpuError(f"{path}: {field} belong to {what} ({', '.join(allowed)})")
         if len(lists) != num_layers:
             raise QnpuError(f"{path}: {field} has {len(lists)} entries for {num_layers} layers")
     if tq.layer_bits is not None:

@@ -286,8 +286,12 @@ def _attention(
     return res.reshape(b, t, hq * hd)
 
 
-def _add(a: Value, b: Value, c: dict[str, np.ndarray], out: tuple[int, int, int]) -> np.ndarray:
-    acc = (a[0].astype(I64) - a[1]) * I64(c["Ma"]) + (b[0].astype(I64) - b[1]) * I64(c["Mb"])
+def _add(
+    ac: np.ndarray, bc: np.ndarray, c: dict[str, np.ndarray], out: tuple[int, int, int]
+) -> np.ndarray:
+    """Two centered inputs rescaled into the output with one shared shift (per channel where
+    the output has residual-split channels: `_LayerRun.consts`)."""
+    acc = ac * I64(c["Ma"]) + bc * I64(c["Mb"])
     sh = I64(c["shift"])
     y = np.right_shift(acc + np.left_shift(I64(1), sh - 1), sh) + out[0]
     return np.clip(y, out[1], out[2])
@@ -322,8 +326,22 @@ class _LayerRun:
 Out = tuple[int, Any, Any]  # zero point, qmin, qmax (per channel with shadow channels)
 
 
+def stream_codes(model: IntModel, name: str, layer: int, x: Value) -> tuple[np.ndarray, int]:
+    """The centered codes of value `name` in `layer` as an add or a norm reads them (the
+    residual split's channels shifted left by their exp: one grid) and that exp."""
+    xc = x[0].astype(I64) - x[1]
+    shifts = model.read_shifts(name)
+    if shifts is None:
+        return xc, 0
+    return np.left_shift(xc, shifts[layer]), model.read_exp(name)
+
+
 def _run_rmsnorm(r: _LayerRun, op: dict[str, Any], ins: list[Value], out: Out) -> np.ndarray:
-    return rmsnorm(ins[0][0].astype(I64) - ins[0][1], r.consts(op), out, *r.norm_bits)
+    """A residual-split input runs with exp fewer fractional bits of the root, its precision
+    on the split's coarse grid (docs/artifact.md, "The residual split")."""
+    xc, exp = stream_codes(r.model, op["in"][0], r.layer, ins[0])
+    f, k = r.norm_bits
+    return rmsnorm(xc, r.consts(op), out, f - exp, k)
 
 
 def _run_linear(r: _LayerRun, op: dict[str, Any], ins: list[Value], out: Out) -> np.ndarray:
@@ -349,7 +367,10 @@ def _run_attention(r: _LayerRun, op: dict[str, Any], ins: list[Value], out: Out)
 
 
 def _run_add(r: _LayerRun, op: dict[str, Any], ins: list[Value], out: Out) -> np.ndarray:
-    return _add(ins[0], ins[1], r.consts(op), out)
+    (a, _), (b, _) = (
+        stream_codes(r.model, n, r.layer, v) for n, v in zip(op["in"], ins, strict=True)
+    )
+    return _add(a, b, r.consts(op), out)
 
 
 def _run_lut(r: _LayerRun, op: dict[str, Any], ins: list[Value], out: Out) -> np.ndarray:
@@ -472,7 +493,8 @@ def _run_final_norm(m: _ChunkRun, op: dict[str, Any], env: dict[str, Value]) -> 
     model, value = m.model, env[op["in"][0]]
     f, k = model.graph["norm_fraction_bits"], model.graph["norm_unit_bits"]
     out = _global_act(model, op["out"])
-    h = rmsnorm(value[0] - value[1], _layer_slice(model, op["const"], None), out, f, k)
+    xc, exp = stream_codes(model, op["in"][0], model.num_layers - 1, value)
+    h = rmsnorm(xc, _layer_slice(model, op["const"], None), out, f - exp, k)
     if m.trace is not None:
         m.trace[op["out"]] = [h]
     return h, out[0]

@@ -109,6 +109,12 @@ class IntSpec:
     # rotates by the `rope_local` tables); () when no layer does
     sliding: tuple[bool, ...] = ()
     sliding_window: int = 0
+    # the residual split: the exp of each value the adds and norms read with split channels
+    # (`IntModel.read_exp`; their shifts are `read.<value>.shift` in the layer constants)
+    read_exps: tuple[tuple[str, int], ...] = ()
+
+    def read_exp(self, name: str) -> int:
+        return dict(self.read_exps).get(name, 0)
 
     def plans(self, key: str, k: int) -> tuple[tuple[DotPlan, ...], tuple[int, ...]]:
         """How the matmul `key` with a contraction of `k` runs: its distinct plans (see
@@ -191,6 +197,13 @@ def int_spec(model: IntModel, matmul: str = "f32") -> IntSpec:
             matmul=matmul,
             sliding=sliding if any(sliding := sliding_layers(m)) else (),
             sliding_window=int(m.get("sliding_window") or 0),
+            read_exps=tuple(
+                (n, model.read_exp(n))
+                for n in dict.fromkeys(
+                    i for part in ("layer", "model") for op in ops.get(part) or [] for i in op["in"]
+                )
+                if model.read_shifts(n) is not None
+            ),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise QnpuError(f"incomplete model config or graph: {e}") from e
@@ -304,6 +317,13 @@ def int_consts(model: IntModel, matmul: str = "f32") -> IntConsts:
             shifts = model.muxq_shifts(name)
             if shifts is not None:
                 layers[f"muxq.{name}.shift"] = jnp.asarray(shifts, jnp.int32)
+        last = spec.layer_ops[-1].out
+        for name, _ in spec.read_exps:  # the residual split, as its readers shift it
+            read = jnp.asarray(model.read_shifts(name), jnp.int32)
+            if name == last:  # the final norm reads the last layer's output
+                glob[f"read.{name}.shift"] = read[-1]
+            else:
+                layers[f"read.{name}.shift"] = read
         for key, _ in spec.bounds:
             plans, index = spec.plans(key, _contraction(model, spec, key))
             if len(plans) > 1:
@@ -381,15 +401,19 @@ def isqrt(v: jax.Array) -> jax.Array:
     return jax.lax.while_loop(wrong, fix, r0)
 
 
-def _rmsnorm(spec: IntSpec, x: Value, c: Mapping[str, jax.Array], out: Act) -> jax.Array:
-    return _rmsnorm_centered(spec, _center(x), c, out)
+def _stream_codes(x: Value, shift: jax.Array | None) -> jax.Array:
+    """Centered codes as an add or a norm reads them: the residual split's channels shifted
+    left by their exp (`shift` [C]; None: no split)."""
+    xc = _center(x)
+    return xc if shift is None else jnp.left_shift(xc, shift.astype(I64))
 
 
 def _rmsnorm_centered(
-    spec: IntSpec, xc: jax.Array, c: Mapping[str, jax.Array], out: Act
+    spec: IntSpec, xc: jax.Array, c: Mapping[str, jax.Array], out: Act, exp: int = 0
 ) -> jax.Array:
-    """Integer RMSNorm over the last axis of centered codes (docs/artifact.md, "RMSNorm")."""
-    f, k = spec.norm_fraction_bits, spec.norm_unit_bits
+    """Integer RMSNorm over the last axis of centered codes (docs/artifact.md, "RMSNorm"); an
+    input on the residual split runs with `exp` fewer fractional bits of the root."""
+    f, k = spec.norm_fraction_bits - exp, spec.norm_unit_bits
     d = xc.shape[-1]
     ss = jnp.sum(xc * xc, axis=-1, keepdims=True)
     v = jnp.left_shift(ss, 2 * f) // d + jnp.reshape(c["eps"], ()).astype(I64)
@@ -507,8 +531,10 @@ def _attention(
     return res.reshape(b, t, hq * hd), (ck, cv)
 
 
-def _add(a: Value, b: Value, c: Mapping[str, jax.Array], out: Act) -> jax.Array:
-    acc = _center(a) * c["Ma"].astype(I64) + _center(b) * c["Mb"].astype(I64)
+def _add(ac: jax.Array, bc: jax.Array, c: Mapping[str, jax.Array], out: Act) -> jax.Array:
+    """Two centered inputs rescaled into the output with one shared shift (per channel where
+    the output has residual-split channels)."""
+    acc = ac * c["Ma"].astype(I64) + bc * c["Mb"].astype(I64)
     sh = c["shift"].astype(I64)
     y = jnp.right_shift(acc + jnp.left_shift(jnp.ones_like(sh), sh - 1), sh)
     y = y + out[0].astype(I64)
@@ -546,8 +572,13 @@ class _LayerRun:
 Consts = Mapping[str, jax.Array]
 
 
+def _read_shift(r: _LayerRun, name: str) -> jax.Array | None:
+    return r.lc.get(f"read.{name}.shift")
+
+
 def _run_rmsnorm(r: _LayerRun, op: OpSpec, ins: list[Value], c: Consts, out: Act) -> jax.Array:
-    return _rmsnorm(r.spec, ins[0], c, out)
+    xc = _stream_codes(ins[0], _read_shift(r, op.ins[0]))
+    return _rmsnorm_centered(r.spec, xc, c, out, r.spec.read_exp(op.ins[0]))
 
 
 def _run_linear(r: _LayerRun, op: OpSpec, ins: list[Value], c: Consts, out: Act) -> jax.Array:
@@ -570,7 +601,8 @@ def _run_attention(r: _LayerRun, op: OpSpec, ins: list[Value], c: Consts, out: A
 
 
 def _run_add(r: _LayerRun, op: OpSpec, ins: list[Value], c: Consts, out: Act) -> jax.Array:
-    return _add(ins[0], ins[1], c, out)
+    a, b = (_stream_codes(v, _read_shift(r, n)) for n, v in zip(op.ins, ins, strict=True))
+    return _add(a, b, c, out)
 
 
 def _run_lut(r: _LayerRun, op: OpSpec, ins: list[Value], c: Consts, out: Act) -> jax.Array:
@@ -696,9 +728,13 @@ def _run_layers(m: _ModelRun, op: OpSpec, env: dict[str, Value]) -> Value:
 
 
 def _run_model_rmsnorm(m: _ModelRun, op: OpSpec, env: dict[str, Value]) -> Value:
-    out = m.act(op.out)
-    c = _sub(m.consts.globals, op.const)
-    return _rmsnorm(m.consts.spec, env[op.ins[0]], c, out), out[0]
+    """The final norm (of the last layer's output, on its residual split if it has one)."""
+    out, g, spec = m.act(op.out), m.consts.globals, m.consts.spec
+    c = _sub(g, op.const)
+    shift = g.get(f"read.{op.ins[0]}.shift")
+    exp = spec.read_exp(op.ins[0]) if shift is not None else 0
+    xc = _stream_codes(env[op.ins[0]], shift)
+    return _rmsnorm_centered(spec, xc, c, out, exp), out[0]
 
 
 def _run_model_linear(m: _ModelRun, op: OpSpec, env: dict[str, Value]) -> Value:

@@ -2,11 +2,12 @@
 
 `--config` (default: the run's own config) must equal the run's config except for
 `RESTAGED_KEYS`: `rules`, `down_out_mixed_precision` (which `--down-out-mixed-precision P` also
-sets) and GPTQ's keys; the change must leave the tensors stage 1 learned (the linears' inputs
-and weights) as they were. A changed `down_out_mixed_precision` runs its scan on
-the run's final model (its weights before GPTQ's rounding), as `qnpu quantize` does. The tensors
-whose entry changes are recalibrated on the run's rotated model and calibration windows,
-everything else keeps the run's encodings; with `weight_rounding: gptq` GPTQ then re-chooses the
+sets), GPTQ's keys and `residual_split`; the change must leave the tensors stage 1 learned
+(the linears' inputs and weights) as they were. A changed `down_out_mixed_precision` runs its
+scan on the run's final model (its weights before GPTQ's rounding), as `qnpu quantize` does.
+The tensors whose entry changes are recalibrated on the run's rotated model and calibration
+windows, everything else keeps the run's encodings; a `residual_split` then splits the
+residual stream's encodings; with `weight_rounding: gptq` GPTQ then re-chooses the
 codes under the new plan (`rtn`: the run's codes go), and both models are evaluated on the same
 eval windows. Because stage 1 never sees the other tensors, the result is what `qnpu quantize
 --config CONFIG` gives (same seed, same stage 1; equal on the test model) up to float rounding:
@@ -40,7 +41,13 @@ from qnpu_jax.pipeline.run import (
     load_run,
     without_eval,
 )
-from qnpu_jax.pipeline.steps import STAGE1_TENSORS, Calibration, calibrate, promote
+from qnpu_jax.pipeline.steps import (
+    STAGE1_TENSORS,
+    Calibration,
+    calibrate,
+    promote,
+    split_residual,
+)
 from qnpu_jax.studies import study_parser
 from qnpu_jax.studies.harness import say, write_study_json
 
@@ -53,6 +60,7 @@ RESTAGED_KEYS = (
     "gptq_act_order",
     "gptq_windows",
     "gptq_passes",
+    "residual_split",
 )
 
 
@@ -124,8 +132,16 @@ def main(argv: list[str] | None = None) -> int:
         if learned:
             raise QnpuError(f"the rules change stage-1 tensors {learned}: run qnpu quantize")
         rounds = new_config.weights.rounding == "gptq"
-        if not changed and new_config.weights == config.weights:
-            raise QnpuError("the new config changes no tensor of the plan and not the rounding")
+        div = new_config.outliers.residual_split
+        if (
+            not changed
+            and new_config.weights == config.weights
+            and div == config.outliers.residual_split
+        ):
+            raise QnpuError(
+                "the new config changes no tensor of the plan, not the rounding and not the "
+                "residual split"
+            )
     except QnpuError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -133,9 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     restaged = run.model.replace(plan=new_plan, weight_codes=None)
     if changed:
         restaged = calibrate(changed)(restaged, data)
+    if div is not None:  # on the run's stage-2 encodings of the residual, as quantize does
+        restaged = split_residual(div)(restaged, data)
     if rounds:
         restaged = gptq_step(new_config)(restaged, data)
-    what = ", ".join([*changed, f"rounding {new_config.weights.rounding}"])
+    split = [] if div is None else [f"residual split 1/{div:g}"]
+    what = ", ".join([*changed, *split, f"rounding {new_config.weights.rounding}"])
     results = {}
     for spec, windows in sets.items():
         run_ppl = nll_perplexity(run.model.nll_fn(), windows)["ppl"]
