@@ -515,8 +515,8 @@ def test_muxq_step_artifact_and_engines_on_the_two_layer_model(shadowed, tmp_pat
 def test_residual_split_on_the_llama_graph(shadowed, tmp_path):
     """The residual split on LLaMA's graph (the real two-layer model, unrotated: SmolLM2's
     massive residual channels): split channels in both layers of both residual outputs, a
-    fake-quant NLL no worse than the one grid's, and the artifact bit for bit on both
-    engines near the fake-quant model."""
+    fake-quant NLL no worse than the one grid's, a saved run that loads as it was, and the
+    artifact bit for bit on both engines near the fake-quant model."""
     from qnpu_jax.export.exporter import export_quantized
     from qnpu_jax.export.int_model import load_int_model
 
@@ -525,8 +525,12 @@ def test_residual_split_on_the_llama_graph(shadowed, tmp_path):
     for name in ("resid_attn", "resid_mlp"):
         tq = model.plan.get(f"layers/{name}")
         assert tq.muxq_exp is not None and all(tq.muxq_channels), tq.muxq_channels
-    assert model.perplexity(windows)["ppl"] <= base.perplexity(windows)["ppl"] * 1.001
-    int_model = load_int_model(export_quantized(model, tmp_path / "art", fp.tokenizer))
+    ppl = model.perplexity(windows)["ppl"]
+    assert ppl <= base.perplexity(windows)["ppl"] * 1.001
+    loaded = QuantizedModel.load(model.save(tmp_path / "run"), base=fp)  # plan.json and state
+    assert loaded.require_plan() == model.require_plan()
+    assert loaded.perplexity(windows)["ppl"] == ppl
+    int_model = load_int_model(export_quantized(loaded, tmp_path / "art", fp.tokenizer))
     assert int_model.read_exp("x") == model.plan.get("layers/resid_mlp").muxq_exp
     assert not int_model.read_shifts("x")[0].any()  # layer 0 reads the embedding
     engines_agree_with_fake_quant(int_model, model, np.asarray(windows[:1, :40]))
