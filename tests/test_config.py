@@ -320,14 +320,17 @@ def test_a_shipped_recipe_run_on_another_model_names_that_models_own_config(
 
 def test_gemma3_w8a8_config_is_smollm2s_w8a8_with_gemmas_keys():
     """Gemma 3's W8A8 config is SmolLM2's W8A8 default (its `base`) with Gemma's W4A8 keys,
-    q_proj's output and the K/V cache at 16 bits, and without the two steps that have nothing
+    q_proj's output, the K/V cache, up_proj's output and the query after RoPE at 16 bits, the
+    residual split, and without the two steps that have nothing
     to act on in Gemma's plan (no 8-bit down_proj input for the shadow paths; every down_proj
     output at 16 bits already): docs/results.md."""
     from qnpu_jax.pipeline.config import key_defaults, load_config
 
     gemma = load_config("gemma3-270m-quantnpu-w8a8")
     keys = ["model=gemma3-270m", "mixed_precision=1.0", "stage1.scale_param=log"]
-    keys += ["stage1.lr_scale=10", "rules=[{pattern: layers/q_out, bits: 16}]", "kv_bits=16"]
+    rules = "rules=[{pattern: layers/q_out, bits: 16}, "
+    rules += '{pattern: "layers/(up_out|q_rope)", bits: 16}]'
+    keys += ["stage1.lr_scale=10", rules, "kv_bits=16", "residual_split=8"]
     unset = [
         f"{key}={'null' if key_defaults()[key] is None else key_defaults()[key]}"
         for key in ("shadow_outliers", "shadow_keep", "down_out_mixed_precision")

@@ -995,22 +995,27 @@ def _engines_agree_on_gemma3(int_model, model, ids):
 def rtn_w8a8(tiny_hf):
     """The tiny Gemma 3, RTN W8A8 with a BOS sink prefix, calibrated on the test sequences,
     with gemma3-270m-quantnpu-w8a8's bits (q_proj's output at 16 bits, read by the query head
-    norm; a 16-bit K/V cache): the artifact and ONNX tests run the shipped plan's tensors."""
+    norm; a 16-bit K/V cache; up_proj's output and the query after RoPE at 16 bits) and its
+    residual split (on whatever channels the random model has above 1/8 of a layer's
+    largest): the artifact and ONNX tests run the shipped plan's tensors."""
     from qnpu_jax.pipeline import Calibration, QuantizedModel, chain, steps
     from qnpu_jax.pipeline.config import load_config
 
     shipped = load_config("gemma3-270m-quantnpu-w8a8")
-    assert [(r.pattern, r.bits) for r in shipped.rules] == [("layers/q_out", 16)]
-    assert shipped.bits.kv == 16
+    assert [(r.pattern, r.bits) for r in shipped.rules] == [
+        ("layers/q_out", 16),
+        ("layers/(up_out|q_rope)", 16),
+    ]
+    assert shipped.bits.kv == 16 and shipped.outliers.residual_split == 8
     directory, _, ids, _ = tiny_hf
     fp = load_model(str(directory))
     windows = np.asarray(ids, np.int32)
     data = Calibration(windows.reshape(-1), windows)
     plan = steps.plan(w_bits=8, a_bits=8, kv_bits=shipped.bits.kv, rules=shipped.rules)
-    model = chain(plan, steps.calibrate())(QuantizedModel.from_float(fp, prefix="bos"), data)
-    assert [model.require_plan().get(f"layers/{t}").bits for t in ("q_out", "k_rope", "v_out")] == [
-        16
-    ] * 3
+    split = steps.split_residual(shipped.outliers.residual_split)
+    model = chain(plan, steps.calibrate(), split)(QuantizedModel.from_float(fp, prefix="bos"), data)
+    sixteen = ("q_out", "k_rope", "v_out", "up_out", "q_rope")
+    assert [model.require_plan().get(f"layers/{t}").bits for t in sixteen] == [16] * 5
     return model, fp.tokenizer
 
 
