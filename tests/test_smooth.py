@@ -189,3 +189,5 @@ def test_report_labels_name_the_options_beyond_the_paper():
     shadow = QuantizeConfig.of(shadow_outliers=99.99)
     assert run_label("quantnpu", shadow) == "Quant.npu + shadow outliers (P99.99)"
     assert run_label("quantnpu", QuantizeConfig.of(muxq_exp=3)) == "Quant.npu + MUXQ (exp 3)"
+    split = QuantizeConfig.of(residual_split=8.0)
+    assert run_label("quantnpu", split) == "Quant.npu + residual split (1/8)"

@@ -247,6 +247,8 @@ def run_label(method: str, config: QuantizeConfig) -> str:
         label += f" + shadow outliers (P{config.outliers.shadow_clip:g})"
     if config.outliers.muxq_exp is not None:
         label += f" + MUXQ (exp {config.outliers.muxq_exp})"
+    if config.outliers.residual_split is not None:
+        label += f" + residual split (1/{config.outliers.residual_split:g})"
     return label
 
 
