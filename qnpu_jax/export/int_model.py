@@ -123,12 +123,16 @@ class IntModel:
         """[L, C] int64: the left shift the adds and norms reading value `name` in each layer
         apply to its centered codes (`read_exp` on the residual split's channels; the layer
         input's in layer i are the last output's of layer i − 1, none in layer 0), or None
-        where `name` has no split."""
-        source = self.stream_source(name)
-        shifts = self.muxq_shifts(source) if source in RESIDUAL_OUTPUTS else None
-        if shifts is None or source == name:
-            return shifts
-        return np.concatenate([np.zeros_like(shifts[:1]), shifts[:-1]])
+        where `name` has no split. Built once per model: every add and norm of every decode
+        step reads it."""
+        key = f"read:{name}"
+        if key not in self._derived:
+            source = self.stream_source(name)
+            shifts = self.muxq_shifts(source) if source in RESIDUAL_OUTPUTS else None
+            if shifts is not None and source != name:
+                shifts = np.concatenate([np.zeros_like(shifts[:1]), shifts[:-1]])
+            self._derived[key] = shifts
+        return self._derived[key]  # type: ignore[no-any-return]
 
     def weight_operand(self, prefix: str, layer: int | None) -> tuple[np.ndarray, float]:
         """`prefix.weight` (of one layer) as float32 integers (exact: |w| < 2^24) and its
